@@ -1,0 +1,1 @@
+"""Pure torch math of PPO/GRPO: advantages, policy/value losses, KL, aggregation (no Ray, no backend)."""

@@ -1,0 +1,1 @@
+"""Typed config: dataclass schemas, YAML loading, command-line overrides, validation."""

@@ -1,0 +1,51 @@
+"""Start or join Ray safely: loopback only, a private short temp dir, the env vars a small CPU machine needs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Set before Ray first starts (see shared STACK.md): no token auth on local clusters, node on 127.0.0.1,
+# readable logs, no telemetry, gloo on loopback.
+RAY_ENV_DEFAULTS = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_ray_env_defaults() -> None:
+    """Set the Ray/gloo environment defaults without overriding what the user already set."""
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def init_local_ray(num_cpus: int = 8, num_gpus: int | None = None, temp_dir: str | None = None, address: str | None = None):
+    """Start an in-process Ray on loopback (or join `address` when given) and return ray's context.
+
+    `address="local"` always starts a fresh node: a bare `ray.init()` could attach to whatever cluster
+    RAY_ADDRESS or Ray's default temp folder points at.
+    """
+    import ray
+
+    apply_ray_env_defaults()
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    if address and address != "local":
+        return ray.init(address=address, log_to_driver=True)
+    # Unix socket paths are limited to ~107 bytes: keep the session dir short.
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS}
+    return ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env_vars},
+        log_to_driver=True,
+    )

@@ -1,0 +1,37 @@
+"""Every batch column name, with its shape and dtype. Code uses these constants, never string literals.
+
+Layout (verl's): a sequence is a left-padded prompt followed by a right-padded response,
+`input_ids = cat(prompts, responses)`, so `T = T_prompt + T_resp`.
+"""
+
+# Prompt side, as read from data.
+PROMPTS = "prompts"  # [B, T_prompt] int64, left-padded prompt ids
+PROMPT_TEXT = "prompt"  # [B] object, the prompt as text (or chat messages)
+ANSWER = "answer"  # [B] object, the reference answer a rule reward checks against
+UID = "uid"  # [B] object, equal for the n samples of one prompt
+
+# Whole sequence.
+INPUT_IDS = "input_ids"  # [B, T] int64
+ATTENTION_MASK = "attention_mask"  # [B, T] int64, 1 = real token
+POSITION_IDS = "position_ids"  # [B, T] int64
+
+# Response side (T_resp columns).
+RESPONSES = "responses"  # [B, T_resp] int64, right-padded response ids
+RESPONSE_MASK = "response_mask"  # [B, T_resp] int64, 1 up to and including EOS
+RESPONSE_TEXT = "response_text"  # [B] object
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # [B, T_resp] float32, the sampler's log-probs
+OLD_LOG_PROBS = "old_log_probs"  # [B, T_resp] float32, the train actor's log-probs before the update
+REF_LOG_PROBS = "ref_log_probs"  # [B, T_resp] float32, the reference model's log-probs
+LOG_PROBS = "log_probs"  # [B, T_resp] float32, log-probs returned by a forward pass
+ENTROPY = "entropy"  # [B, T_resp] float32
+VALUES = "values"  # [B, T_resp] float32, critic values
+TOKEN_LEVEL_SCORES = "token_level_scores"  # [B, T_resp] float32, reward score on the last response token
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, T_resp] float32, scores after the KL penalty
+ADVANTAGES = "advantages"  # [B, T_resp] float32
+RETURNS = "returns"  # [B, T_resp] float32
+SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (reward model)
+
+# meta_info keys.
+META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
+META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
+META_GLOBAL_TOKEN_COUNT = "global_token_count"  # int, loss tokens across the whole DP mini-batch

@@ -1,0 +1,1 @@
+"""Model building: HF <-> Megatron weight conversion, tiny model and tokenizer builders."""

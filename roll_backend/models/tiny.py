@@ -1,0 +1,106 @@
+"""Build a tiny random Qwen2-style model and a locally trained tokenizer: no model hub needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # the end-of-turn token, used as EOS
+
+# Qwen2-style chat template: the model answers after "<|im_start|>assistant\n" and ends with <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a tiny Qwen2-style model (GQA, RoPE, SwiGLU, RMSNorm, qkv bias)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    vocab_size: int = 320  # target size for the tokenizer's BPE training
+    seed: int = 0
+
+
+def default_corpus() -> list[str]:
+    """A small synthetic corpus (arithmetic and words) to train the BPE merges on."""
+    words = "the answer is what plus minus times add copy reverse count sum number digits letters"
+    lines = [words]
+    for a in range(30):
+        for b in range(0, 30, 3):
+            lines.append(f"what is {a} + {b}? the answer is {a + b}.")
+            lines.append(f"{a} * {b} = {a * b}; {a} - {b} = {a - b}")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
+    """Train a byte-level BPE tokenizer locally; returns a PreTrainedTokenizerFast with pad/eos and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD_TOKEN, IM_START, IM_END]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(specials):
+        raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus specials ({len(alphabet) + len(specials)}); raise it.")
+    # Byte-level BPE (GPT-2/Qwen style): every string round-trips, which vLLM's detokenizer relies on.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(corpus or default_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None) -> Path:
+    """Write a random-init Qwen2ForCausalLM (float32, safetensors) and its tokenizer to `out_dir`."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(spec.vocab_size, corpus)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

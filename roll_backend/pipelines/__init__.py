@@ -1,0 +1,1 @@
+"""PPO and GRPO control loops, checkpoint/resume, metrics."""

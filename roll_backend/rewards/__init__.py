@@ -1,0 +1,1 @@
+"""Rewards: rule-based (math verification, exact match, format) and reward-model scoring."""

@@ -1,0 +1,1 @@
+"""Backends the roles call: InferStrategy / TrainStrategy and their Megatron and vLLM implementations."""

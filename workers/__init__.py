@@ -1,0 +1,1 @@
+"""Ray actor classes, one per role: actor, critic, reference, reward, rollout."""
