@@ -1,0 +1,43 @@
+"""Math answer reward: 1.0 when math-verify finds the response's final answer equivalent to the reference."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5
+
+
+def _timeout_for_this_thread(timeout_s: int | None) -> int | None:
+    # math-verify times out with signal.alarm, which only works on the main thread: elsewhere it raises
+    # ValueError. Off the main thread we run without its timeout (callers bound the work themselves,
+    # e.g. by running rewards in Ray actors, whose sync methods run on the main thread).
+    if threading.current_thread() is threading.main_thread():
+        return timeout_s
+    return None
+
+
+def score(response_text: str, answer: str, timeout_s: int | None = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 if the response's answer (a \\boxed{} one preferred) equals `answer` mathematically, else 0.0.
+
+    Equivalent forms count (1/2, 0.5, \\frac{1}{2}); unparsable text and timeouts score 0.0, never raise.
+    """
+    if not isinstance(response_text, str) or not isinstance(answer, str) or not response_text.strip():
+        return 0.0
+    timeout = _timeout_for_this_thread(timeout_s)
+    try:
+        gold = parse(answer, parsing_timeout=timeout)
+        if not gold:  # a bare number without LaTeX delimiters may need them to parse
+            gold = parse(f"${answer}$", parsing_timeout=timeout)
+        predicted = parse(response_text, parsing_timeout=timeout)
+        if not gold or not predicted:
+            return 0.0
+        return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+    except TimeoutException:
+        logger.warning("math-verify timed out after %ss on a response of %d chars; scoring 0", timeout, len(response_text))
+        return 0.0

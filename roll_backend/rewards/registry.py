@@ -1,0 +1,28 @@
+"""The one list of rule-based reward names: name -> pure `score(response_text, answer) -> float`."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from roll_backend.rewards import exact_match, format_rules, math_answer
+
+RewardFn = Callable[[str, str], float]
+
+REWARDS: Mapping[str, RewardFn] = {
+    "math_verify": math_answer.score,
+    "exact_match": exact_match.score,
+    "format_boxed": format_rules.boxed_score,
+    "format_think_answer": format_rules.think_answer_score,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward '{name}'; known: {', '.join(sorted(REWARDS))}.") from None
+
+
+def weighted_score(weights: Mapping[str, float], response_text: str, answer: str) -> float:
+    """Sum of weight * score over the named rewards, e.g. {"math_verify": 1.0, "format_boxed": 0.1}."""
+    return float(sum(weight * get_reward_fn(name)(response_text, answer) for name, weight in weights.items()))
