@@ -23,7 +23,13 @@ def apply_ray_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def init_local_ray(num_cpus: int = 8, num_gpus: int | None = None, temp_dir: str | None = None, address: str | None = None):
+def init_local_ray(
+    num_cpus: int = 8,
+    num_gpus: int | None = None,
+    temp_dir: str | None = None,
+    address: str | None = None,
+    env_vars: dict[str, str] | None = None,
+):
     """Start an in-process Ray on loopback (or join `address` when given) and return ray's context.
 
     `address="local"` always starts a fresh node: a bare `ray.init()` could attach to whatever cluster
@@ -38,7 +44,7 @@ def init_local_ray(num_cpus: int = 8, num_gpus: int | None = None, temp_dir: str
         return ray.init(address=address, log_to_driver=True)
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS}
+    env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS} | (env_vars or {})
     return ray.init(
         address="local",
         num_cpus=num_cpus,

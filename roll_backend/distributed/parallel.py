@@ -1,0 +1,166 @@
+"""Start torch.distributed and Megatron's parallel state in a rank process; describe a rank's coordinates."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes of a role; the data-parallel size follows from the role's world size."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int | None = None  # virtual (interleaved) pipeline stages per rank
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size} does not divide "
+                f"world_size={world_size}; choose a world size that is a multiple of {self.model_parallel_size}."
+            )
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in the (dp, tp, pp, cp) grid of its role."""
+
+    rank: int
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    cp_size: int
+
+    @property
+    def is_first_of_model_parallel(self) -> bool:
+        """tp0/cp0/pp0: the rank that receives tensors under DP_MP_DISPATCH_FIRST."""
+        return self.tp == 0 and self.cp == 0 and self.pp == 0
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """tp0/cp0 on the last pipeline stage: the rank whose output is collected."""
+        return self.tp == 0 and self.cp == 0 and self.pp == self.pp_size - 1
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size}, dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
+
+
+def pick_device(use_gpu: bool) -> str:
+    if use_gpu and not torch.cuda.is_available():
+        raise RuntimeError("this role asks for GPUs but torch.cuda is not available in the worker")
+    return "cuda" if use_gpu else "cpu"
+
+
+def local_address() -> tuple[str, int]:
+    """This node's address and a free TCP port, for rank 0 to publish as the rendezvous point."""
+    import ray
+
+    address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return address, sock.getsockname()[1]
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    layout: ParallelLayout,
+    device: str,
+    timeout_s: float = 600.0,
+) -> RankCoords:
+    """Join the role's process group (NCCL on cuda, gloo on cpu) and start Megatron's parallel state."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if device == "cpu" else os.environ.get("LOCAL_RANK", "0"),
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+    )
+    if device == "cpu":
+        from roll_backend.patches import megatron_cpu
+
+        megatron_cpu.apply()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        backend="nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    return current_coords()
+
+
+def current_coords() -> RankCoords:
+    from megatron.core import parallel_state as mpu
+
+    return RankCoords(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        dp=mpu.get_data_parallel_rank(),
+        tp=mpu.get_tensor_model_parallel_rank(),
+        pp=mpu.get_pipeline_model_parallel_rank(),
+        cp=mpu.get_context_parallel_rank(),
+        dp_size=mpu.get_data_parallel_world_size(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        pp_size=mpu.get_pipeline_model_parallel_world_size(),
+        cp_size=mpu.get_context_parallel_world_size(),
+    )
+
+
+def group_ranks() -> dict[str, list[int]]:
+    """Global ranks of this rank's tp, pp, dp, cp and tp x cp groups."""
+    from megatron.core import parallel_state as mpu
+
+    groups = {
+        "tp": mpu.get_tensor_model_parallel_group(),
+        "pp": mpu.get_pipeline_model_parallel_group(),
+        "dp": mpu.get_data_parallel_group(),
+        "cp": mpu.get_context_parallel_group(),
+        "tp_cp": mpu.get_tensor_and_context_parallel_group(),
+    }
+    return {name: sorted(dist.get_process_group_ranks(group)) for name, group in groups.items()}
+
+
+def device_call_context(device: str) -> contextlib.AbstractContextManager:
+    """What a rank enters around each call: the CPU layer's per-thread mode on cpu, nothing on cuda."""
+    if device != "cpu":
+        return contextlib.nullcontext()
+    from roll_backend.patches import megatron_cpu
+
+    return megatron_cpu.cpu_device_mode()
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
