@@ -1,0 +1,355 @@
+"""Megatron helpers shared by the infer and train strategies: model set-up, micro-batches, the pipelined
+forward/backward, vocab-parallel log-probs and entropy, and gathering full HF-named weights."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from roll_backend import keys
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.models import hf_megatron_convert as convert
+from roll_backend.models.megatron_builder import HFArch, ModelBuildOptions, build_gpt_stage
+from roll_backend.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- model set-up ---------------------------------------------------------------------------------------
+
+def use_transformer_engine(transformer_impl: str, device: str) -> bool:
+    if transformer_impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        have_te = True
+    except ImportError:
+        have_te = False
+    if transformer_impl == "transformer_engine" and not (have_te and device == "cuda"):
+        raise ValueError("transformer_impl='transformer_engine' needs TransformerEngine and a cuda device; use 'local' or 'auto'.")
+    return have_te and device == "cuda"
+
+
+def load_hf_config(model_path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def build_model_chunk(cfg, layout: ParallelLayout, device: str, swap_gate_up: bool = False):
+    """This rank's pipeline stage of the model in `cfg.model_path`, with the HF weights loaded.
+
+    Returns (model, arch, hf_config). `cfg` is a MegatronInferConfig or MegatronTrainConfig.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if layout.vpp is not None:
+        raise ValueError(f"vpp={layout.vpp}: interleaved pipeline stages are not supported by the Megatron strategies yet; set vpp=None.")
+    if layout.cp != 1:
+        raise ValueError(f"cp={layout.cp}: context parallelism is not supported by the Megatron strategies yet; set cp=1.")
+    hf_config = load_hf_config(cfg.model_path)
+    arch = HFArch.from_hf_config(hf_config)
+    options = ModelBuildOptions(
+        tp=layout.tp,
+        pp=layout.pp,
+        params_dtype=_DTYPES[cfg.params_dtype],
+        use_cpu_initialization=True,  # same initial values at every TP size; the weights are loaded after
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=getattr(cfg, "mtp_loss_scaling_factor", 0.1),
+        value_head=cfg.value_head,
+        use_transformer_engine=use_transformer_engine(cfg.transformer_impl, device),
+        recompute_activations=getattr(cfg, "recompute_activations", False),
+    )
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    model = build_gpt_stage(arch, options)
+    model.to(device)
+    convert.load_hf_weights(
+        model, cfg.model_path, arch, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+        swap_gate_up=swap_gate_up,
+    )
+    return model, arch, hf_config
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class HeadCapture:
+    """Holds the last output of the model's head (vocab-parallel logits [S, B, V/TP] or values [S, B, 1]).
+
+    GPTModel returns a loss instead of logits whenever labels are passed, and with MTP labels must be passed
+    (0.16.1 crashes on labels=None); a forward hook on the head gives the logits in both cases. The head is
+    called for each MTP depth first and for the main logits last, so the last call wins.
+    """
+
+    def __init__(self, model):
+        self.output: torch.Tensor | None = None
+        self.enabled = unwrap(model).post_process
+        if self.enabled:
+            unwrap(model).output_layer.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.output = output[0] if isinstance(output, tuple) else output
+
+    def pop(self) -> torch.Tensor:
+        if self.output is None:
+            raise RuntimeError("the model's head produced no output in this forward pass")
+        output, self.output = self.output, None
+        return output
+
+
+# ---- micro-batches ----------------------------------------------------------------------------------------
+
+@dataclass
+class MicroBatch:
+    """One micro-batch ready for GPTModel.forward. Padding rows (to fill the last micro-batch) are all zeros."""
+
+    proto: DataProto  # the rows, for the loss function
+    input_ids: torch.Tensor  # [b, T] int64
+    position_ids: torch.Tensor  # [b, T] int64
+    attention_mask: torch.Tensor  # [b, 1, T, T] bool, True = masked (causal + key padding)
+    labels: torch.Tensor  # [b, T] int64, next token
+    loss_mask: torch.Tensor  # [b, T] float, 1 where the next token is a response token
+    responses: torch.Tensor  # [b, T_resp] int64
+
+    @property
+    def response_slice(self) -> slice:
+        """Positions whose output predicts the response tokens: [T - T_resp - 1, T - 1)."""
+        total, resp = self.input_ids.shape[1], self.responses.shape[1]
+        return slice(total - resp - 1, total - 1)
+
+
+def _require(batch: DataProto, names: tuple[str, ...], what: str) -> None:
+    present = set(batch.batch.keys()) if batch.batch is not None else set()
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise KeyError(f"{what} needs batch columns {missing}; the batch has {sorted(present)}")
+
+
+def _pad_rows(value, rows: int):
+    if rows == 0:
+        return value
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value, value.new_zeros(rows, *value.shape[1:])])
+    return np.concatenate([value, np.full(rows, None, dtype=object)])
+
+
+def split_micro_batches(batch: DataProto, micro_batch_size: int, device: str, what: str) -> tuple[list[MicroBatch], int]:
+    """Pad `batch` with zero rows to a multiple of `micro_batch_size` and cut it; returns (micro-batches, real rows)."""
+    _require(batch, (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.RESPONSES), what)
+    num_rows = len(batch)
+    pad = -num_rows % micro_batch_size
+    tensors = {k: _pad_rows(v, pad) for k, v in batch.batch.items()}
+    non_tensors = {k: _pad_rows(np.asarray(v, dtype=object), pad) for k, v in batch.non_tensor_batch.items()}
+    micro_batches = []
+    for start in range(0, num_rows + pad, micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        proto = DataProto.from_dict(
+            tensors={k: v[rows] for k, v in tensors.items()},
+            non_tensors={k: v[rows] for k, v in non_tensors.items()},
+            meta_info=dict(batch.meta_info),
+        )
+        micro_batches.append(_model_inputs(proto, device))
+    return micro_batches, num_rows
+
+
+def _model_inputs(proto: DataProto, device: str) -> MicroBatch:
+    input_ids = proto.batch[keys.INPUT_IDS].to(device)
+    attention = proto.batch[keys.ATTENTION_MASK].to(device).bool()  # [b, T]
+    responses = proto.batch[keys.RESPONSES].to(device)
+    total, resp_len = input_ids.shape[1], responses.shape[1]
+    if keys.POSITION_IDS in proto.batch.keys():
+        position_ids = proto.batch[keys.POSITION_IDS].to(device)
+    else:
+        position_ids = (attention.long().cumsum(-1) - 1).clamp(min=0)
+    # Megatron's RoPE uses positions 0..T-1 and ignores position_ids; with a left-padded prompt followed by
+    # the response this is a per-row shift of every position, which RoPE attention is invariant to.
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    visible = causal[None, None] & attention[:, None, None, :]
+    if keys.RESPONSE_MASK in proto.batch.keys():
+        response_mask = proto.batch[keys.RESPONSE_MASK].to(device)
+    else:
+        response_mask = attention[:, total - resp_len:]
+    loss_mask = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
+    loss_mask[:, total - resp_len - 1: total - 1] = response_mask.float()
+    labels = torch.roll(input_ids, shifts=-1, dims=1)
+    labels[:, -1] = 0
+    return MicroBatch(proto, input_ids, position_ids, ~visible, labels, loss_mask, responses)
+
+
+# ---- vocab-parallel log-probs and entropy ---------------------------------------------------------------------
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, with_entropy: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits)[label] and the entropy of softmax(logits), without gathering the vocabulary.
+
+    logits: [b, t, V/TP] this rank's vocabulary slice (columns past `vocab_size` are padding and ignored);
+    labels: [b, t] int64 global token ids. Returns float32 [b, t] tensors, differentiable w.r.t. logits.
+    Max is all-reduced without gradient (it only stabilises); sums use Megatron's reduce (identity backward).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    local_vocab = logits.shape[-1]
+    start = tp_rank * local_vocab
+    valid = max(0, min(local_vocab, vocab_size - start))
+    logits = logits[..., :valid].float()
+    with torch.no_grad():
+        if valid:
+            row_max = logits.max(dim=-1).values
+        else:
+            row_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    shifted = logits - row_max.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    log_sum_exp = sum_exp.log()
+    local_label = labels - start
+    in_range = (local_label >= 0) & (local_label < valid)
+    index = local_label.clamp(0, max(valid - 1, 0)).unsqueeze(-1)
+    picked = shifted.gather(-1, index).squeeze(-1) if valid else torch.zeros_like(row_max)
+    picked = reduce_from_tensor_model_parallel_region(picked * in_range)
+    log_probs = picked - log_sum_exp
+    entropy = None
+    if with_entropy:
+        # H = log Z - sum_v p_v z_v, with z shifted by the max (H is shift-invariant).
+        expected_logit = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1)) / sum_exp
+        entropy = log_sum_exp - expected_logit
+    return log_probs, entropy
+
+
+def per_token_outputs(micro: MicroBatch, head_output: torch.Tensor, arch: HFArch, temperature: float,
+                      value_head: bool, with_entropy: bool) -> dict[str, torch.Tensor]:
+    """Response-side tensors from the head's output [T, b, ...]: {LOG_PROBS, ENTROPY} or {VALUES}, each [b, T_resp]."""
+    resp = head_output[micro.response_slice]  # [T_resp, b, V/TP] or [T_resp, b, 1]
+    if value_head:
+        return {keys.VALUES: resp[..., 0].transpose(0, 1).float()}
+    logits = resp.transpose(0, 1) / temperature
+    log_probs, entropy = vocab_parallel_log_probs(logits, micro.responses, arch.vocab_size, with_entropy)
+    out = {keys.LOG_PROBS: log_probs}
+    if entropy is not None:
+        out[keys.ENTROPY] = entropy
+    return out
+
+
+# ---- the pipelined forward / backward ---------------------------------------------------------------------
+
+def run_pipeline(model, capture: HeadCapture, micro_batches: list[MicroBatch], forward_only: bool, mtp: bool,
+                 loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]) -> list[dict]:
+    """Run Megatron's schedule over the micro-batches; returns the loss_func dicts (last PP stage only, else [])."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        micro = next(data_iterator)
+        extra = {"labels": micro.labels, "loss_mask": micro.loss_mask} if mtp else {}
+        output = chunk(micro.input_ids, micro.position_ids, micro.attention_mask, **extra)
+        if capture.enabled:
+            output = capture.pop()
+        return output, functools.partial(loss_func, micro)
+
+    first = micro_batches[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=first.input_ids.shape[1],
+        micro_batch_size=first.input_ids.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def forward_per_token(model, capture: HeadCapture, batch: DataProto, arch: HFArch, micro_batch_size: int,
+                      device: str, temperature: float, value_head: bool, with_entropy: bool, mtp: bool,
+                      what: str) -> DataProto | None:
+    """Forward-only per-token outputs of the batch's responses; a DataProto on the last PP stage, else None."""
+    micro_batches, num_rows = split_micro_batches(batch, micro_batch_size, device, what)
+    temperature = float(batch.meta_info.get(keys.META_TEMPERATURE, temperature))
+
+    def collect(micro: MicroBatch, head_output: torch.Tensor):
+        outputs = per_token_outputs(micro, head_output, arch, temperature, value_head, with_entropy)
+        return torch.zeros((), device=head_output.device), {k: v.detach() for k, v in outputs.items()}
+
+    unwrap(model).eval()
+    with torch.no_grad():
+        stored = run_pipeline(model, capture, micro_batches, forward_only=True, mtp=mtp, loss_func=collect)
+    if not is_last_stage():
+        return None
+    tensors = {name: torch.cat([d[name] for d in stored])[:num_rows].cpu() for name in stored[0]}
+    return DataProto.from_dict(tensors=tensors)
+
+
+# ---- full HF-named weights ------------------------------------------------------------------------------------
+
+def _all_gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [shard]
+    shards = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    return shards
+
+
+def iter_full_hf_tensors(model, arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF-named tensor of the whole model, in stage order, on every rank (gathered over TP, broadcast over PP)."""
+    from megatron.core import parallel_state as mpu
+
+    chunk = unwrap(model)
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_size, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    if pp_size == 1:
+        yield from convert.iter_stage_hf_tensors(chunk, arch, _all_gather_tp)
+        return
+    metadata = [None] * pp_size
+    dist.all_gather_object(metadata, convert.stage_hf_metadata(chunk, arch, tp_size), group=pp_group)
+    device = next(chunk.parameters()).device
+    for stage, stage_meta in enumerate(metadata):
+        source = dist.get_global_rank(pp_group, stage)
+        local = convert.iter_stage_hf_tensors(chunk, arch, _all_gather_tp) if stage == pp_rank else None
+        for name, shape, dtype in stage_meta:
+            if local is not None:
+                local_name, tensor = next(local)
+                assert local_name == name, (local_name, name)
+                tensor = tensor.contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=source, group=pp_group)
+            yield name, tensor
+
+
+def bucketed(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

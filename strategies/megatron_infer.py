@@ -1,0 +1,49 @@
+"""`MegatronInferStrategy`: forward-only megatron-core (TP/PP) for reference log-probs and critic values."""
+
+from __future__ import annotations
+
+import logging
+
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.protocol import DataProto
+from roll_backend.strategies import megatron_common as common
+from roll_backend.strategies.base import InferStrategy
+from roll_backend.strategies.megatron_config import MegatronInferConfig
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronInferStrategy(InferStrategy):
+    """Holds one pipeline stage of a model and runs Megatron's schedules forward-only in micro-batches.
+
+    Results (a DataProto of [B, T_resp] tensors) come from the last PP stage; other stages return None.
+    """
+
+    config_class = MegatronInferConfig
+
+    def __init__(self, config: MegatronInferConfig, layout: ParallelLayout, device: str):
+        self.config = config
+        self.layout = layout
+        self.device = device
+        self.model = None
+
+    def initialize(self) -> None:
+        self.model, self.arch, self.hf_config = common.build_model_chunk(self.config, self.layout, self.device, self.config.test_swap_gate_up)
+        self.capture = common.HeadCapture(self.model)
+
+    def _forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
+        if self.model is None:
+            raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+        if value_head != self.config.value_head:
+            kind = "a value head" if value_head else "an LM head"
+            raise ValueError(f"{what} needs {kind}; this strategy has value_head={self.config.value_head}")
+        return common.forward_per_token(
+            self.model, self.capture, batch, self.arch, self.config.micro_batch_size, self.device,
+            self.config.temperature, value_head, self.config.compute_entropy, self.config.mtp_num_layers > 0, what,
+        )
+
+    def compute_log_probs(self, batch: DataProto) -> DataProto | None:
+        return self._forward(batch, value_head=False, what="compute_log_probs")
+
+    def compute_values(self, batch: DataProto) -> DataProto | None:
+        return self._forward(batch, value_head=True, what="compute_values")
