@@ -1,0 +1,618 @@
+"""DataProto: the batch every controller <-> worker call carries (tensor columns, non-tensor columns, meta_info).
+
+Names and signatures follow verl's DataProto so code written against it ports unchanged. Departures: chunk()
+takes sizes that don't divide evenly, concat() merges meta_info["metrics"], errors are ValueError/KeyError with
+the fix instead of assert, and a pickled batch travels as numpy buffers, so Ray hands it to every reader
+zero-copy and read-only (see `make_writable`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from roll_backend import protocol_disk
+from roll_backend.keys import META_METRICS
+from roll_backend.protocol_shared import SharedReadOnlyTensor, SharedTensorWriteError, tensor_from_numpy, tensor_to_numpy
+
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "SharedReadOnlyTensor",
+    "SharedTensorWriteError",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+]
+
+_STATE_VERSION = 1  # bump when __getstate__'s layout changes
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """(padded copy, pad_size): real rows repeated from the start until len % size_divisor == 0, as verl."""
+    pad_size = _pad_size(len(data), size_divisor)
+    if pad_size == 0:
+        return data, 0
+    return data.select_idxs(_padded_index(len(data), pad_size)), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """`data` without its last `pad_size` rows (a view), undoing `pad_dataproto_to_divisor`."""
+    if not 0 <= pad_size <= len(data):
+        raise ValueError(f"unpad: pad_size={pad_size} must lie in [0, {len(data)}] (the DataProto's length); pass the "
+                         "pad_size that pad_dataproto_to_divisor returned.")
+    return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
+
+
+@dataclass
+class DataProtoItem:
+    """One row: `batch` is a TensorDict with batch_size [], non-tensor values are the row's entries."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class DataProto:
+    """Columns sharing batch dim 0: tensors in `batch`, numpy columns (object arrays for text) in `non_tensor_batch`,
+    plus per-batch `meta_info`. Derived DataProtos (slices, chunks, selections) get a shallow copy of meta_info."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.non_tensor_batch = {} if self.non_tensor_batch is None else self.non_tensor_batch
+        self.meta_info = {} if self.meta_info is None else self.meta_info
+        self.check_consistency()
+
+    # ----- construction and validation -----
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict | None = None,
+                  meta_info: dict | None = None, num_batch_dims: int = 1, auto_padding: bool = False) -> DataProto:
+        """Build from column dicts; the batch size is the first tensor's dim 0. Lists become 1-D object columns.
+
+        `num_batch_dims` (only 1 is supported) and `auto_padding` (ignored: chunk() always takes uneven sizes)
+        exist so verl call sites port unchanged.
+        """
+        if num_batch_dims != 1:
+            raise ValueError(f"num_batch_dims={num_batch_dims}: DataProto supports exactly one batch dim; reshape "
+                             "tensors to [B, ...] (fold extra batch dims into B) first.")
+        tensors = tensors or {}
+        first_key = next(iter(tensors), None)
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                raise ValueError(f"tensors[{key!r}] must be a torch.Tensor with a batch dim, got {_describe(value)}; "
+                                 "put numpy arrays and lists in non_tensors, scalars in meta_info.")
+            if value.shape[0] != tensors[first_key].shape[0]:
+                raise ValueError(f"tensors[{key!r}] has {value.shape[0]} rows but tensors[{first_key!r}] has "
+                                 f"{tensors[first_key].shape[0]}; all columns must share batch dim 0.")
+        batch = TensorDict(dict(tensors), batch_size=[tensors[first_key].shape[0]]) if tensors else None
+        meta_info = {} if meta_info is None else meta_info
+        return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=meta_info)
+
+    @classmethod
+    def from_single_dict(cls, data: dict, meta_info: dict | None = None, auto_padding: bool = False) -> DataProto:
+        """Build from one dict, sending tensors to `batch` and numpy arrays / lists to `non_tensor_batch`."""
+        tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+        non_tensors = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
+
+    def check_consistency(self) -> None:
+        """Raise ValueError unless every column is well-typed and shares batch dim 0; lists become object columns."""
+        if self.batch is not None:
+            if not isinstance(self.batch, TensorDict) or len(self.batch.batch_size) != 1:
+                raise ValueError(f"DataProto.batch must be a TensorDict with one batch dim or None, got "
+                                 f"{_describe(self.batch)}; build it with DataProto.from_dict(tensors=...).")
+            for key, value in self.batch.items():
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"batch[{key!r}] is {_describe(value)}; batch holds tensors only (put other "
+                                     "columns in non_tensor_batch).")
+        if not isinstance(self.non_tensor_batch, dict) or not isinstance(self.meta_info, dict):
+            raise ValueError(f"non_tensor_batch and meta_info must be dicts, got {_describe(self.non_tensor_batch)} "
+                             f"and {_describe(self.meta_info)}.")
+        for key, value in list(self.non_tensor_batch.items()):
+            self.non_tensor_batch[key] = _as_non_tensor_column(key, value)
+        rows, source = self._rows_and_source()
+        for key, value in self.non_tensor_batch.items():
+            if value.shape[0] != rows:
+                raise ValueError(f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {rows}; all "
+                                 "columns must share batch dim 0 (slice, repeat or pad the column to match).")
+        both = sorted(set(self.non_tensor_batch) & set(self._batch_keys()))
+        if both:
+            raise ValueError(f"columns {both} are in both batch and non_tensor_batch; keep each name in one of them.")
+
+    def _rows_and_source(self) -> tuple[int, str]:
+        if self.batch is not None:
+            return self.batch.batch_size[0], "the tensor batch"
+        for key, value in self.non_tensor_batch.items():
+            return value.shape[0], f"non_tensor_batch[{key!r}]"
+        return 0, "the (empty) DataProto"
+
+    def _batch_keys(self) -> list[str]:
+        return [] if self.batch is None else list(self.batch.keys())
+
+    def _new(self, batch: TensorDict | None, non_tensor: dict[str, np.ndarray]) -> DataProto:
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
+
+    def _map_rows(self, rows: int, tensor_fn, array_fn) -> DataProto:
+        """A new DataProto of `rows` rows with tensor_fn / array_fn applied to every column."""
+        batch = None
+        if self.batch is not None:
+            columns = {key: tensor_fn(value) for key, value in self.batch.items()}
+            batch = TensorDict(columns, batch_size=[rows], device=self.batch.device)
+        return self._new(batch, {key: array_fn(value) for key, value in self.non_tensor_batch.items()})
+
+    # ----- length, indexing, columns -----
+
+    def __len__(self) -> int:
+        return self._rows_and_source()[0]
+
+    def __iter__(self) -> Iterator[DataProtoItem]:
+        return (self[i] for i in range(len(self)))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.non_tensor_batch or key in self._batch_keys()
+
+    def __getitem__(self, item):
+        """int -> DataProtoItem; slice, index list/array/tensor or bool mask -> DataProto; str -> that column."""
+        if isinstance(item, str):
+            if item in self.non_tensor_batch:
+                return self.non_tensor_batch[item]
+            if item in self._batch_keys():
+                return self.batch[item]
+            raise KeyError(f"no column {item!r}; batch keys: {self._batch_keys()}, non-tensor keys: {list(self.non_tensor_batch)}")
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        if isinstance(item, (int, np.integer)):
+            return DataProtoItem(batch=None if self.batch is None else self.batch[int(item)],
+                                 non_tensor_batch={k: v[item] for k, v in self.non_tensor_batch.items()},
+                                 meta_info=self.meta_info)
+        if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
+            return self.select_idxs(item)
+        raise TypeError(f"DataProto indices are int, slice, list/ndarray/tensor of ints or bools, or a column name; got {_describe(item)}.")
+
+    def __setitem__(self, key: str, value) -> None:
+        """Add or replace a column: tensors go to `batch`, numpy arrays and lists to `non_tensor_batch`."""
+        has_columns = self.batch is not None or bool(self.non_tensor_batch)
+        rows = len(self) if has_columns else _leading_len(value)
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(f"column {key!r} has shape {tuple(value.shape)} but the DataProto has {rows} rows; "
+                                 "a column needs one entry per row along dim 0.")
+            self.non_tensor_batch.pop(key, None)
+            self.batch = TensorDict({}, batch_size=[rows]) if self.batch is None else self.batch
+            self.batch[key] = value
+            return
+        column = _as_non_tensor_column(key, value)
+        if column.shape[0] != rows:
+            raise ValueError(f"column {key!r} has {column.shape[0]} rows but the DataProto has {rows}; "
+                             "a column needs one entry per row.")
+        if key in self._batch_keys():
+            del self.batch[key]
+        self.non_tensor_batch[key] = column
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """Rows start:end:step as views (no copy), always a DataProto."""
+        rows = slice(start, end, step)
+        count = len(range(*rows.indices(len(self))))
+        return self._map_rows(count, lambda t: t[rows], lambda a: a[rows])
+
+    def select_idxs(self, idxs) -> DataProto:
+        """Rows at `idxs` (ints, negatives allowed, or a bool mask of len(self)), copied in that order."""
+        index = self._row_index(idxs)
+        index_t = torch.from_numpy(index)
+        return self._map_rows(len(index), lambda t: t.index_select(0, index_t.to(t.device)), lambda a: a[index])
+
+    def _row_index(self, idxs) -> np.ndarray:
+        rows = len(self)
+        index = np.asarray(idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else idxs)
+        if index.ndim != 1:
+            raise ValueError(f"row index must be 1-D, got shape {index.shape}; pass a flat list/array of rows or a mask.")
+        if index.dtype == bool:
+            if index.shape[0] != rows:
+                raise ValueError(f"bool mask has {index.shape[0]} entries but the DataProto has {rows} rows; "
+                                 "a mask needs one entry per row.")
+            return np.flatnonzero(index)
+        if index.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if index.dtype.kind not in "iu":
+            raise ValueError(f"row index must hold ints or bools, got dtype {index.dtype}.")
+        index = index.astype(np.int64)
+        if index.min() < -rows or index.max() >= rows:
+            raise IndexError(f"row index out of range for {rows} rows (min {index.min()}, max {index.max()}).")
+        return np.where(index < 0, index + rows, index)
+
+    # ----- column operations (verl names) -----
+
+    def select(self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None, deepcopy: bool = False) -> DataProto:
+        """The listed columns / meta keys (None = all). Shares tensors unless deepcopy, which copies everything."""
+        batch = self.batch
+        if batch_keys is not None:
+            batch_keys = _key_list(batch_keys)
+            self._require("batch", batch_keys, self._batch_keys())
+            batch = None if batch is None else batch.select(*batch_keys)
+        elif batch is not None:
+            batch = batch.copy()  # shallow: a new key set over the same tensors
+        non_tensor = self._pick("non_tensor_batch", self.non_tensor_batch, non_tensor_batch_keys)
+        meta_info = self._pick("meta_info", self.meta_info, meta_info_keys)
+        if deepcopy:
+            batch = None if batch is None else batch.clone()
+            non_tensor, meta_info = copy.deepcopy(non_tensor), copy.deepcopy(meta_info)
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+    def _pick(self, where: str, source: dict, keys) -> dict:
+        if keys is None:
+            return dict(source)
+        keys = _key_list(keys)
+        self._require(where, keys, list(source))
+        return {key: source[key] for key in keys}
+
+    @staticmethod
+    def _require(where: str, wanted: list[str], present: list[str]) -> None:
+        missing = [key for key in wanted if key not in present]
+        if missing:
+            raise KeyError(f"{where} has no key(s) {missing}; it has {present}.")
+
+    def pop(self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None) -> DataProto:
+        """Remove the listed columns / meta keys from self and return them as a new DataProto."""
+        batch_keys, non_tensor_keys, meta_keys = (_key_list(k or []) for k in (batch_keys, non_tensor_batch_keys, meta_info_keys))
+        self._require("batch", batch_keys, self._batch_keys())
+        self._require("non_tensor_batch", non_tensor_keys, list(self.non_tensor_batch))
+        self._require("meta_info", meta_keys, list(self.meta_info))
+        tensors = {key: self.batch.pop(key) for key in batch_keys}
+        non_tensors = {key: self.non_tensor_batch.pop(key) for key in non_tensor_keys}
+        meta_info = {key: self.meta_info.pop(key) for key in meta_keys}
+        return type(self).from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    def rename(self, old_keys=None, new_keys=None) -> DataProto:
+        """Rename columns (tensor or non-tensor) in place; returns self."""
+        old_keys, new_keys = _key_list(old_keys or []), _key_list(new_keys or [])
+        if len(old_keys) != len(new_keys):
+            raise ValueError(f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}; pass one new name per old name.")
+        for old, new in zip(old_keys, new_keys, strict=True):
+            if old not in self:
+                raise KeyError(f"rename: no column {old!r}; batch keys: {self._batch_keys()}, non-tensor keys: {list(self.non_tensor_batch)}")
+            if new in self and new != old:
+                raise ValueError(f"rename: column {new!r} already exists; pop it first or choose another name.")
+            if old in self.non_tensor_batch:
+                self.non_tensor_batch = {new if k == old else k: v for k, v in self.non_tensor_batch.items()}
+            else:
+                self.batch.rename_key_(old, new)
+        return self
+
+    def union(self, other: DataProto) -> DataProto:
+        """Add other's columns and meta_info to self (in place; returns self). Shared keys must hold equal values."""
+        if (self.batch is not None or self.non_tensor_batch) and (other.batch is not None or other.non_tensor_batch) and len(self) != len(other):
+            raise ValueError(f"union: self has {len(self)} rows but other has {len(other)}; union joins columns of the same rows.")
+        if other.batch is not None:
+            if self.batch is None:
+                self.batch = TensorDict({}, batch_size=[len(other)], device=other.batch.device)
+            for key, value in other.batch.items():
+                if key in self.non_tensor_batch or (key in self.batch.keys() and not _tensors_equal(self.batch[key], value)):
+                    raise ValueError(f"union: batch[{key!r}] differs between the two DataProtos; rename or pop one of them.")
+                self.batch[key] = value
+        for key, value in other.non_tensor_batch.items():
+            if key in self._batch_keys() or (key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value)):
+                raise ValueError(f"union: non_tensor_batch[{key!r}] differs between the two DataProtos; rename or pop one of them.")
+            self.non_tensor_batch[key] = value
+        for key, value in other.meta_info.items():
+            if key in self.meta_info and not _values_equal(self.meta_info[key], value):
+                raise ValueError(f"union: meta_info[{key!r}] differs ({_short(self.meta_info[key])} vs {_short(value)}); make them equal or pop one.")
+            self.meta_info[key] = value
+        return self
+
+    # ----- splitting and joining -----
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into exactly `chunks` views with sizes differing by at most 1, larger ones first (np.array_split).
+
+        Unlike verl, which asserts len % chunks == 0, any length works; chunks past the rows are empty.
+        """
+        if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+            raise ValueError(f"chunk needs a positive int number of chunks, got {chunks!r}.")
+        base, extra = divmod(len(self), int(chunks))
+        bounds = np.cumsum([0] + [base + 1] * extra + [base] * (int(chunks) - extra))
+        return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(int(chunks))]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Views of `split_size` rows each, the last one shorter when the length doesn't divide (torch.split);
+        an empty DataProto gives one empty part."""
+        if not isinstance(split_size, (int, np.integer)) or split_size < 1:
+            raise ValueError(f"split needs a positive int split_size, got {split_size!r}.")
+        return [self.slice(start, start + int(split_size)) for start in range(0, max(len(self), 1), int(split_size))]
+
+    @staticmethod
+    def concat(data: list[DataProto]) -> DataProto:
+        """Join along the rows. Parts need the same columns; meta_info["metrics"] lists are extended per metric,
+        every other meta key must agree (a key missing from some parts is taken from those that have it)."""
+        if not data:
+            raise ValueError("DataProto.concat got an empty list; pass at least one DataProto (an empty batch is data[:0]).")
+        first = data[0]
+        for i, part in enumerate(data[1:], start=1):
+            _check_same_columns(first, part, i)
+        batch = None
+        if any(part.batch is not None for part in data):
+            rows = sum(len(part) for part in data)
+            device = next(part.batch.device for part in data if part.batch is not None)
+            columns = {key: _cat_column(key, [part.batch[key] for part in data]) for key in first._batch_keys()}
+            batch = TensorDict(columns, batch_size=[rows], device=device)
+        non_tensor = {key: np.concatenate([part.non_tensor_batch[key] for part in data]) for key in first.non_tensor_batch}
+        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=_merge_meta([part.meta_info for part in data]))
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Each row `repeat_times` times: [a, a, b, b] when interleave, else the whole batch tiled [a, b, a, b]."""
+        if not isinstance(repeat_times, (int, np.integer)) or repeat_times < 0:
+            raise ValueError(f"repeat needs a non-negative int repeat_times, got {repeat_times!r}.")
+        n = int(repeat_times)
+        if interleave:
+            return self._map_rows(len(self) * n, lambda t: t.repeat_interleave(n, dim=0), lambda a: np.repeat(a, n, axis=0))
+        return self._map_rows(len(self) * n, lambda t: t.repeat(n, *[1] * (t.dim() - 1)),
+                              lambda a: np.tile(a, (n,) + (1,) * (a.ndim - 1)))
+
+    def reorder(self, indices) -> None:
+        """Permute the rows in place: row i becomes old row indices[i]."""
+        reordered = self.select_idxs(indices)
+        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
+
+    def group_by(self, key: str) -> dict[Any, DataProto]:
+        """{value: the rows whose column `key` holds it}, groups in order of first appearance, rows in original order.
+
+        One stable argsort and one gather, then views: no Python loop over rows.
+        """
+        values = self[key]
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu()
+            values = values.numpy() if values.dtype != torch.bfloat16 else values.float().numpy()
+        if values.ndim != 1:
+            raise ValueError(f"group_by needs a 1-D column (one key per row); {key!r} has shape {values.shape}.")
+        try:
+            uniques, first_row, group_of_row = np.unique(values, return_index=True, return_inverse=True)
+        except TypeError as err:
+            raise ValueError(f"group_by: the values of {key!r} cannot be sorted ({err}); convert them to str first.") from err
+        appearance = np.argsort(first_row, kind="stable")  # group ids in order of first appearance
+        rank = np.empty_like(appearance)
+        rank[appearance] = np.arange(len(appearance))
+        row_rank = rank[group_of_row.reshape(-1)]
+        grouped = self.select_idxs(np.argsort(row_rank, kind="stable"))
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(row_rank, minlength=len(uniques)))])
+        return {_python_key(uniques[g]): grouped.slice(int(bounds[i]), int(bounds[i + 1])) for i, g in enumerate(appearance)}
+
+    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
+                      dataloader_kwargs: dict | None = None) -> Iterator[DataProto]:
+        """Mini-batches for `epochs` passes. dataloader_kwargs: {"shuffle": bool, "drop_last": bool}; a seed makes
+        the shuffles reproducible. A last mini-batch that doesn't fill up is shorter unless drop_last."""
+        options = dict(dataloader_kwargs or {})
+        shuffle, drop_last = bool(options.pop("shuffle", False)), bool(options.pop("drop_last", False))
+        if options:
+            raise ValueError(f"make_iterator supports dataloader_kwargs 'shuffle' and 'drop_last', got also {sorted(options)}.")
+        if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
+            raise ValueError(f"make_iterator needs a positive int mini_batch_size, got {mini_batch_size!r}.")
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+        def batches():
+            rows = len(self)
+            stop = rows - rows % mini_batch_size if drop_last else rows
+            for _ in range(epochs):
+                order = torch.randperm(rows, generator=generator).numpy() if shuffle else np.arange(rows)
+                for start in range(0, stop, mini_batch_size):
+                    yield self.select_idxs(order[start:start + mini_batch_size])
+
+        return batches()
+
+    def pad_to_divisor(self, size_divisor: int) -> int:
+        """Pad in place by repeating real rows from the start until len % size_divisor == 0; returns the pad count."""
+        padded, pad_size = pad_dataproto_to_divisor(self, size_divisor)
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+        return pad_size
+
+    def unpad(self, pad_size: int) -> DataProto:
+        """Drop the last `pad_size` rows in place (undoes pad_to_divisor); returns self."""
+        unpadded = unpad_dataproto(self, pad_size)
+        self.batch, self.non_tensor_batch = unpadded.batch, unpadded.non_tensor_batch
+        return self
+
+    # ----- devices, memory, files -----
+
+    def to(self, device) -> DataProto:
+        """Move the tensor batch to `device` in place; returns self."""
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    def shared_keys(self) -> list[str]:
+        """Columns whose memory is shared read-only with other readers (arrived zero-copy through Ray)."""
+        tensors = [k for k, v in (self.batch.items() if self.batch is not None else ()) if isinstance(v, SharedReadOnlyTensor)]
+        return tensors + [k for k, v in self.non_tensor_batch.items() if not v.flags.writeable]
+
+    def make_writable(self, keys: list[str] | None = None) -> DataProto:
+        """Copy the shared read-only columns among `keys` (None = all) into private memory; returns self.
+
+        A batch received through Ray views the object store that every reader of the same object shares, so
+        in-place writes to it raise `SharedTensorWriteError` (numpy: ValueError) until its column is copied here.
+        """
+        for key in self.shared_keys() if keys is None else _key_list(keys):
+            if key in self.non_tensor_batch:
+                if not self.non_tensor_batch[key].flags.writeable:
+                    self.non_tensor_batch[key] = self.non_tensor_batch[key].copy()
+            elif isinstance(self[key], SharedReadOnlyTensor):
+                self.batch[key] = self.batch[key].clone()
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the columns (object columns count their 8-byte references, not the objects)."""
+        tensors = sum(v.numel() * v.element_size() for v in self.batch.values()) if self.batch is not None else 0
+        return tensors + sum(v.nbytes for v in self.non_tensor_batch.values())
+
+    def size_summary(self) -> str:
+        tensor_bytes = sum(v.numel() * v.element_size() for v in self.batch.values()) if self.batch is not None else 0
+        return (f"DataProto: {len(self)} rows, {_mib(self.nbytes)} MiB; batch {len(self._batch_keys())} tensors "
+                f"{_mib(tensor_bytes)} MiB; non_tensor {len(self.non_tensor_batch)} columns "
+                f"{_mib(self.nbytes - tensor_bytes)} MiB (object columns: references only); meta_info keys {list(self.meta_info)}")
+
+    def __repr__(self) -> str:
+        tensors = {k: f"{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in (self.batch.items() if self.batch is not None else ())}
+        arrays = {k: f"{v.shape} {v.dtype}" for k, v in self.non_tensor_batch.items()}
+        return f"{type(self).__name__}(len={len(self)}, batch={tensors}, non_tensor_batch={arrays}, meta_info keys={list(self.meta_info)})"
+
+    def save_to_disk(self, filepath) -> None:
+        """Write one file (see protocol_disk): tensors as safetensors, no pickle anywhere."""
+        batch = None if self.batch is None else dict(self.batch.items())
+        protocol_disk.save_parts(filepath, batch, None if self.batch is None else len(self), self.non_tensor_batch, self.meta_info)
+
+    @classmethod
+    def load_from_disk(cls, filepath) -> DataProto:
+        batch, batch_size, non_tensor, meta_info = protocol_disk.load_parts(filepath)
+        tensors = None if batch is None else TensorDict(batch, batch_size=[batch_size])
+        return cls(batch=tensors, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+    # ----- pickling: tensors travel as numpy buffers (pickle protocol 5 out-of-band under Ray) -----
+
+    def __getstate__(self) -> dict:
+        tensors = None if self.batch is None else {key: tensor_to_numpy(value) for key, value in self.batch.items()}
+        return {"version": _STATE_VERSION, "rows": len(self), "tensors": tensors,
+                "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"pickled DataProto has state version {state.get('version')!r}, this code reads "
+                             f"{_STATE_VERSION}; sender and receiver must run the same roll_backend.")
+        self.batch = None
+        if state["tensors"] is not None:
+            tensors = {key: tensor_from_numpy(dtype, array) for key, (dtype, array) in state["tensors"].items()}
+            self.batch = TensorDict(tensors, batch_size=[state["rows"]])
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
+
+
+# ----- helpers -----
+
+
+def _as_non_tensor_column(key: str, value) -> np.ndarray:
+    if isinstance(value, (list, tuple)):
+        return np.fromiter(value, dtype=object, count=len(value))  # 1-D even when the rows are lists
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        return value
+    raise ValueError(f"non_tensor_batch[{key!r}] must be a numpy array with a batch dim or a list (one entry per "
+                     f"row), got {_describe(value)}; tensors go in batch, per-batch scalars in meta_info.")
+
+
+def _leading_len(value) -> int:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return shape[0] if len(shape) else -1
+    return len(value) if isinstance(value, (list, tuple)) else -1
+
+
+def _key_list(keys) -> list[str]:
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def _pad_size(rows: int, size_divisor: int) -> int:
+    if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
+        raise ValueError(f"pad: size_divisor must be a positive int, got {size_divisor!r}.")
+    if rows == 0:
+        return 0
+    return -rows % int(size_divisor)
+
+
+def _padded_index(rows: int, pad_size: int) -> np.ndarray:
+    return np.concatenate([np.arange(rows), np.arange(pad_size) % rows])
+
+
+def _check_same_columns(first: DataProto, part: DataProto, index: int) -> None:
+    for where, mine, theirs in (("batch", first._batch_keys(), part._batch_keys()),
+                                ("non_tensor_batch", list(first.non_tensor_batch), list(part.non_tensor_batch))):
+        if set(mine) != set(theirs):
+            raise ValueError(f"concat: part {index} has {where} keys {sorted(theirs)} but part 0 has {sorted(mine)} "
+                             f"(missing {sorted(set(mine) - set(theirs))}, extra {sorted(set(theirs) - set(mine))}); "
+                             "select the common columns before concatenating.")
+
+
+def _cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    first = tensors[0]
+    for i, tensor in enumerate(tensors[1:], start=1):
+        if tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:]:
+            raise ValueError(f"concat: batch[{key!r}] is {first.dtype} {tuple(first.shape[1:])} per row in part 0 but "
+                             f"{tensor.dtype} {tuple(tensor.shape[1:])} in part {i}; pad or cast the parts to match.")
+    return torch.cat(tensors, dim=0)
+
+
+def _merge_meta(metas: list[dict]) -> dict:
+    merged: dict = {}
+    for i, meta in enumerate(metas):
+        for key, value in meta.items():
+            if key == META_METRICS and value is not None:
+                if not isinstance(value, dict):
+                    raise ValueError(f"concat: meta_info[{META_METRICS!r}] of part {i} must be a dict of metric name -> "
+                                     f"value or list, got {_describe(value)}.")
+                metrics = merged.setdefault(META_METRICS, {})
+                for name, values in value.items():
+                    metrics.setdefault(name, []).extend(values if isinstance(values, list) else [values])
+            elif key not in merged:
+                merged[key] = value
+            elif not _values_equal(merged[key], value):
+                raise ValueError(f"concat: meta_info[{key!r}] differs between parts ({_short(merged[key])} before part {i}, "
+                                 f"{_short(value)} in part {i}); make it equal or carry per-part values in meta_info['metrics'].")
+    return merged
+
+
+def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _values_equal(a, b) -> bool:
+    """Equality that treats NaN == NaN, compares arrays/tensors elementwise and never raises."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            return False
+        if a.dtype == object or b.dtype == object:
+            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        equal = a == b
+        return equal if isinstance(equal, bool) else bool(np.all(equal))
+    except (TypeError, ValueError):  # incomparable values (e.g. dicts holding arrays) count as different
+        return False
+
+
+def _python_key(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else f" {_short(value)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f}"
