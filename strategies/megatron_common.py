@@ -92,17 +92,21 @@ class HeadCapture:
 
     GPTModel returns a loss instead of logits whenever labels are passed, and with MTP labels must be passed
     (0.16.1 crashes on labels=None); a forward hook on the head gives the logits in both cases. The head is
-    called for each MTP depth first and for the main logits last, so the last call wins.
+    called for each MTP depth first and for the main logits last, so the last call wins. With labels, Megatron's
+    vocab_parallel_cross_entropy then overwrites the logits in place (exp, normalise), so `copy=True` (needed
+    with MTP) keeps a copy; the copy is part of the autograd graph (clone's backward is the identity).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, copy: bool = False):
         self.output: torch.Tensor | None = None
+        self.copy = copy
         self.enabled = unwrap(model).post_process
         if self.enabled:
             unwrap(model).output_layer.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        self.output = output[0] if isinstance(output, tuple) else output
+        output = output[0] if isinstance(output, tuple) else output
+        self.output = output.clone() if self.copy else output
 
     def pop(self) -> torch.Tensor:
         if self.output is None:

@@ -29,7 +29,7 @@ class MegatronInferStrategy(InferStrategy):
 
     def initialize(self) -> None:
         self.model, self.arch, self.hf_config = common.build_model_chunk(self.config, self.layout, self.device, self.config.test_swap_gate_up)
-        self.capture = common.HeadCapture(self.model)
+        self.capture = common.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
 
     def _forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
         if self.model is None:

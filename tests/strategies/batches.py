@@ -1,0 +1,60 @@
+"""Batches and Hugging Face reference numbers for the Megatron strategy tests (driver side only)."""
+
+from __future__ import annotations
+
+import torch
+
+from roll_backend import keys
+
+PROMPT_LEN = 7
+RESPONSE_LEN = 5
+
+
+def make_rl_batch_tensors(vocab_size: int, num_rows: int = 5, seed: int = 0, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of uneven length, then right-padded responses of uneven length (verl's layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.full((num_rows, PROMPT_LEN), pad_id, dtype=torch.long)
+    responses = torch.full((num_rows, RESPONSE_LEN), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(num_rows, PROMPT_LEN, dtype=torch.long)
+    response_mask = torch.zeros(num_rows, RESPONSE_LEN, dtype=torch.long)
+    for row in range(num_rows):
+        p_len = PROMPT_LEN - (row % 4)  # 7, 6, 5, 4, 7, ...
+        r_len = RESPONSE_LEN - (row * 2 % 5) if row else RESPONSE_LEN  # 5, 3, 1, 4, 2, ...
+        prompts[row, PROMPT_LEN - p_len:] = torch.randint(3, vocab_size, (p_len,), generator=gen)
+        prompt_mask[row, PROMPT_LEN - p_len:] = 1
+        responses[row, :r_len] = torch.randint(3, vocab_size, (r_len,), generator=gen)
+        response_mask[row, :r_len] = 1
+    input_ids = torch.cat([prompts, responses], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        keys.PROMPTS: prompts,
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: input_ids,
+        keys.ATTENTION_MASK: attention_mask,
+        keys.POSITION_IDS: position_ids,
+        keys.RESPONSE_MASK: response_mask,
+    }
+
+
+@torch.no_grad()
+def hf_response_log_probs(model_dir: str, tensors: dict[str, torch.Tensor], temperature: float = 1.0):
+    """(log_probs, entropy) [B, T_resp] of the responses under transformers' model, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logits = model(
+        input_ids=tensors[keys.INPUT_IDS],
+        attention_mask=tensors[keys.ATTENTION_MASK],
+        position_ids=tensors[keys.POSITION_IDS],
+    ).logits
+    resp_len = tensors[keys.RESPONSES].shape[1]
+    resp_logits = logits[:, -resp_len - 1:-1].float() / temperature
+    log_softmax = resp_logits.log_softmax(-1)
+    log_probs = log_softmax.gather(-1, tensors[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_probs, entropy
+
+
+def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a.double() - b.double()).abs() * mask).max())

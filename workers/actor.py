@@ -1,0 +1,114 @@
+"""`ActorWorker`: the policy being trained. Log-probs, PPO/GSPO train steps, checkpoints and HF export via its strategy."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from roll_backend import keys
+from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate
+from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.worker import Worker
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.registry import create_strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """The actor's objective: policy loss + entropy bonus + KL-to-reference loss, token-mean over the global batch."""
+
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    clip_c: float = 3.0
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # > 0 needs keys.REF_LOG_PROBS in the batch
+    kl_estimator: str = "low_var_kl"
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """What an ActorWorker is built from: a strategy name (see strategies.registry), its typed config, the loss."""
+
+    strategy: Any  # e.g. MegatronTrainConfig
+    strategy_name: str = "megatron_train"
+    loss: ActorLossConfig = field(default_factory=ActorLossConfig)
+
+
+def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_batch: DataProto):
+    """LossFn of the actor: uses OLD_LOG_PROBS, ADVANTAGES, RESPONSE_MASK (and REF_LOG_PROBS) of the micro-batch."""
+    batch = micro_batch.batch
+    mask = batch[keys.RESPONSE_MASK].float()
+    global_tokens = micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT]
+    log_probs = per_token[keys.LOG_PROBS]
+    policy = get_policy_loss(cfg.policy_loss)(
+        batch[keys.OLD_LOG_PROBS], log_probs, batch[keys.ADVANTAGES], mask,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg_mode="token-mean",
+        dp_size=1, batch_num_tokens=global_tokens,
+    )
+    loss = policy.loss
+    metrics = {"pg_loss": policy.loss.detach(), "pg_clipfrac": policy.clipfrac.detach(), "ppo_kl": policy.approx_kl.detach()}
+    if keys.ENTROPY in per_token:
+        entropy = agg_loss(per_token[keys.ENTROPY], mask, "token-mean", dp_size=1, batch_num_tokens=global_tokens)
+        metrics["entropy"] = entropy.detach()
+        loss = loss - cfg.entropy_coef * entropy
+    if cfg.kl_loss_coef:
+        kl = agg_loss(kl_estimate(log_probs, batch[keys.REF_LOG_PROBS], cfg.kl_estimator), mask, "token-mean",
+                      dp_size=1, batch_num_tokens=global_tokens)
+        metrics["kl_loss"] = kl.detach()
+        loss = loss + cfg.kl_loss_coef * kl
+    return loss, metrics
+
+
+class ActorWorker(Worker):
+    """One rank of the trained policy. Call `init_model` once after the group starts."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg: ActorConfig = self.config
+        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
+        self.strategy.initialize()
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    def compute_log_probs(self, batch: DataProto) -> DataProto | None:
+        """keys.LOG_PROBS (and ENTROPY) [B, T_resp] of the batch's responses under the current weights."""
+        return self.strategy.compute_log_probs(batch)
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    def train_step(self, batch: DataProto) -> dict[str, float] | None:
+        """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
+        loss_fn = functools.partial(actor_loss, self.config.loss)
+        metrics = self.strategy.train_step(batch, loss_fn)
+        return metrics  # reduced over DP already; the group call returns one dict per DP rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self.strategy.save_checkpoint(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self.strategy.load_checkpoint(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        self.strategy.export_hf(out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def param_grad_norms(self, prefix: str = "") -> dict[str, float]:
+        """Per-parameter gradient norms of the last train step on this rank (diagnostics)."""
+        return self.strategy.param_grad_norms(prefix)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def hf_weight_checksums(self, bucket_bytes: int = 1 << 20) -> dict[str, tuple[tuple[int, ...], float]] | None:
+        """{HF name: (shape, float64 sum)} from `iter_hf_weights` (a cheap view of what a weight sync sends)."""
+        out = {}
+        for bucket in self.strategy.iter_hf_weights(bucket_bytes):
+            for name, tensor in bucket:
+                out[name] = (tuple(tensor.shape), float(tensor.double().sum()))
+        return out

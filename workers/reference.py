@@ -1,0 +1,32 @@
+"""`ReferenceWorker`: the frozen reference policy; it only computes log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.worker import Worker
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.registry import create_strategy
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    strategy: Any  # e.g. MegatronInferConfig
+    strategy_name: str = "megatron_infer"
+
+
+class ReferenceWorker(Worker):
+    """One rank of the reference model. Call `init_model` once after the group starts."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg: ReferenceConfig = self.config
+        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
+        self.strategy.initialize()
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    def compute_log_probs(self, batch: DataProto) -> DataProto | None:
+        """keys.LOG_PROBS [B, T_resp] under the reference weights (the driver stores them as REF_LOG_PROBS)."""
+        return self.strategy.compute_log_probs(batch)
