@@ -64,6 +64,15 @@ def param_mapping(megatron_name: str, arch: HFArch, layer_offset: int) -> ParamM
     return None
 
 
+def _mapped(model, megatron_name: str, arch: HFArch, offset: int) -> ParamMapping | None:
+    """param_mapping, except that a critic's value head (which replaces the LM head) has no HF counterpart."""
+    from roll_backend.models.megatron_builder import ValueHead
+
+    if megatron_name.startswith("output_layer.") and isinstance(getattr(model, "output_layer", None), ValueHead):
+        return None
+    return param_mapping(megatron_name, arch, offset)
+
+
 def stage_layer_offset(model) -> int:
     """Global index of this pipeline stage's first decoder layer."""
     layers = model.decoder.layers
@@ -156,7 +165,7 @@ def load_hf_weights(model, model_dir: str | Path, arch: HFArch, tp_rank: int, tp
     offset = stage_layer_offset(model)
     untouched = []
     for name, param in model.named_parameters():
-        mapping = param_mapping(name, arch, offset)
+        mapping = _mapped(model, name, arch, offset)
         if mapping is None:
             untouched.append(name)
             continue
@@ -174,7 +183,7 @@ def export_mappings(model, arch: HFArch) -> list[ParamMapping]:
     offset = stage_layer_offset(model)
     mappings = []
     for name, _ in model.named_parameters():
-        mapping = param_mapping(name, arch, offset)
+        mapping = _mapped(model, name, arch, offset)
         if mapping is None or (name == "output_layer.weight" and arch.tie_word_embeddings):
             continue
         mappings.append(mapping)
