@@ -9,7 +9,6 @@ zero-copy and read-only (see `make_writable`).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +18,20 @@ import torch
 from tensordict import TensorDict
 
 from roll_backend import protocol_disk
-from roll_backend.keys import META_METRICS
-from roll_backend.protocol_shared import SharedReadOnlyTensor, SharedTensorWriteError, tensor_from_numpy, tensor_to_numpy
+from roll_backend.protocol_merge import (
+    cat_column,
+    check_same_columns,
+    common_entries,
+    merge_meta,
+    short_repr,
+    values_equal,
+)
+from roll_backend.protocol_shared import (
+    SharedReadOnlyTensor,
+    SharedTensorWriteError,
+    tensor_from_numpy,
+    tensor_to_numpy,
+)
 
 __all__ = [
     "DataProto",
@@ -45,8 +56,10 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """`data` without its last `pad_size` rows (a view), undoing `pad_dataproto_to_divisor`."""
     if not 0 <= pad_size <= len(data):
-        raise ValueError(f"unpad: pad_size={pad_size} must lie in [0, {len(data)}] (the DataProto's length); pass the "
-                         "pad_size that pad_dataproto_to_divisor returned.")
+        raise ValueError(
+            f"unpad: pad_size={pad_size} must lie in [0, {len(data)}] (the DataProto's length); pass the "
+            "pad_size that pad_dataproto_to_divisor returned."
+        )
     return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
 
 
@@ -76,25 +89,37 @@ class DataProto:
     # ----- construction and validation -----
 
     @classmethod
-    def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict | None = None,
-                  meta_info: dict | None = None, num_batch_dims: int = 1, auto_padding: bool = False) -> DataProto:
+    def from_dict(
+        cls,
+        tensors: dict[str, torch.Tensor] | None = None,
+        non_tensors: dict | None = None,
+        meta_info: dict | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
+    ) -> DataProto:
         """Build from column dicts; the batch size is the first tensor's dim 0. Lists become 1-D object columns.
 
         `num_batch_dims` (only 1 is supported) and `auto_padding` (ignored: chunk() always takes uneven sizes)
         exist so verl call sites port unchanged.
         """
         if num_batch_dims != 1:
-            raise ValueError(f"num_batch_dims={num_batch_dims}: DataProto supports exactly one batch dim; reshape "
-                             "tensors to [B, ...] (fold extra batch dims into B) first.")
+            raise ValueError(
+                f"num_batch_dims={num_batch_dims}: DataProto supports exactly one batch dim; reshape "
+                "tensors to [B, ...] (fold extra batch dims into B) first."
+            )
         tensors = tensors or {}
         first_key = next(iter(tensors), None)
         for key, value in tensors.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                raise ValueError(f"tensors[{key!r}] must be a torch.Tensor with a batch dim, got {_describe(value)}; "
-                                 "put numpy arrays and lists in non_tensors, scalars in meta_info.")
+                raise ValueError(
+                    f"tensors[{key!r}] must be a torch.Tensor with a batch dim, got {_describe(value)}; "
+                    "put numpy arrays and lists in non_tensors, scalars in meta_info."
+                )
             if value.shape[0] != tensors[first_key].shape[0]:
-                raise ValueError(f"tensors[{key!r}] has {value.shape[0]} rows but tensors[{first_key!r}] has "
-                                 f"{tensors[first_key].shape[0]}; all columns must share batch dim 0.")
+                raise ValueError(
+                    f"tensors[{key!r}] has {value.shape[0]} rows but tensors[{first_key!r}] has "
+                    f"{tensors[first_key].shape[0]}; all columns must share batch dim 0."
+                )
         batch = TensorDict(dict(tensors), batch_size=[tensors[first_key].shape[0]]) if tensors else None
         meta_info = {} if meta_info is None else meta_info
         return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=meta_info)
@@ -110,22 +135,30 @@ class DataProto:
         """Raise ValueError unless every column is well-typed and shares batch dim 0; lists become object columns."""
         if self.batch is not None:
             if not isinstance(self.batch, TensorDict) or len(self.batch.batch_size) != 1:
-                raise ValueError(f"DataProto.batch must be a TensorDict with one batch dim or None, got "
-                                 f"{_describe(self.batch)}; build it with DataProto.from_dict(tensors=...).")
+                raise ValueError(
+                    f"DataProto.batch must be a TensorDict with one batch dim or None, got "
+                    f"{_describe(self.batch)}; build it with DataProto.from_dict(tensors=...)."
+                )
             for key, value in self.batch.items():
                 if not isinstance(value, torch.Tensor):
-                    raise ValueError(f"batch[{key!r}] is {_describe(value)}; batch holds tensors only (put other "
-                                     "columns in non_tensor_batch).")
+                    raise ValueError(
+                        f"batch[{key!r}] is {_describe(value)}; batch holds tensors only (put other "
+                        "columns in non_tensor_batch)."
+                    )
         if not isinstance(self.non_tensor_batch, dict) or not isinstance(self.meta_info, dict):
-            raise ValueError(f"non_tensor_batch and meta_info must be dicts, got {_describe(self.non_tensor_batch)} "
-                             f"and {_describe(self.meta_info)}.")
+            raise ValueError(
+                f"non_tensor_batch and meta_info must be dicts, got {_describe(self.non_tensor_batch)} "
+                f"and {_describe(self.meta_info)}."
+            )
         for key, value in list(self.non_tensor_batch.items()):
             self.non_tensor_batch[key] = _as_non_tensor_column(key, value)
         rows, source = self._rows_and_source()
         for key, value in self.non_tensor_batch.items():
             if value.shape[0] != rows:
-                raise ValueError(f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {rows}; all "
-                                 "columns must share batch dim 0 (slice, repeat or pad the column to match).")
+                raise ValueError(
+                    f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {rows}; all "
+                    "columns must share batch dim 0 (slice, repeat or pad the column to match)."
+                )
         both = sorted(set(self.non_tensor_batch) & set(self._batch_keys()))
         if both:
             raise ValueError(f"columns {both} are in both batch and non_tensor_batch; keep each name in one of them.")
@@ -136,6 +169,9 @@ class DataProto:
         for key, value in self.non_tensor_batch.items():
             return value.shape[0], f"non_tensor_batch[{key!r}]"
         return 0, "the (empty) DataProto"
+
+    def _has_columns(self) -> bool:
+        return self.batch is not None or bool(self.non_tensor_batch)
 
     def _batch_keys(self) -> list[str]:
         return [] if self.batch is None else list(self.batch.keys())
@@ -169,33 +205,43 @@ class DataProto:
                 return self.non_tensor_batch[item]
             if item in self._batch_keys():
                 return self.batch[item]
-            raise KeyError(f"no column {item!r}; batch keys: {self._batch_keys()}, non-tensor keys: {list(self.non_tensor_batch)}")
+            raise KeyError(
+                f"no column {item!r}; batch keys: {self._batch_keys()}, non-tensor keys: {list(self.non_tensor_batch)}"
+            )
         if isinstance(item, slice):
             return self.slice(item.start, item.stop, item.step)
         if isinstance(item, (int, np.integer)):
-            return DataProtoItem(batch=None if self.batch is None else self.batch[int(item)],
-                                 non_tensor_batch={k: v[item] for k, v in self.non_tensor_batch.items()},
-                                 meta_info=self.meta_info)
+            return DataProtoItem(
+                batch=None if self.batch is None else self.batch[int(item)],
+                non_tensor_batch={k: v[item] for k, v in self.non_tensor_batch.items()},
+                meta_info=self.meta_info,
+            )
         if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
             return self.select_idxs(item)
-        raise TypeError(f"DataProto indices are int, slice, list/ndarray/tensor of ints or bools, or a column name; got {_describe(item)}.")
+        raise TypeError(
+            f"DataProto indices are int, slice, list/ndarray/tensor of ints or bools, or a column name; "
+            f"got {_describe(item)}."
+        )
 
     def __setitem__(self, key: str, value) -> None:
         """Add or replace a column: tensors go to `batch`, numpy arrays and lists to `non_tensor_batch`."""
-        has_columns = self.batch is not None or bool(self.non_tensor_batch)
-        rows = len(self) if has_columns else _leading_len(value)
+        rows = len(self) if self._has_columns() else _leading_len(value)
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 or value.shape[0] != rows:
-                raise ValueError(f"column {key!r} has shape {tuple(value.shape)} but the DataProto has {rows} rows; "
-                                 "a column needs one entry per row along dim 0.")
+                raise ValueError(
+                    f"column {key!r} has shape {tuple(value.shape)} but the DataProto has {rows} rows; "
+                    "a column needs one entry per row along dim 0."
+                )
             self.non_tensor_batch.pop(key, None)
             self.batch = TensorDict({}, batch_size=[rows]) if self.batch is None else self.batch
             self.batch[key] = value
             return
         column = _as_non_tensor_column(key, value)
         if column.shape[0] != rows:
-            raise ValueError(f"column {key!r} has {column.shape[0]} rows but the DataProto has {rows}; "
-                             "a column needs one entry per row.")
+            raise ValueError(
+                f"column {key!r} has {column.shape[0]} rows but the DataProto has {rows}; "
+                "a column needs one entry per row."
+            )
         if key in self._batch_keys():
             del self.batch[key]
         self.non_tensor_batch[key] = column
@@ -216,11 +262,15 @@ class DataProto:
         rows = len(self)
         index = np.asarray(idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else idxs)
         if index.ndim != 1:
-            raise ValueError(f"row index must be 1-D, got shape {index.shape}; pass a flat list/array of rows or a mask.")
+            raise ValueError(
+                f"row index must be 1-D, got shape {index.shape}; pass a flat list/array of rows or a mask."
+            )
         if index.dtype == bool:
             if index.shape[0] != rows:
-                raise ValueError(f"bool mask has {index.shape[0]} entries but the DataProto has {rows} rows; "
-                                 "a mask needs one entry per row.")
+                raise ValueError(
+                    f"bool mask has {index.shape[0]} entries but the DataProto has {rows} rows; "
+                    "a mask needs one entry per row."
+                )
             return np.flatnonzero(index)
         if index.size == 0:
             return np.zeros(0, dtype=np.int64)
@@ -233,7 +283,9 @@ class DataProto:
 
     # ----- column operations (verl names) -----
 
-    def select(self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None, deepcopy: bool = False) -> DataProto:
+    def select(
+        self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None, deepcopy: bool = False
+    ) -> DataProto:
         """The listed columns / meta keys (None = all). Shares tensors unless deepcopy, which copies everything."""
         batch = self.batch
         if batch_keys is not None:
@@ -264,7 +316,9 @@ class DataProto:
 
     def pop(self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None) -> DataProto:
         """Remove the listed columns / meta keys from self and return them as a new DataProto."""
-        batch_keys, non_tensor_keys, meta_keys = (_key_list(k or []) for k in (batch_keys, non_tensor_batch_keys, meta_info_keys))
+        batch_keys, non_tensor_keys, meta_keys = (
+            _key_list(k or []) for k in (batch_keys, non_tensor_batch_keys, meta_info_keys)
+        )
         self._require("batch", batch_keys, self._batch_keys())
         self._require("non_tensor_batch", non_tensor_keys, list(self.non_tensor_batch))
         self._require("meta_info", meta_keys, list(self.meta_info))
@@ -277,10 +331,16 @@ class DataProto:
         """Rename columns (tensor or non-tensor) in place; returns self."""
         old_keys, new_keys = _key_list(old_keys or []), _key_list(new_keys or [])
         if len(old_keys) != len(new_keys):
-            raise ValueError(f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}; pass one new name per old name.")
+            raise ValueError(
+                f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}; "
+                "pass one new name per old name."
+            )
         for old, new in zip(old_keys, new_keys, strict=True):
             if old not in self:
-                raise KeyError(f"rename: no column {old!r}; batch keys: {self._batch_keys()}, non-tensor keys: {list(self.non_tensor_batch)}")
+                raise KeyError(
+                    f"rename: no column {old!r}; batch keys: {self._batch_keys()}, "
+                    f"non-tensor keys: {list(self.non_tensor_batch)}"
+                )
             if new in self and new != old:
                 raise ValueError(f"rename: column {new!r} already exists; pop it first or choose another name.")
             if old in self.non_tensor_batch:
@@ -290,24 +350,20 @@ class DataProto:
         return self
 
     def union(self, other: DataProto) -> DataProto:
-        """Add other's columns and meta_info to self (in place; returns self). Shared keys must hold equal values."""
-        if (self.batch is not None or self.non_tensor_batch) and (other.batch is not None or other.non_tensor_batch) and len(self) != len(other):
-            raise ValueError(f"union: self has {len(self)} rows but other has {len(other)}; union joins columns of the same rows.")
-        if other.batch is not None:
-            if self.batch is None:
-                self.batch = TensorDict({}, batch_size=[len(other)], device=other.batch.device)
-            for key, value in other.batch.items():
-                if key in self.non_tensor_batch or (key in self.batch.keys() and not _tensors_equal(self.batch[key], value)):
-                    raise ValueError(f"union: batch[{key!r}] differs between the two DataProtos; rename or pop one of them.")
-                self.batch[key] = value
-        for key, value in other.non_tensor_batch.items():
-            if key in self._batch_keys() or (key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value)):
-                raise ValueError(f"union: non_tensor_batch[{key!r}] differs between the two DataProtos; rename or pop one of them.")
-            self.non_tensor_batch[key] = value
-        for key, value in other.meta_info.items():
-            if key in self.meta_info and not _values_equal(self.meta_info[key], value):
-                raise ValueError(f"union: meta_info[{key!r}] differs ({_short(self.meta_info[key])} vs {_short(value)}); make them equal or pop one.")
-            self.meta_info[key] = value
+        """Add other's columns and meta_info to self, in place; returns self. A key both hold must hold equal values
+        (NaN equals NaN); on a conflict self is left unchanged."""
+        if self._has_columns() and other._has_columns() and len(self) != len(other):
+            raise ValueError(
+                f"union: self has {len(self)} rows but other has {len(other)}; union joins same-row columns."
+            )
+        for where, key, mine, theirs in common_entries(self, other):
+            if not values_equal(mine, theirs):
+                raise ValueError(
+                    f"union: {where}[{key!r}] differs ({short_repr(mine)} vs {short_repr(theirs)}); rename or pop one."
+                )
+        for key, value in [*(other.batch.items() if other.batch is not None else ()), *other.non_tensor_batch.items()]:
+            self[key] = value
+        self.meta_info.update(other.meta_info)
         return self
 
     # ----- splitting and joining -----
@@ -335,18 +391,24 @@ class DataProto:
         """Join along the rows. Parts need the same columns; meta_info["metrics"] lists are extended per metric,
         every other meta key must agree (a key missing from some parts is taken from those that have it)."""
         if not data:
-            raise ValueError("DataProto.concat got an empty list; pass at least one DataProto (an empty batch is data[:0]).")
+            raise ValueError(
+                "DataProto.concat got an empty list; pass at least one DataProto (an empty batch is data[:0])."
+            )
         first = data[0]
         for i, part in enumerate(data[1:], start=1):
-            _check_same_columns(first, part, i)
+            check_same_columns(first, part, i)
         batch = None
         if any(part.batch is not None for part in data):
             rows = sum(len(part) for part in data)
             device = next(part.batch.device for part in data if part.batch is not None)
-            columns = {key: _cat_column(key, [part.batch[key] for part in data]) for key in first._batch_keys()}
+            columns = {key: cat_column(key, [part.batch[key] for part in data]) for key in first._batch_keys()}
             batch = TensorDict(columns, batch_size=[rows], device=device)
-        non_tensor = {key: np.concatenate([part.non_tensor_batch[key] for part in data]) for key in first.non_tensor_batch}
-        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=_merge_meta([part.meta_info for part in data]))
+        non_tensor = {
+            key: np.concatenate([part.non_tensor_batch[key] for part in data]) for key in first.non_tensor_batch
+        }
+        return type(first)(
+            batch=batch, non_tensor_batch=non_tensor, meta_info=merge_meta([part.meta_info for part in data])
+        )
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row `repeat_times` times: [a, a, b, b] when interleave, else the whole batch tiled [a, b, a, b]."""
@@ -354,9 +416,12 @@ class DataProto:
             raise ValueError(f"repeat needs a non-negative int repeat_times, got {repeat_times!r}.")
         n = int(repeat_times)
         if interleave:
-            return self._map_rows(len(self) * n, lambda t: t.repeat_interleave(n, dim=0), lambda a: np.repeat(a, n, axis=0))
-        return self._map_rows(len(self) * n, lambda t: t.repeat(n, *[1] * (t.dim() - 1)),
-                              lambda a: np.tile(a, (n,) + (1,) * (a.ndim - 1)))
+            return self._map_rows(
+                len(self) * n, lambda t: t.repeat_interleave(n, dim=0), lambda a: np.repeat(a, n, axis=0)
+            )
+        return self._map_rows(
+            len(self) * n, lambda t: t.repeat(n, *[1] * (t.dim() - 1)), lambda a: np.tile(a, (n,) + (1,) * (a.ndim - 1))
+        )
 
     def reorder(self, indices) -> None:
         """Permute the rows in place: row i becomes old row indices[i]."""
@@ -366,7 +431,8 @@ class DataProto:
     def group_by(self, key: str) -> dict[Any, DataProto]:
         """{value: the rows whose column `key` holds it}, groups in order of first appearance, rows in original order.
 
-        One stable argsort and one gather, then views: no Python loop over rows.
+        One stable argsort and at most one gather, then slices: no Python loop over rows. When equal keys already
+        sit next to each other (as after an interleaved repeat), the groups are views of self, else copies.
         """
         values = self[key]
         if isinstance(values, torch.Tensor):
@@ -377,23 +443,31 @@ class DataProto:
         try:
             uniques, first_row, group_of_row = np.unique(values, return_index=True, return_inverse=True)
         except TypeError as err:
-            raise ValueError(f"group_by: the values of {key!r} cannot be sorted ({err}); convert them to str first.") from err
+            raise ValueError(
+                f"group_by: the values of {key!r} cannot be sorted ({err}); convert them to str first."
+            ) from err
         appearance = np.argsort(first_row, kind="stable")  # group ids in order of first appearance
         rank = np.empty_like(appearance)
         rank[appearance] = np.arange(len(appearance))
         row_rank = rank[group_of_row.reshape(-1)]
-        grouped = self.select_idxs(np.argsort(row_rank, kind="stable"))
+        order = np.argsort(row_rank, kind="stable")
+        grouped = self if np.array_equal(order, np.arange(len(order))) else self.select_idxs(order)
         bounds = np.concatenate([[0], np.cumsum(np.bincount(row_rank, minlength=len(uniques)))])
-        return {_python_key(uniques[g]): grouped.slice(int(bounds[i]), int(bounds[i + 1])) for i, g in enumerate(appearance)}
+        return {
+            _python_key(uniques[g]): grouped.slice(int(bounds[i]), int(bounds[i + 1])) for i, g in enumerate(appearance)
+        }
 
-    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
-                      dataloader_kwargs: dict | None = None) -> Iterator[DataProto]:
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
+    ) -> Iterator[DataProto]:
         """Mini-batches for `epochs` passes. dataloader_kwargs: {"shuffle": bool, "drop_last": bool}; a seed makes
         the shuffles reproducible. A last mini-batch that doesn't fill up is shorter unless drop_last."""
         options = dict(dataloader_kwargs or {})
         shuffle, drop_last = bool(options.pop("shuffle", False)), bool(options.pop("drop_last", False))
         if options:
-            raise ValueError(f"make_iterator supports dataloader_kwargs 'shuffle' and 'drop_last', got also {sorted(options)}.")
+            raise ValueError(
+                f"make_iterator supports dataloader_kwargs 'shuffle' and 'drop_last', got also {sorted(options)}."
+            )
         if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
             raise ValueError(f"make_iterator needs a positive int mini_batch_size, got {mini_batch_size!r}.")
         generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -404,7 +478,7 @@ class DataProto:
             for _ in range(epochs):
                 order = torch.randperm(rows, generator=generator).numpy() if shuffle else np.arange(rows)
                 for start in range(0, stop, mini_batch_size):
-                    yield self.select_idxs(order[start:start + mini_batch_size])
+                    yield self.select_idxs(order[start : start + mini_batch_size])
 
         return batches()
 
@@ -430,7 +504,9 @@ class DataProto:
 
     def shared_keys(self) -> list[str]:
         """Columns whose memory is shared read-only with other readers (arrived zero-copy through Ray)."""
-        tensors = [k for k, v in (self.batch.items() if self.batch is not None else ()) if isinstance(v, SharedReadOnlyTensor)]
+        tensors = [
+            k for k, v in (self.batch.items() if self.batch is not None else ()) if isinstance(v, SharedReadOnlyTensor)
+        ]
         return tensors + [k for k, v in self.non_tensor_batch.items() if not v.flags.writeable]
 
     def make_writable(self, keys: list[str] | None = None) -> DataProto:
@@ -455,19 +531,28 @@ class DataProto:
 
     def size_summary(self) -> str:
         tensor_bytes = sum(v.numel() * v.element_size() for v in self.batch.values()) if self.batch is not None else 0
-        return (f"DataProto: {len(self)} rows, {_mib(self.nbytes)} MiB; batch {len(self._batch_keys())} tensors "
-                f"{_mib(tensor_bytes)} MiB; non_tensor {len(self.non_tensor_batch)} columns "
-                f"{_mib(self.nbytes - tensor_bytes)} MiB (object columns: references only); meta_info keys {list(self.meta_info)}")
+        return (
+            f"DataProto: {len(self)} rows, {_mib(self.nbytes)} MiB; batch {len(self._batch_keys())} tensors "
+            f"{_mib(tensor_bytes)} MiB; non_tensor {len(self.non_tensor_batch)} columns "
+            f"{_mib(self.nbytes - tensor_bytes)} MiB (object columns: references only); "
+            f"meta_info keys {list(self.meta_info)}"
+        )
 
     def __repr__(self) -> str:
-        tensors = {k: f"{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in (self.batch.items() if self.batch is not None else ())}
+        tensors = {
+            k: f"{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+            for k, v in (self.batch.items() if self.batch is not None else ())
+        }
         arrays = {k: f"{v.shape} {v.dtype}" for k, v in self.non_tensor_batch.items()}
-        return f"{type(self).__name__}(len={len(self)}, batch={tensors}, non_tensor_batch={arrays}, meta_info keys={list(self.meta_info)})"
+        name, meta_keys = type(self).__name__, list(self.meta_info)
+        return f"{name}(len={len(self)}, batch={tensors}, non_tensor_batch={arrays}, meta_info keys={meta_keys})"
 
     def save_to_disk(self, filepath) -> None:
         """Write one file (see protocol_disk): tensors as safetensors, no pickle anywhere."""
         batch = None if self.batch is None else dict(self.batch.items())
-        protocol_disk.save_parts(filepath, batch, None if self.batch is None else len(self), self.non_tensor_batch, self.meta_info)
+        protocol_disk.save_parts(
+            filepath, batch, None if self.batch is None else len(self), self.non_tensor_batch, self.meta_info
+        )
 
     @classmethod
     def load_from_disk(cls, filepath) -> DataProto:
@@ -479,13 +564,20 @@ class DataProto:
 
     def __getstate__(self) -> dict:
         tensors = None if self.batch is None else {key: tensor_to_numpy(value) for key, value in self.batch.items()}
-        return {"version": _STATE_VERSION, "rows": len(self), "tensors": tensors,
-                "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+        return {
+            "version": _STATE_VERSION,
+            "rows": len(self),
+            "tensors": tensors,
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
 
     def __setstate__(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"pickled DataProto has state version {state.get('version')!r}, this code reads "
-                             f"{_STATE_VERSION}; sender and receiver must run the same roll_backend.")
+            raise ValueError(
+                f"pickled DataProto has state version {state.get('version')!r}, this code reads "
+                f"{_STATE_VERSION}; sender and receiver must run the same roll_backend."
+            )
         self.batch = None
         if state["tensors"] is not None:
             tensors = {key: tensor_from_numpy(dtype, array) for key, (dtype, array) in state["tensors"].items()}
@@ -502,8 +594,10 @@ def _as_non_tensor_column(key: str, value) -> np.ndarray:
         return np.fromiter(value, dtype=object, count=len(value))  # 1-D even when the rows are lists
     if isinstance(value, np.ndarray) and value.ndim >= 1:
         return value
-    raise ValueError(f"non_tensor_batch[{key!r}] must be a numpy array with a batch dim or a list (one entry per "
-                     f"row), got {_describe(value)}; tensors go in batch, per-batch scalars in meta_info.")
+    raise ValueError(
+        f"non_tensor_batch[{key!r}] must be a numpy array with a batch dim or a list (one entry per "
+        f"row), got {_describe(value)}; tensors go in batch, per-batch scalars in meta_info."
+    )
 
 
 def _leading_len(value) -> int:
@@ -529,89 +623,13 @@ def _padded_index(rows: int, pad_size: int) -> np.ndarray:
     return np.concatenate([np.arange(rows), np.arange(pad_size) % rows])
 
 
-def _check_same_columns(first: DataProto, part: DataProto, index: int) -> None:
-    for where, mine, theirs in (("batch", first._batch_keys(), part._batch_keys()),
-                                ("non_tensor_batch", list(first.non_tensor_batch), list(part.non_tensor_batch))):
-        if set(mine) != set(theirs):
-            raise ValueError(f"concat: part {index} has {where} keys {sorted(theirs)} but part 0 has {sorted(mine)} "
-                             f"(missing {sorted(set(mine) - set(theirs))}, extra {sorted(set(theirs) - set(mine))}); "
-                             "select the common columns before concatenating.")
-
-
-def _cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    first = tensors[0]
-    for i, tensor in enumerate(tensors[1:], start=1):
-        if tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:]:
-            raise ValueError(f"concat: batch[{key!r}] is {first.dtype} {tuple(first.shape[1:])} per row in part 0 but "
-                             f"{tensor.dtype} {tuple(tensor.shape[1:])} in part {i}; pad or cast the parts to match.")
-    return torch.cat(tensors, dim=0)
-
-
-def _merge_meta(metas: list[dict]) -> dict:
-    merged: dict = {}
-    for i, meta in enumerate(metas):
-        for key, value in meta.items():
-            if key == META_METRICS and value is not None:
-                if not isinstance(value, dict):
-                    raise ValueError(f"concat: meta_info[{META_METRICS!r}] of part {i} must be a dict of metric name -> "
-                                     f"value or list, got {_describe(value)}.")
-                metrics = merged.setdefault(META_METRICS, {})
-                for name, values in value.items():
-                    metrics.setdefault(name, []).extend(values if isinstance(values, list) else [values])
-            elif key not in merged:
-                merged[key] = value
-            elif not _values_equal(merged[key], value):
-                raise ValueError(f"concat: meta_info[{key!r}] differs between parts ({_short(merged[key])} before part {i}, "
-                                 f"{_short(value)} in part {i}); make it equal or carry per-part values in meta_info['metrics'].")
-    return merged
-
-
-def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
-        return True
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-        return True
-    if torch.equal(a, b):
-        return True
-    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
-
-
-def _values_equal(a, b) -> bool:
-    """Equality that treats NaN == NaN, compares arrays/tensors elementwise and never raises."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        equal = a == b
-        return equal if isinstance(equal, bool) else bool(np.all(equal))
-    except (TypeError, ValueError):  # incomparable values (e.g. dicts holding arrays) count as different
-        return False
-
-
 def _python_key(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
 def _describe(value) -> str:
     shape = getattr(value, "shape", None)
-    return f"{type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else f" {_short(value)}")
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return f"{type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else f" {short_repr(value)}")
 
 
 def _mib(nbytes: int) -> str:

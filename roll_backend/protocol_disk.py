@@ -24,25 +24,42 @@ _BATCH = "batch.safetensors"
 _TAGS = ("__tuple__", "__ndarray__", "__npscalar__")
 
 
-def save_parts(path, batch: dict[str, torch.Tensor] | None, batch_size: int | None, non_tensor: dict[str, np.ndarray], meta_info: dict) -> None:
+def save_parts(
+    path,
+    batch: dict[str, torch.Tensor] | None,
+    batch_size: int | None,
+    non_tensor: dict[str, np.ndarray],
+    meta_info: dict,
+) -> None:
     """Write a DataProto's parts to `path` (one file)."""
-    layout = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "batch_size": batch_size,
-              "batch_keys": list(batch or {}), "non_tensor": {}, "meta_info": _encode(meta_info, "meta_info")}
+    layout = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "batch_size": batch_size,
+        "batch_keys": list(batch or {}),
+        "non_tensor": {},
+        "meta_info": _encode(meta_info, "meta_info"),
+    }
     members: dict[str, bytes] = {}
     if batch is not None:
         members[_BATCH] = save_safetensors(_private_contiguous(batch))
     for i, (key, array) in enumerate(non_tensor.items()):
         if array.dtype.kind == "O":
-            layout["non_tensor"][key] = {"kind": "json", "shape": list(array.shape),
-                                         "values": [_encode(v, f"non_tensor_batch[{key!r}]") for v in array.ravel()]}
+            layout["non_tensor"][key] = {
+                "kind": "json",
+                "shape": list(array.shape),
+                "values": [_encode(v, f"non_tensor_batch[{key!r}]") for v in array.ravel()],
+            }
         elif array.dtype.kind in "biufcUmM":
             buffer = io.BytesIO()
             np.save(buffer, array, allow_pickle=False)
             layout["non_tensor"][key] = {"kind": "npy", "member": f"non_tensor/{i}.npy"}
             members[f"non_tensor/{i}.npy"] = buffer.getvalue()
         else:
-            raise ValueError(f"cannot save non_tensor_batch[{key!r}] of dtype {array.dtype}: only numeric, fixed-width str "
-                             "and object columns are saved; convert it to one of those.")
+            raise ValueError(
+                f"cannot save non_tensor_batch[{key!r}] of dtype {array.dtype}: only numeric, fixed-width str "
+                "and object columns are saved; convert it to one of those."
+            )
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
         archive.writestr(_LAYOUT, json.dumps(layout))
         for name, payload in members.items():
@@ -54,8 +71,10 @@ def load_parts(path) -> tuple[dict[str, torch.Tensor] | None, int | None, dict[s
     with zipfile.ZipFile(path) as archive:
         layout = json.loads(archive.read(_LAYOUT))
         if layout.get("format") != FORMAT_NAME or layout.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path} is not a {FORMAT_NAME} v{FORMAT_VERSION} file (found format={layout.get('format')!r}, "
-                             f"version={layout.get('version')!r}); save it again with DataProto.save_to_disk.")
+            raise ValueError(
+                f"{path} is not a {FORMAT_NAME} v{FORMAT_VERSION} file (found format={layout.get('format')!r}, "
+                f"version={layout.get('version')!r}); save it again with DataProto.save_to_disk."
+            )
         batch = None
         if layout["batch_size"] is not None:
             tensors = load_safetensors(archive.read(_BATCH)) if layout["batch_keys"] else {}

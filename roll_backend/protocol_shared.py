@@ -16,11 +16,39 @@ import torch
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # In-place operator dunders; every other in-place op is named `<op>_`.
 _INPLACE_DUNDERS = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+        "matmul",
+    )
 ) | {"__setitem__"}
 # Trailing-underscore methods that change only the tensor object's metadata, never the shared bytes.
 _METADATA_ONLY = frozenset(
-    {"requires_grad_", "retain_grad", "detach_", "rename_", "share_memory_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"}
+    {
+        "requires_grad_",
+        "retain_grad",
+        "detach_",
+        "rename_",
+        "share_memory_",
+        "squeeze_",
+        "unsqueeze_",
+        "t_",
+        "transpose_",
+        "swapdims_",
+        "swapaxes_",
+        "as_strided_",
+    }
 )
 
 
@@ -76,7 +104,11 @@ def _writes_shared(name: str, args: tuple, kwargs: dict) -> bool:
 
 def _keep_views_read_only(result, shared_ptrs: set[int]):
     if isinstance(result, torch.Tensor):
-        if type(result) is torch.Tensor and result.layout == torch.strided and result.untyped_storage().data_ptr() in shared_ptrs:
+        if (
+            type(result) is torch.Tensor
+            and result.layout == torch.strided
+            and result.untyped_storage().data_ptr() in shared_ptrs
+        ):
             return result.as_subclass(SharedReadOnlyTensor)
         return result
     if isinstance(result, np.ndarray) and shared_ptrs:  # .numpy() / np.asarray(t) views the shared bytes

@@ -78,8 +78,14 @@ def test_from_dict_infers_batch_size_and_makes_lists_1d_object_columns():
 
 
 def test_from_single_dict_splits_tensors_from_other_columns():
-    data = DataProto.from_single_dict({"ids": torch.ones(2, 3), "text": ["a", "b"], "w": np.ones(2)}, meta_info={"k": 1})
-    assert list(data.batch.keys()) == ["ids"] and list(data.non_tensor_batch) == ["text", "w"] and data.meta_info == {"k": 1}
+    data = DataProto.from_single_dict(
+        {"ids": torch.ones(2, 3), "text": ["a", "b"], "w": np.ones(2)}, meta_info={"k": 1}
+    )
+    assert (
+        list(data.batch.keys()) == ["ids"]
+        and list(data.non_tensor_batch) == ["text", "w"]
+        and data.meta_info == {"k": 1}
+    )
 
 
 def test_len_of_batchless_and_empty_dataprotos():
@@ -90,12 +96,24 @@ def test_len_of_batchless_and_empty_dataprotos():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: DataProto.from_dict(tensors={"a": torch.zeros(3), "b": torch.zeros(4)}), r"tensors\['b'\] has 4 rows but tensors\['a'\] has 3"),
-        (lambda: DataProto.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"t": ["x"]}), r"non_tensor_batch\['t'\] has 1 rows but the tensor batch has 3"),
-        (lambda: DataProto.from_dict(non_tensors={"t": np.array(5)}), r"non_tensor_batch\['t'\] must be a numpy array with a batch dim"),
+        (
+            lambda: DataProto.from_dict(tensors={"a": torch.zeros(3), "b": torch.zeros(4)}),
+            r"tensors\['b'\] has 4 rows but tensors\['a'\] has 3",
+        ),
+        (
+            lambda: DataProto.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"t": ["x"]}),
+            r"non_tensor_batch\['t'\] has 1 rows but the tensor batch has 3",
+        ),
+        (
+            lambda: DataProto.from_dict(non_tensors={"t": np.array(5)}),
+            r"non_tensor_batch\['t'\] must be a numpy array with a batch dim",
+        ),
         (lambda: DataProto.from_dict(tensors={"a": np.zeros(3)}), r"tensors\['a'\] must be a torch.Tensor"),
         (lambda: DataProto.from_dict(tensors={"a": torch.zeros(3)}, num_batch_dims=2), "num_batch_dims=2"),
-        (lambda: DataProto.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"a": ["x", "y", "z"]}), r"\['a'\] are in both"),
+        (
+            lambda: DataProto.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"a": ["x", "y", "z"]}),
+            r"\['a'\] are in both",
+        ),
     ],
 )
 def test_inconsistent_columns_are_rejected_with_the_fix(build, message):
@@ -109,7 +127,11 @@ def test_inconsistent_columns_are_rejected_with_the_fix(build, message):
 def test_indexing_by_int_slice_indices_mask_and_name():
     data = make_batch(6)
     item = data[-1]
-    assert isinstance(item, DataProtoItem) and torch.equal(item.batch[INPUT_IDS], data[INPUT_IDS][5]) and item.non_tensor_batch[UID] == "uid-5"
+    assert (
+        isinstance(item, DataProtoItem)
+        and torch.equal(item.batch[INPUT_IDS], data[INPUT_IDS][5])
+        and item.non_tensor_batch[UID] == "uid-5"
+    )
     view = data[1:5:2]
     assert view[UID].tolist() == ["uid-1", "uid-3"] and view[INPUT_IDS].data_ptr() == data[INPUT_IDS][1].data_ptr()
     for index in ([4, -6], np.array([4, 0]), torch.tensor([4, 0])):
@@ -141,7 +163,11 @@ def test_setitem_adds_and_replaces_columns_of_the_right_length():
 def test_select_pop_rename():
     data = make_batch(4, meta_info={"a": 1, "b": 2})
     picked = data.select(batch_keys=[INPUT_IDS], non_tensor_batch_keys=[UID], meta_info_keys=["a"])
-    assert list(picked.batch.keys()) == [INPUT_IDS] and list(picked.non_tensor_batch) == [UID] and picked.meta_info == {"a": 1}
+    assert (
+        list(picked.batch.keys()) == [INPUT_IDS]
+        and list(picked.non_tensor_batch) == [UID]
+        and picked.meta_info == {"a": 1}
+    )
     assert picked[INPUT_IDS].data_ptr() == data[INPUT_IDS].data_ptr()
     copied = data.select(deepcopy=True)
     assert copied[INPUT_IDS].data_ptr() != data[INPUT_IDS].data_ptr()
@@ -149,7 +175,11 @@ def test_select_pop_rename():
         data.select(batch_keys=["missing"])
 
     popped = data.pop(batch_keys=[OLD_LOG_PROBS], non_tensor_batch_keys=["weights"], meta_info_keys=["b"])
-    assert list(popped.batch.keys()) == [OLD_LOG_PROBS] and list(popped.non_tensor_batch) == ["weights"] and popped.meta_info == {"b": 2}
+    assert (
+        list(popped.batch.keys()) == [OLD_LOG_PROBS]
+        and list(popped.non_tensor_batch) == ["weights"]
+        and popped.meta_info == {"b": 2}
+    )
     assert OLD_LOG_PROBS not in data and "weights" not in data and data.meta_info == {"a": 1}
 
     assert data.rename([INPUT_IDS, UID], ["ids", "group"]) is data
@@ -160,13 +190,17 @@ def test_select_pop_rename():
 
 def test_union_returns_self_and_names_conflicting_keys():
     data = make_batch(4, meta_info={"t": 1.0})
-    other = DataProto.from_dict(tensors={INPUT_IDS: data[INPUT_IDS].clone(), "values": torch.ones(4)},
-                                non_tensors={UID: data[UID].copy(), "nan": np.array([np.nan] * 4)}, meta_info={"t": 1.0, "u": 2})
+    other = DataProto.from_dict(
+        tensors={INPUT_IDS: data[INPUT_IDS].clone(), "values": torch.ones(4)},
+        non_tensors={UID: data[UID].copy(), "nan": np.array([np.nan] * 4)},
+        meta_info={"t": 1.0, "u": 2},
+    )
     assert data.union(other) is data
     assert "values" in data and "nan" in data and data.meta_info == {"t": 1.0, "u": 2}
     assert data.union(DataProto.from_dict(non_tensors={"nan": np.array([np.nan] * 4)})) is data  # NaN equals NaN
     with pytest.raises(ValueError, match=r"batch\['values'\] differs"):
-        data.union(DataProto.from_dict(tensors={"values": torch.zeros(4)}))
+        data.union(DataProto.from_dict(tensors={"extra": torch.zeros(4), "values": torch.zeros(4)}))
+    assert "extra" not in data  # a failed union changes nothing
     with pytest.raises(ValueError, match=r"non_tensor_batch\['uid'\] differs"):
         data.union(DataProto.from_dict(non_tensors={UID: ["a", "b", "c", "d"]}))
     with pytest.raises(ValueError, match=r"meta_info\['t'\] differs"):
@@ -190,9 +224,15 @@ def test_chunk_sizes_follow_array_split_and_split_keeps_a_short_tail():
 
 
 def test_concat_extends_metrics_and_rejects_disagreeing_meta():
-    parts = [make_batch(2, seed=i, meta_info={"temperature": 0.7, META_METRICS: {"loss": [float(i)], "lr": 0.1}}) for i in range(3)]
+    parts = [
+        make_batch(2, seed=i, meta_info={"temperature": 0.7, META_METRICS: {"loss": [float(i)], "lr": 0.1}})
+        for i in range(3)
+    ]
     joined = DataProto.concat(parts)
-    assert len(joined) == 6 and joined.meta_info == {"temperature": 0.7, META_METRICS: {"loss": [0.0, 1.0, 2.0], "lr": [0.1] * 3}}
+    assert len(joined) == 6 and joined.meta_info == {
+        "temperature": 0.7,
+        META_METRICS: {"loss": [0.0, 1.0, 2.0], "lr": [0.1] * 3},
+    }
     assert parts[0].meta_info[META_METRICS]["loss"] == [0.0]  # inputs untouched
     parts[2].meta_info["temperature"] = 1.0
     with pytest.raises(ValueError, match=r"meta_info\['temperature'\] differs between parts"):
@@ -206,13 +246,20 @@ def test_concat_errors():
         DataProto.concat([make_batch(2), make_batch(2).select(batch_keys=[INPUT_IDS, ATTENTION_MASK, "ref_bf16"])])
     other = make_batch(2)
     other[OLD_LOG_PROBS] = torch.zeros(2, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"batch\['old_log_probs'\] is torch.float32 \(3,\) per row in part 0 but torch.float64"):
+    with pytest.raises(
+        ValueError, match=r"batch\['old_log_probs'\] is torch.float32 \(3,\) per row in part 0 but torch.float64"
+    ):
         DataProto.concat([make_batch(2), other])
 
 
 def test_repeat_interleaves_or_tiles():
     data = DataProto.from_dict(tensors={"obs": torch.tensor([[1, 2], [3, 4]])}, non_tensors={"l": ["a", "b"]})
-    assert data.repeat(2)["obs"].tolist() == [[1, 2], [1, 2], [3, 4], [3, 4]] and data.repeat(2)["l"].tolist() == ["a", "a", "b", "b"]
+    assert data.repeat(2)["obs"].tolist() == [[1, 2], [1, 2], [3, 4], [3, 4]] and data.repeat(2)["l"].tolist() == [
+        "a",
+        "a",
+        "b",
+        "b",
+    ]
     tiled = data.repeat(repeat_times=2, interleave=False)
     assert tiled["obs"].tolist() == [[1, 2], [3, 4], [1, 2], [3, 4]] and tiled["l"].tolist() == ["a", "b", "a", "b"]
 
@@ -228,6 +275,10 @@ def test_group_by_keeps_first_appearance_order_and_row_order():
     groups = data.group_by("g")
     assert list(groups) == ["b", "a", "c"]
     assert {k: v["x"].tolist() for k, v in groups.items()} == {"b": [0, 2, 5], "a": [1, 4], "c": [3]}
+    contiguous = data[[0, 2, 5, 1, 4, 3]]
+    views = contiguous.group_by("g")
+    assert views["a"]["x"].data_ptr() == contiguous["x"][3:].data_ptr()  # already grouped: slices, no copy
+    assert groups["a"]["x"].data_ptr() != data["x"][1:].data_ptr()  # interleaved keys: one gather
     by_tensor = DataProto.from_dict(tensors={"group": torch.tensor([7, 3, 7]), "x": torch.arange(3)}).group_by("group")
     assert list(by_tensor) == [7, 3] and isinstance(next(iter(by_tensor)), int)
     with pytest.raises(ValueError, match="group_by needs a 1-D column"):
@@ -236,11 +287,18 @@ def test_group_by_keeps_first_appearance_order_and_row_order():
 
 def test_make_iterator_shuffles_reproducibly_and_covers_every_row():
     data = make_batch(10)
-    run = lambda seed: [mb[UID].tolist() for mb in data.make_iterator(4, epochs=2, seed=seed, dataloader_kwargs={"shuffle": True})]
+
+    def run(seed):
+        iterator = data.make_iterator(4, epochs=2, seed=seed, dataloader_kwargs={"shuffle": True})
+        return [mb[UID].tolist() for mb in iterator]
+
     first = run(1)
     assert first == run(1) and [len(mb) for mb in first] == [4, 4, 2] * 2
     assert sorted(sum(first[:3], [])) == sorted(data[UID].tolist()) and first[:3] != first[3:]
-    assert [mb[UID].tolist() for mb in data.make_iterator(5, epochs=1)] == [data[UID][:5].tolist(), data[UID][5:].tolist()]
+    assert [mb[UID].tolist() for mb in data.make_iterator(5, epochs=1)] == [
+        data[UID][:5].tolist(),
+        data[UID][5:].tolist(),
+    ]
     assert [len(mb) for mb in data.make_iterator(4, 1, dataloader_kwargs={"drop_last": True})] == [4, 4]
     with pytest.raises(ValueError, match="got also \\['num_workers'\\]"):
         data.make_iterator(4, 1, dataloader_kwargs={"num_workers": 2})
@@ -270,7 +328,9 @@ def test_to_device_and_size_summary():
 
 
 def test_save_and_load_round_trip_every_dtype_without_pickle(tmp_path):
-    data = make_batch(5, meta_info={"temperature": 0.7, META_METRICS: {"loss": [1.5]}, "pair": (1, "a"), "arr": np.arange(3)})
+    data = make_batch(
+        5, meta_info={"temperature": 0.7, META_METRICS: {"loss": [1.5]}, "pair": (1, "a"), "arr": np.arange(3)}
+    )
     data["fixed"] = np.array(["ab", "c", "d", "e", "f"])
     data["scalars"] = [np.float32(1.5), np.int64(2), True, 3, ("t", 1)]
     path = tmp_path / "batch.dp"
@@ -281,7 +341,12 @@ def test_save_and_load_round_trip_every_dtype_without_pickle(tmp_path):
     assert_same(loaded, data)
     assert np.array_equal(meta_arr, np.arange(3)) and type(loaded["scalars"][0]) is np.float32
     with zipfile.ZipFile(path) as archive:
-        assert sorted(archive.namelist()) == ["batch.safetensors", "dataproto.json", "non_tensor/2.npy", "non_tensor/3.npy"]
+        assert sorted(archive.namelist()) == [
+            "batch.safetensors",
+            "dataproto.json",
+            "non_tensor/2.npy",
+            "non_tensor/3.npy",
+        ]
 
 
 def test_save_refuses_objects_json_cannot_hold(tmp_path):
@@ -337,7 +402,9 @@ def test_every_in_place_write_to_a_shared_tensor_raises(write):
 def test_shared_tensors_read_and_train_like_plain_ones():
     received = oob_round_trip(make_batch(4))
     logp = received[OLD_LOG_PROBS]
-    assert type(logp * 2) is torch.Tensor and type(logp.clone()) is torch.Tensor and type(logp[1:]) is SharedReadOnlyTensor
+    assert (
+        type(logp * 2) is torch.Tensor and type(logp.clone()) is torch.Tensor and type(logp[1:]) is SharedReadOnlyTensor
+    )
     embedding = torch.nn.Embedding(1000, 4)
     (embedding(received[INPUT_IDS]).sum() + (logp * embedding.weight[0, 0]).sum()).backward()
     assert embedding.weight.grad is not None
@@ -367,7 +434,12 @@ def test_chunk_then_concat_is_identity(rows, chunks):
     data = make_batch(rows, seed=rows)
     parts = data.chunk(chunks)
     sizes = [len(p) for p in parts]
-    assert len(parts) == chunks and sum(sizes) == rows and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert (
+        len(parts) == chunks
+        and sum(sizes) == rows
+        and max(sizes) - min(sizes) <= 1
+        and sizes == sorted(sizes, reverse=True)
+    )
     assert_same(DataProto.concat(parts), data)
 
 
@@ -396,7 +468,7 @@ def test_repeat_then_group_by_recovers_the_groups(rows, times, interleave):
     data = make_batch(rows, seed=times)
     groups = data.repeat(times, interleave=interleave).group_by(UID)
     assert list(groups) == data[UID].tolist()
-    for i, (uid, group) in enumerate(groups.items()):
+    for i, group in enumerate(groups.values()):
         assert_same(group, data[[i] * times])
 
 

@@ -1,4 +1,4 @@
-"""DataProto through real Ray actors: one put batch reaches every reader zero-copy, and a reader's write stays its own."""
+"""DataProto through real Ray actors: one put batch reaches every reader zero-copy; a reader's write stays its own."""
 
 from __future__ import annotations
 
@@ -25,8 +25,12 @@ def _mapping_of(address: int) -> dict:
             fields = line.split(maxsplit=5)
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if start <= address < end:
-                return {"perms": fields[1], "file": (fields[3], int(fields[4])), "path": fields[5].strip() if len(fields) > 5 else "",
-                        "file_offset": address - start + int(fields[2], 16)}
+                return {
+                    "perms": fields[1],
+                    "file": (fields[3], int(fields[4])),
+                    "path": fields[5].strip() if len(fields) > 5 else "",
+                    "file_offset": address - start + int(fields[2], 16),
+                }
     raise AssertionError(f"address {address:#x} is in no mapping of pid {os.getpid()}")
 
 
@@ -46,14 +50,22 @@ class BatchReader:
     def read(self, batch: DataProto) -> dict:
         """Touch every byte of input_ids and report where its memory lives."""
         input_ids = batch["input_ids"]
-        return {"sum": int(input_ids.sum()), "type": type(input_ids).__name__, "rss_anon": _rss_anon_bytes(),
-                "mapping": _mapping_of(input_ids.data_ptr()), "labels": batch["labels"][:3].tolist()}
+        return {
+            "sum": int(input_ids.sum()),
+            "type": type(input_ids).__name__,
+            "rss_anon": _rss_anon_bytes(),
+            "mapping": _mapping_of(input_ids.data_ptr()),
+            "labels": batch["labels"][:3].tolist(),
+        }
 
     def write_in_place(self, batch: DataProto) -> dict:
         """Try the in-place writes a worker might do, then do them properly after make_writable."""
         blocked = []
-        for name, write in (("add_", lambda: batch["input_ids"].add_(1)), ("setitem", lambda: batch["input_ids"].__setitem__(0, 7)),
-                            ("view", lambda: batch["input_ids"][0:2].zero_())):
+        for name, write in (
+            ("add_", lambda: batch["input_ids"].add_(1)),
+            ("setitem", lambda: batch["input_ids"].__setitem__(0, 7)),
+            ("view", lambda: batch["input_ids"][0:2].zero_()),
+        ):
             try:
                 write()
             except SharedTensorWriteError:
@@ -65,7 +77,11 @@ class BatchReader:
         batch.make_writable()
         batch["input_ids"].add_(1)
         batch["scores"][0] = 1.0
-        return {"blocked": blocked, "sum_after_write": int(batch["input_ids"].sum()), "shared_after": batch.shared_keys()}
+        return {
+            "blocked": blocked,
+            "sum_after_write": int(batch["input_ids"].sum()),
+            "shared_after": batch.shared_keys(),
+        }
 
     def first_rows(self, batch: DataProto, rows: int) -> DataProto:
         return batch[:rows]
@@ -74,8 +90,11 @@ class BatchReader:
 def make_batch() -> DataProto:
     input_ids = torch.arange(ROWS * SEQ, dtype=torch.int64).reshape(ROWS, SEQ) % 50_000
     return DataProto.from_dict(
-        tensors={"input_ids": input_ids, "mask": torch.ones(ROWS, SEQ, dtype=torch.bool),
-                 "logp": torch.randn(ROWS, 8).to(torch.bfloat16)},
+        tensors={
+            "input_ids": input_ids,
+            "mask": torch.ones(ROWS, SEQ, dtype=torch.bool),
+            "logp": torch.randn(ROWS, 8).to(torch.bfloat16),
+        },
         non_tensors={"labels": [f"row-{i}" for i in range(ROWS)], "scores": np.zeros(ROWS, dtype=np.float32)},
         meta_info={"temperature": 1.0},
     )
@@ -84,7 +103,9 @@ def make_batch() -> DataProto:
 @pytest.fixture(scope="module")
 def readers(ray_session):
     actors = [BatchReader.remote() for _ in range(4)]
-    warm = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, 2, dtype=torch.int64)}, non_tensors={"labels": ["a", "b"]})
+    warm = DataProto.from_dict(
+        tensors={"input_ids": torch.zeros(2, 2, dtype=torch.int64)}, non_tensors={"labels": ["a", "b"]}
+    )
     ray.get([actor.read.remote(warm) for actor in actors])  # imports and first-call allocations happen here
     yield actors
     for actor in actors:
