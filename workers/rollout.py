@@ -1,0 +1,58 @@
+"""The rollout role: each rank hosts a rollout strategy (vLLM) that generates, takes new weights, probes log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from roll_backend import keys
+from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.worker import Worker
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.registry import create_strategy
+
+
+@dataclass(frozen=True)
+class RolloutWorkerConfig:
+    """The `actor_infer` role section: which rollout strategy, with its typed settings."""
+
+    strategy: Any  # the strategy's config class, e.g. VllmRolloutConfig
+    strategy_name: str = "vllm_rollout"
+
+
+class RolloutWorker(Worker):
+    """One rank of the rollout role. Call `initialize` once after the group is built."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.config, RolloutWorkerConfig):
+            raise TypeError(f"RolloutWorker takes a RolloutWorkerConfig as worker_config, got {type(self.config).__name__}")
+        self.strategy = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def initialize(self) -> None:
+        """Start the engine on every rank (after the rank joined its process group)."""
+        self.strategy = create_strategy(self.config.strategy_name, self.config.strategy, device=self.device, layout=self.layout)
+        self.strategy.initialize()
+
+    @register(Dispatch.DP_MP_COMPUTE)
+    def generate(self, batch: DataProto) -> DataProto:
+        """Prompts -> n responses each, with log-probs, masks and uids (see VllmRolloutStrategy.generate)."""
+        return self._strategy().generate(batch)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into every rank's engine; returns how many tensors were loaded."""
+        return self._strategy().update_weights(named_tensors)
+
+    @register(Dispatch.DP_MP_COMPUTE)
+    def probe_log_probs(self, batch: DataProto) -> DataProto:
+        """The engine's log-probs of the batch's fixed responses: keys.LOG_PROBS [B, T_resp] float32."""
+        return DataProto.from_dict(tensors={keys.LOG_PROBS: self._strategy().probe_log_probs(batch)})
+
+    def _strategy(self):
+        if self.strategy is None:
+            raise RuntimeError(f"{self.rank_tag} the rollout engine is not started; call the group's initialize() first")
+        return self.strategy
