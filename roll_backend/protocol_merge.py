@@ -40,6 +40,7 @@ def common_entries(first, other):
 
 
 def cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along the rows, refusing parts whose dtype or per-row shape differ (torch would promote or fail)."""
     first = tensors[0]
     for i, tensor in enumerate(tensors[1:], start=1):
         if tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:]:
@@ -51,6 +52,7 @@ def cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def merge_meta(metas: list[dict]) -> dict:
+    """One meta_info from the parts': metrics lists extended per metric name, every other key equal in all parts."""
     merged: dict = {}
     for i, meta in enumerate(metas):
         for key, value in meta.items():
@@ -67,13 +69,14 @@ def merge_meta(metas: list[dict]) -> dict:
                 merged[key] = value
             elif not values_equal(merged[key], value):
                 raise ValueError(
-                    f"concat: meta_info[{key!r}] differs between parts ({short_repr(merged[key])} before part {i}, "
+                    f"concat: meta_info[{key!r}] differs between parts ({short_repr(merged[key])} in an earlier part, "
                     f"{short_repr(value)} in part {i}); make it equal or carry per-part values in meta_info['metrics']."
                 )
     return merged
 
 
 def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, device and values (NaN equals NaN); the same view is equal without reading it."""
     if a is b:
         return True
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:

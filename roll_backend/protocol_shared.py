@@ -16,39 +16,12 @@ import torch
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # In-place operator dunders; every other in-place op is named `<op>_`.
 _INPLACE_DUNDERS = frozenset(
-    f"__i{op}__"
-    for op in (
-        "add",
-        "sub",
-        "mul",
-        "truediv",
-        "floordiv",
-        "mod",
-        "pow",
-        "and",
-        "or",
-        "xor",
-        "lshift",
-        "rshift",
-        "matmul",
-    )
+    f"__i{op}__" for op in "add sub mul truediv floordiv mod pow and or xor lshift rshift matmul".split()
 ) | {"__setitem__"}
 # Trailing-underscore methods that change only the tensor object's metadata, never the shared bytes.
 _METADATA_ONLY = frozenset(
-    {
-        "requires_grad_",
-        "retain_grad",
-        "detach_",
-        "rename_",
-        "share_memory_",
-        "squeeze_",
-        "unsqueeze_",
-        "t_",
-        "transpose_",
-        "swapdims_",
-        "swapaxes_",
-        "as_strided_",
-    }
+    "requires_grad_ retain_grad detach_ rename_ share_memory_ squeeze_ unsqueeze_ t_ transpose_ swapdims_ swapaxes_ "
+    "as_strided_".split()
 )
 
 
@@ -61,7 +34,8 @@ class SharedReadOnlyTensor(torch.Tensor):
 
     Reads, autograd and out-of-place ops behave as on a plain tensor and return plain tensors, except views
     (slices, `.view`, `.detach`, `.T`), which share the memory and so stay read-only. `clone()` gives a
-    private, writable copy; `DataProto.make_writable()` does that for whole columns.
+    private, writable copy; `DataProto.make_writable()` does that for whole columns. Writes that bypass torch's
+    dispatch (native code handed the raw pointer, `.as_subclass(torch.Tensor)`, `untyped_storage()`) are not caught.
     """
 
     @classmethod

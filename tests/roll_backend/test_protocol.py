@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import zipfile
 
@@ -418,6 +419,7 @@ def test_make_writable_copies_only_the_requested_columns():
     received[INPUT_IDS].add_(1)
     received["weights"][0] = 5.0
     assert sorted(received.shared_keys()) == sorted([ATTENTION_MASK, OLD_LOG_PROBS, "ref_bf16"])
+    assert copy.deepcopy(received).shared_keys() == [] and received.select(deepcopy=True).shared_keys() == []
 
 
 def test_in_band_pickle_gives_private_writable_tensors():
@@ -460,6 +462,9 @@ def test_pad_then_unpad_is_identity(rows, divisor):
     assert len(padded) % divisor == 0 and 0 <= pad_size < divisor
     assert set(padded[UID].tolist()) == set(data[UID].tolist())  # padding repeats real rows
     assert_same(unpad_dataproto(padded, pad_size), data)
+    in_place = data.select()
+    assert in_place.pad_to_divisor(divisor) == pad_size
+    assert_same(in_place.unpad(pad_size), data)
 
 
 @PROPERTY
