@@ -1,7 +1,8 @@
 """Weight sync into a running vLLM engine (RolloutWorker in a Ray actor): after training a Hugging Face copy of the
 model a few steps and loading its weights with `update_weights`, vLLM's greedy output equals transformers' greedy
 output on 16 prompts sharing a 400+ token prefix (stale prefix-cache entries would break this), and vLLM's
-sampling log-probs agree with the trained model's log-probs of the same sequences."""
+sampling log-probs agree with the trained model's log-probs of the same sequences. Without the prefix-cache reset
+in `update_weights`, the greedy check fails with 0/16 prompts matching."""
 
 from __future__ import annotations
 
@@ -144,4 +145,4 @@ def test_sampling_log_probs_agree_with_the_trained_model(rollout, synced, tokeni
     mask = sampled.batch[keys.RESPONSE_MASK].bool()
     gap = (hf_response_log_probs(trained, sampled) - sampled.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]
     print(f"vLLM vs transformers sampling log-probs: mean |gap| {gap.mean():.2e}, max {gap.max():.2e} over {int(mask.sum())} tokens")
-    assert gap.mean() < 1e-4 and gap.max() < 1e-3
+    assert gap.mean() < 1e-5 and gap.max() < 1e-4  # measured on CPU float32: mean 2e-7, max 5e-6
