@@ -1,0 +1,76 @@
+"""RewardModelWorker (Megatron forward-only with a value head, TP2 on Ray): one score per sequence, read at the
+last response token, placed there in TOKEN_LEVEL_SCORES, and unaffected by padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll_backend import keys
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron_config import MegatronInferConfig
+from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker, last_token_values
+
+PROMPT_LEN, RESPONSE_LEN = 6, 5
+
+
+@pytest.fixture(scope="module")
+def reward_model(make_group, tmp_path_factory):
+    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("reward_model"), TinyModelSpec()))
+    config = RewardModelConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, value_head=True))
+    group = make_group(RewardModelWorker, 2, ParallelLayout(tp=2), role="reward_model", worker_config=config)
+    group.init_model()
+    return group
+
+
+def layout_rows(rows: list[tuple[list[int], list[int]]], prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN, pad_id=0) -> DataProto:
+    """(prompt ids, response ids) pairs in the rollout layout: left-padded prompts, right-padded responses."""
+    b = len(rows)
+    prompts, responses = torch.full((b, prompt_len), pad_id), torch.full((b, response_len), pad_id)
+    prompt_mask, response_mask = torch.zeros(b, prompt_len, dtype=torch.long), torch.zeros(b, response_len, dtype=torch.long)
+    for i, (prompt, response) in enumerate(rows):
+        prompts[i, prompt_len - len(prompt):], prompt_mask[i, prompt_len - len(prompt):] = torch.tensor(prompt), 1
+        responses[i, : len(response)], response_mask[i, : len(response)] = torch.tensor(response), 1
+    attention = torch.cat([prompt_mask, response_mask], dim=1)
+    return DataProto.from_dict(tensors={
+        keys.PROMPTS: prompts, keys.RESPONSES: responses, keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+        keys.ATTENTION_MASK: attention, keys.POSITION_IDS: (attention.cumsum(1) - 1).clamp(min=0), keys.RESPONSE_MASK: response_mask,
+    })
+
+
+ROWS = [([5, 6, 7], [8, 9, 10, 2]), ([11, 12, 13, 14, 15, 16], [17]), ([20], [21, 22, 23, 24, 25]), ([30, 31], [32, 33])]
+
+
+def test_last_token_values_reads_the_last_masked_position():
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    assert torch.equal(last_token_values(values, mask), torch.tensor([1.0, 7.0, 8.0]))
+
+
+def test_sequence_scores_on_the_last_response_token(reward_model):
+    out = reward_model.compute_rewards(layout_rows(ROWS))
+    scores, token_level = out.batch[keys.SEQUENCE_SCORES], out.batch[keys.TOKEN_LEVEL_SCORES]
+    assert scores.shape == (len(ROWS),) and token_level.shape == (len(ROWS), RESPONSE_LEN)
+    assert torch.isfinite(scores).all() and scores.std() > 0
+    for row, (_, response) in enumerate(ROWS):
+        assert token_level[row, len(response) - 1] == scores[row]
+        assert torch.count_nonzero(token_level[row]) <= 1
+
+
+def test_scores_ignore_padding_and_depend_on_the_last_token(reward_model):
+    base = reward_model.compute_rewards(layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
+    # The same sequences with wider padding on both sides.
+    wider = reward_model.compute_rewards(layout_rows(ROWS, prompt_len=PROMPT_LEN + 3, response_len=RESPONSE_LEN + 2))
+    assert torch.allclose(wider.batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
+    # Garbage in the padded tail is not read ...
+    tail_garbage = layout_rows(ROWS)
+    tail = tail_garbage.batch[keys.RESPONSE_MASK] == 0
+    tail_garbage.batch[keys.RESPONSES] = tail_garbage.batch[keys.RESPONSES].masked_fill(tail, 99)
+    tail_garbage.batch[keys.INPUT_IDS] = torch.cat([tail_garbage.batch[keys.PROMPTS], tail_garbage.batch[keys.RESPONSES]], dim=1)
+    assert torch.allclose(reward_model.compute_rewards(tail_garbage).batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
+    # ... while the last real token is.
+    changed = [(prompt, response[:-1] + [response[-1] + 40]) for prompt, response in ROWS]
+    moved = reward_model.compute_rewards(layout_rows(changed)).batch[keys.SEQUENCE_SCORES]
+    assert (moved - base).abs().min() > 1e-6

@@ -1,0 +1,71 @@
+"""The reward-model role: a sequence score per response from a model with a value head (Megatron forward-only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roll_backend import keys
+from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.worker import Worker
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.registry import create_strategy
+from roll_backend.workers.reward import last_token_scores
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """The `reward` role section for a learned reward: an infer strategy whose model ends in a value head."""
+
+    strategy: Any  # e.g. MegatronInferConfig(value_head=True)
+    strategy_name: str = "megatron_infer"
+
+
+def last_token_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """values [B, T_resp] -> [B]: the value at each row's last response token (column 0 for an empty response)."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = (response_mask.bool() * positions).argmax(dim=1)
+    return values[torch.arange(values.shape[0]), last].to(torch.float32)
+
+
+def with_one_more_column(batch: DataProto) -> DataProto:
+    """The batch's sequence columns with one masked padding column appended on the response side."""
+    columns = (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK)
+    missing = [name for name in columns if name not in batch.batch.keys()]
+    if missing:
+        raise KeyError(f"compute_rewards needs the tensor columns {missing}")
+    tensors = {name: batch.batch[name] for name in columns}
+    extended = {name: torch.cat([t, t.new_zeros(t.shape[0], 1)], dim=1) for name, t in tensors.items()}
+    extended[keys.POSITION_IDS][:, -1] = tensors[keys.POSITION_IDS][:, -1] + 1
+    return DataProto.from_dict(tensors=extended, meta_info=dict(batch.meta_info))
+
+
+class RewardModelWorker(Worker):
+    """One rank of a reward model. Call `init_model` once after the group starts."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg: RewardModelConfig = self.config
+        if not getattr(cfg.strategy, "value_head", False):
+            raise ValueError("a reward model scores with a value head; set reward.strategy.value_head=True.")
+        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
+        self.strategy.initialize()
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    def compute_rewards(self, batch: DataProto) -> DataProto | None:
+        """SEQUENCE_SCORES [B] (the value head at the last response token) and TOKEN_LEVEL_SCORES [B, T_resp]
+        (that score on the last response token). None on ranks whose output is not collected."""
+        out = self.strategy.compute_values(with_one_more_column(batch))
+        if out is None:
+            return None
+        # Critic convention: VALUES[:, j] is read where token j is predicted (before it is seen). With one padding
+        # column appended, VALUES[:, j + 1] is read at token j itself, so a score sees the whole response.
+        values_at_tokens = out.batch[keys.VALUES][:, 1:]  # [B, T_resp]
+        response_mask = batch.batch[keys.RESPONSE_MASK]
+        scores = last_token_values(values_at_tokens, response_mask)  # [B]
+        return DataProto.from_dict(
+            tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: last_token_scores(scores, response_mask)},
+            meta_info={keys.META_METRICS: {"reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}},
+        )
