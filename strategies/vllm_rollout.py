@@ -78,6 +78,9 @@ class VllmRolloutConfig:
     # Log-probs after temperature (and top-k/top-p) processing, i.e. of the distribution actually sampled.
     logprobs_mode: str = "processed_logprobs"
     apply_chat_template: bool = True  # text prompts go through the tokenizer's chat template
+    # Width T_prompt that encoded text prompts are left-padded to (longer ones are an error). None: the longest
+    # prompt of the call, which differs between DP ranks, so set it when the rollout role has several ranks.
+    max_prompt_length: int | None = None
     weight_sync_bucket_mb: float = 512.0  # update_weights sends whole decoder layers in buckets of about this size
     sampling: SamplingConfig = SamplingConfig()
     validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
@@ -142,10 +145,10 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None 
 class VllmRolloutStrategy:
     """Owns one vLLM engine. `generate` turns a prompt batch into a rollout batch (verl's layout)."""
 
-    def __init__(self, config: VllmRolloutConfig, device: str = "cpu", **_: Any):
-        # Extra keyword arguments (e.g. the role's `layout`) are accepted for the registry's uniform call.
+    def __init__(self, config: VllmRolloutConfig, device: str = "cpu", layout: Any = None):
         self.config = config
         self.device = device
+        self.layout = layout  # the role's ParallelLayout, when run by a worker
         self.tokenizer = None
         self.llm = None
 
@@ -175,6 +178,12 @@ class VllmRolloutStrategy:
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
+            tp = getattr(self.layout, "tp", config.tensor_parallel_size)
+            if tp != config.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout tensor_parallel_size={config.tensor_parallel_size} but the role's layout has tp={tp}; "
+                    "make them equal so each TP group of the role holds one engine."
+                )
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
@@ -289,7 +298,11 @@ class VllmRolloutStrategy:
         if batch.batch is not None and keys.PROMPTS in batch.batch.keys():
             prompts = batch.batch[keys.PROMPTS].to(torch.int64)
             return prompts, batch.batch[keys.ATTENTION_MASK][:, : prompts.shape[1]].to(torch.int64)
-        return left_pad(prompt_ids, self.tokenizer.pad_token_id)
+        width = self.config.max_prompt_length
+        longest = max((len(ids) for ids in prompt_ids), default=0)
+        if width is not None and longest > width:
+            raise ValueError(f"a prompt encodes to {longest} tokens, above max_prompt_length={width}; raise it or shorten the prompt.")
+        return left_pad(prompt_ids, self.tokenizer.pad_token_id, width)
 
     @staticmethod
     def _carried_tensors(batch: DataProto, n: int, exclude: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -34,7 +35,11 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def initialize(self) -> None:
         """Start the engine on every rank (after the rank joined its process group)."""
-        self.strategy = create_strategy(self.config.strategy_name, self.config.strategy, device=self.device, layout=self.layout)
+        strategy_config = self.config.strategy
+        if self.coords is not None and self.coords.dp and hasattr(strategy_config, "seed"):
+            # DP ranks sample different streams; the ranks of one TP group must share a seed.
+            strategy_config = dataclasses.replace(strategy_config, seed=strategy_config.seed + self.coords.dp)
+        self.strategy = create_strategy(self.config.strategy_name, strategy_config, device=self.device, layout=self.layout)
         self.strategy.initialize()
 
     @register(Dispatch.DP_MP_COMPUTE)

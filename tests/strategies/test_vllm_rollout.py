@@ -155,3 +155,37 @@ def test_probe_log_probs_match_the_sampling_log_probs(rollout, sampled):
     gap = (probed - sampled.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]
     assert gap.max() < 1e-4, f"max |probe - rollout| = {gap.max():.2e}"
     assert torch.all(probed[~mask] == 0)
+
+
+# ---- pure helpers (no engine) -------------------------------------------------------------------------------
+
+def test_layer_buckets_never_split_a_decoder_layer():
+    from roll_backend.strategies.vllm_rollout import layer_buckets
+
+    named = [("model.embed_tokens.weight", torch.zeros(100))]
+    for layer in range(3):
+        named += [(f"model.layers.{layer}.self_attn.{p}_proj.weight", torch.zeros(10)) for p in "qkv"]
+        named += [(f"model.layers.{layer}.mlp.{p}_proj.weight", torch.zeros(10)) for p in ("gate", "up", "down")]
+    named += [("model.norm.weight", torch.zeros(4)), ("lm_head.weight", torch.zeros(100))]
+    buckets = list(layer_buckets(iter(named), bucket_bytes=1))  # tiny limit: flush at every boundary allowed
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in named]
+    for bucket in buckets:
+        layers = {name.split(".")[2] for name, _ in bucket if ".layers." in name}
+        assert len(layers) <= 1 and (not layers or len(bucket) == 6)  # one whole layer: q, k, v, gate, up, down
+    assert len(list(layer_buckets(iter(named), bucket_bytes=1 << 30))) == 1
+
+
+def test_sampling_config_validation_and_overrides():
+    with pytest.raises(ValueError, match="greedy sampling .* set n=1, not n=4"):
+        SamplingConfig(n=4, temperature=0.0)
+    base = SamplingConfig(n=4, temperature=1.0, max_tokens=32)
+    assert base.with_overrides({"n": 2, "stop": "\n", "unrelated": 1}) == SamplingConfig(n=2, temperature=1.0, max_tokens=32, stop=("\n",))
+    assert base.with_overrides({}) is base
+
+
+def test_engine_environment_comes_from_config():
+    from roll_backend.strategies.vllm_rollout import engine_environment
+
+    config = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
+    assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert engine_environment(config, "cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
