@@ -31,6 +31,9 @@ ADVANTAGES = "advantages"  # [B, T_resp] float32
 RETURNS = "returns"  # [B, T_resp] float32
 SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (reward model)
 
+# Added by dispatch when a batch does not divide by the DP size; removed again on collect.
+DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to make the split even
+
 # meta_info keys.
 META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at

@@ -149,9 +149,15 @@ class MegatronTrainStrategy(TrainStrategy):
         from megatron.core import parallel_state as mpu
 
         self._check_ready("train_step")
+        tensors = dict(batch.batch.items())
+        if keys.DISPATCH_PADDING in tensors:
+            # Rows the dispatcher repeated to split the batch evenly over DP: out of the loss and the token count.
+            keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
+            tensors[keys.RESPONSE_MASK] = tensors[keys.RESPONSE_MASK] * keep[:, None].to(tensors[keys.RESPONSE_MASK].dtype)
+        batch = DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
         global_tokens = self._global_token_count(batch)
-        meta = dict(batch.meta_info, **{keys.META_GLOBAL_TOKEN_COUNT: global_tokens})
-        batch = DataProto.from_dict(tensors=dict(batch.batch.items()), non_tensors=dict(batch.non_tensor_batch), meta_info=meta)
+        batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] = global_tokens
+        meta = batch.meta_info
         micro_batches, _ = common.split_micro_batches(batch, self.config.micro_batch_size, self.device, "train_step")
         temperature = float(meta.get(keys.META_TEMPERATURE, self.config.temperature))
         undo_scaling = len(micro_batches) * mpu.get_data_parallel_world_size()

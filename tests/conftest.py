@@ -11,7 +11,9 @@ from roll_backend.distributed.ray_env import apply_ray_env_defaults
 
 apply_ray_env_defaults()  # before anything starts Ray or gloo
 
-TESTS_DIR = Path(__file__).resolve().parent
+# Test-only worker classes live here; Ray workers import them through PYTHONPATH. (Not tests/ itself:
+# tests/roll_backend/ would shadow the real package as a namespace package.)
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,8 +35,7 @@ def ray_session():
 
     from roll_backend.distributed.ray_env import init_local_ray
 
-    # Worker processes import test-only worker classes (tests/probe_workers.py) from here.
-    python_path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    python_path = os.pathsep.join(p for p in (str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")) if p)
     init_local_ray(num_cpus=32, env_vars={"PYTHONPATH": python_path})
     yield ray
     ray.shutdown()

@@ -14,6 +14,8 @@ RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "GLOO_SOCKET_IFNAME": "lo",
     "TOKENIZERS_PARALLELISM": "false",
+    # megatron-core warns at import in every rank that TE/Apex are missing; expected on CPU.
+    "PYTHONWARNINGS": "ignore:Transformer Engine and Apex are not installed:UserWarning",
 }
 
 
@@ -35,13 +37,19 @@ def init_local_ray(
     `address="local"` always starts a fresh node: a bare `ray.init()` could attach to whatever cluster
     RAY_ADDRESS or Ray's default temp folder points at.
     """
+    apply_ray_env_defaults()  # before `import ray`: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import
     import ray
+    from ray._private import ray_constants
 
-    apply_ray_env_defaults()
     if ray.is_initialized():
         return ray.get_runtime_context()
     if address and address != "local":
         return ray.init(address=address, log_to_driver=True)
+    if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        raise RuntimeError(
+            "ray was imported before roll_backend set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so a local Ray would "
+            "listen on every interface; call roll_backend.distributed.ray_env.apply_ray_env_defaults() before importing ray"
+        )
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
     env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS} | (env_vars or {})

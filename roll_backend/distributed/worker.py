@@ -1,0 +1,97 @@
+"""`Worker`: the base of every role's Ray actor. One rank each: it joins the role's process group, knows
+its (dp, tp, pp, cp) coordinates, and runs registered methods with rank-tagged errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from roll_backend.distributed import parallel
+from roll_backend.distributed.collectives import StageColumns, broadcast_dataproto, check_columns, column_names
+from roll_backend.distributed.dispatch import DispatchMode
+from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+
+class RankError(RuntimeError):
+    """An exception raised inside a rank, re-raised with the rank's role and coordinates in front."""
+
+
+class Worker:
+    """Base class of role actors (actor, critic, reference, reward, rollout)."""
+
+    def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None):
+        self.role = role
+        self.rank = rank
+        self.world_size = world_size
+        self.layout = layout
+        self.config = config
+        self.device = parallel.pick_device(use_gpu)
+        self.coords: RankCoords | None = None
+
+    # ---- set-up, called by the Cluster ---------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 publishes where the process group meets."""
+        return parallel.local_address()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> RankCoords:
+        self.coords = parallel.init_distributed(
+            self.rank, self.world_size, master_addr, master_port, self.layout, self.device
+        )
+        return self.coords
+
+    def group_ranks(self) -> dict[str, list[int]]:
+        return parallel.group_ranks()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ---- what a role may override ---------------------------------------------------------------------
+    def stage_columns(self, method_name: str) -> StageColumns | None:
+        """Columns each pipeline stage needs for `method_name`; checked on every rank after the broadcast."""
+        return None
+
+    # ---- running a registered method ------------------------------------------------------------------
+    @property
+    def rank_tag(self) -> str:
+        where = self.coords.describe() if self.coords else f"rank {self.rank}/{self.world_size}"
+        return f"[{self.role} {where}]"
+
+    def run_registered(self, method, mode: DispatchMode, args: tuple, kwargs: dict):
+        try:
+            with parallel.device_call_context(self.device):
+                if mode.broadcast_in_actor:
+                    args, kwargs = self._receive_batches(method.__name__, args, kwargs)
+                return method(self, *args, **kwargs)
+        except Exception as exc:
+            # Ray attaches the remote traceback of this exception and of its cause.
+            raise RankError(f"{self.rank_tag} {type(exc).__name__}: {exc}") from exc
+
+    def _receive_batches(self, method_name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The in-actor broadcast: every DataProto argument goes over TPxCP (on pp0), then over PP."""
+        required = self.stage_columns(method_name)
+        args = tuple(self._broadcast_batch(a, required) if isinstance(a, DataProto) else a for a in args)
+        kwargs = {k: self._broadcast_batch(v, required) if isinstance(v, DataProto) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _broadcast_batch(self, batch: DataProto, required: StageColumns | None) -> DataProto:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        coords = self.coords
+        hops = []
+        if coords.tp_size * coords.cp_size > 1 and coords.pp == 0:
+            hops.append(mpu.get_tensor_and_context_parallel_group())
+        if coords.pp_size > 1:
+            hops.append(mpu.get_pipeline_model_parallel_group())
+        if not hops:
+            check_columns(column_names(batch), required, self.rank_tag)  # no hop to make; same check
+        for i, group in enumerate(hops):
+            # Columns are checked at each rank's last hop: every rank takes part in one, so a missing
+            # column fails everywhere at once instead of leaving the other stages waiting.
+            last = i == len(hops) - 1
+            batch = broadcast_dataproto(batch, group, dist.get_global_rank(group, 0), required if last else None, self.rank_tag)
+        return batch

@@ -1,0 +1,124 @@
+"""Cluster and dispatch on real Ray actors with gloo and Megatron parallel state (issue 4 and the smoke test of issue 2)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from probe_workers import ProbeWorker
+from roll_backend import keys
+from roll_backend.distributed.cluster import Cluster, RankResources, create_placement_group, wait_all
+from roll_backend.distributed.dispatch import Dispatch, DispatchError
+from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.protocol import DataProto
+
+TP2_PP2 = ParallelLayout(tp=2, pp=2)
+TP2_DP2 = ParallelLayout(tp=2)
+DP2 = ParallelLayout()
+
+
+def rows(n: int) -> DataProto:
+    return DataProto.from_dict(tensors={"ids": torch.arange(n)}, non_tensors={"text": np.array([f"row{i}" for i in range(n)], dtype=object)})
+
+
+def test_megatron_groups_at_tp2_pp2(make_group):
+    group = make_group(ProbeWorker, 4, TP2_PP2)
+    ranks = group.execute_all("group_ranks")
+    assert ranks[0]["tp"] == [0, 1] and ranks[0]["pp"] == [0, 2] and ranks[0]["dp"] == [0]
+    assert ranks[3]["tp"] == [2, 3] and ranks[3]["pp"] == [1, 3] and ranks[3]["dp"] == [3]
+    assert [(c.tp, c.pp, c.dp) for c in group.coords] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+
+
+def test_one_to_all_and_all_to_all_reach_every_rank(make_group):
+    group = make_group(ProbeWorker, 4, TP2_PP2)
+    replies = group.whoami("hello")
+    assert [r["rank"] for r in replies] == [0, 1, 2, 3]
+    assert {r["note"] for r in replies} == {"hello"}
+    assert len({r["pid"] for r in replies}) == 4  # one process per rank
+    assert group.echo(["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+    with pytest.raises(DispatchError, match="list of 4"):
+        group.echo(["only one"])
+
+
+def test_dispatch_first_sends_tensors_to_the_first_model_parallel_rank_only(make_group):
+    group = make_group(ProbeWorker, 4, TP2_PP2)
+    arrived = group.what_arrived(DataProto.from_dict(tensors={"ids": torch.arange(6)}, meta_info={"k": 1}))
+    assert [(a["rank"], a["rows"]) for a in arrived] == [(0, 6), (1, 0), (2, 0), (3, 0)]
+    assert all(a["meta"] == {"k": 1} for a in arrived)  # the others still get the meta
+
+
+def test_exception_on_pp1_reports_that_rank(make_group):
+    group = make_group(ProbeWorker, 4, TP2_PP2)
+    with pytest.raises(DispatchError) as info:
+        group.fail_on_pp(1)
+    message = str(info.value)
+    assert "deliberate failure on pp=1" in message
+    assert "[test rank 2/4, dp=0 tp=0 pp=1 cp=0]" in message or "[test rank 3/4, dp=0 tp=1 pp=1 cp=0]" in message
+    assert 'probe_workers.py", line' in message  # the remote traceback comes along
+    assert group.fail_on_pp(7) == [0, 1, 2, 3]  # the group is still usable
+
+
+def test_dp_compute_at_tp2_dp2_splits_by_dp_and_collects_in_order(make_group):
+    group = make_group(ProbeWorker, 4, TP2_DP2)
+    assert [(c.dp, c.tp) for c in group.coords] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    out = group.tag_rows(rows(7))
+    assert out.batch["ids"].tolist() == list(range(7))
+    assert out.batch["dp"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert out.non_tensor_batch["served_by_rank"].tolist() == [0, 0, 0, 0, 2, 2, 2]  # tp0 of each dp group
+    arrived = group.what_arrived(rows(6))
+    assert [(a["rank"], a["rows"]) for a in arrived] == [(0, 3), (1, 0), (2, 3), (3, 0)]
+
+
+def test_dp2_uneven_batch_and_non_blocking_calls(make_group):
+    group = make_group(ProbeWorker, 2, DP2)
+    out = group.tag_rows(rows(7))
+    assert out.batch["ids"].tolist() == list(range(7))
+    assert out.batch["dp"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    # The padding row went to dp 1, marked so a trainer can leave it out; the marker is gone on collect.
+    assert out.batch["padding_rows_in_chunk"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert keys.DISPATCH_PADDING not in out.batch.keys()
+    first, second = wait_all([group.tag_rows.submit(rows(3)), group.whoami.submit("x")])
+    assert first.batch["ids"].tolist() == [0, 1, 2]
+    assert [r["note"] for r in second] == ["x", "x"]
+    future = group.block_in_collective(victim_rank=-1)  # registered non-blocking: returns a future
+    assert future.get(timeout_s=60) == [None, None]
+
+
+def test_dead_actor_fails_the_call_and_the_group_rebuilds(ray_session):
+    group = Cluster(ProbeWorker, "victim", 2, DP2)
+    future = group.block_in_collective(victim_rank=1)
+    ray.kill(group.workers[1], no_restart=True)
+    started = time.monotonic()
+    with pytest.raises(DispatchError):
+        future.get(timeout_s=60)
+    assert time.monotonic() - started < 30
+    group.shutdown()
+    rebuilt = Cluster(ProbeWorker, "victim", 2, DP2)
+    assert [r["rank"] for r in rebuilt.whoami("again")] == [0, 1]
+    rebuilt.shutdown()
+
+
+def test_two_roles_colocated_on_one_placement_group(ray_session):
+    shared = create_placement_group(2, cpus_per_bundle=1.0)
+    half = RankResources(num_cpus=0.5)
+    actor = Cluster(ProbeWorker, "actor", 2, DP2, half, placement_group=shared)
+    critic = Cluster(ProbeWorker, "critic", 2, DP2, half, placement_group=shared)
+    try:
+        assert actor.tag_rows(rows(5)).batch["ids"].tolist() == list(range(5))
+        assert critic.tag_rows(rows(3)).batch["ids"].tolist() == list(range(3))
+        placements = actor.placement() + critic.placement()
+        assert {p["group"] for p in placements} == {shared.id.hex()}
+        assert all(p["resources"]["CPU"] == 0.5 for p in placements)
+    finally:
+        actor.shutdown()
+        critic.shutdown()
+        ray.util.remove_placement_group(shared)
+
+
+def test_impossible_layout_fails_before_any_actor_starts(ray_session):
+    with pytest.raises(ValueError, match="does not divide world_size=3"):
+        Cluster(ProbeWorker, "bad", 3, ParallelLayout(tp=2))

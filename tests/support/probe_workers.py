@@ -1,0 +1,98 @@
+"""Worker classes used only by tests: they report where they run and what they received."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from roll_backend import keys
+from roll_backend.distributed.collectives import StageColumns
+from roll_backend.distributed.dispatch import Dispatch, DispatchMode, register, register_dispatch_mode
+from roll_backend.distributed.worker import Worker
+from roll_backend.protocol import DataProto
+
+# A mode registered outside dispatch.py: DISPATCH_FIRST's routing without the in-actor broadcast,
+# so a test can see which ranks got tensors from the controller.
+DP_FIRST_NO_BROADCAST = register_dispatch_mode(
+    DispatchMode("test_dp_first_no_broadcast", Dispatch.DP_MP_DISPATCH_FIRST.split, Dispatch.ONE_TO_ALL.collect)
+)
+
+
+def batch_checksums(batch: DataProto) -> dict:
+    tensors = {k: float(v.double().sum()) for k, v in batch.batch.items()} if batch.batch is not None else {}
+    return {
+        "tensors": tensors,
+        "non_tensor": {k: v.tolist() for k, v in batch.non_tensor_batch.items()},
+        "meta": dict(batch.meta_info),
+    }
+
+
+class ProbeWorker(Worker):
+    required: StageColumns | None = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self, note: str) -> dict:
+        return {"rank": self.rank, "coords": self.coords, "note": note, "pid": os.getpid()}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def echo(self, value):
+        return (self.rank, value)
+
+    @register(Dispatch.DP_MP_COMPUTE)
+    def tag_rows(self, batch: DataProto) -> DataProto:
+        n = len(batch)
+        batch.non_tensor_batch["served_by_rank"] = np.full(n, self.rank, dtype=object)
+        padding = batch.batch[keys.DISPATCH_PADDING] if keys.DISPATCH_PADDING in batch.batch.keys() else torch.zeros(n, dtype=torch.bool)
+        return DataProto.from_dict(
+            tensors={
+                "ids": batch.batch["ids"].clone(),
+                "dp": torch.full((n,), self.coords.dp),
+                "padding_rows_in_chunk": torch.full((n,), int(padding.sum())),
+            },
+            non_tensors={"served_by_rank": np.full(n, self.rank, dtype=object)},
+        )
+
+    @register(DP_FIRST_NO_BROADCAST)
+    def what_arrived(self, batch: DataProto) -> dict:
+        return {"rank": self.rank, "rows": len(batch) if batch.batch is not None else 0, "meta": dict(batch.meta_info)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def require_columns(self, required: StageColumns | None) -> None:
+        self.required = required
+
+    def stage_columns(self, method_name: str) -> StageColumns | None:
+        return self.required
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    def received_checksums(self, batch: DataProto) -> DataProto:
+        """Returns one row per input row, from the collect rank; every rank records its checksums."""
+        self.last_checksums = batch_checksums(batch)
+        return DataProto.from_dict(tensors={"ids": batch.batch["ids"]}, meta_info={"metrics": {"rows": [len(batch)]}})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def recorded_checksums(self) -> dict:
+        return {"rank": self.rank, "coords": self.coords, **self.last_checksums}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on_pp(self, pp: int) -> int:
+        if self.coords.pp == pp:
+            raise ValueError(f"deliberate failure on pp={pp}")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def block_in_collective(self, victim_rank: int) -> None:
+        """The victim waits on an event nobody sets (the test kills it); the others wait in a barrier."""
+        if self.rank == victim_rank:
+            threading.Event().wait(timeout=120)
+        dist.barrier()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def placement(self) -> dict:
+        """The placement group this actor's resources come from, and how much it holds."""
+        context = ray.get_runtime_context()
+        return {"group": context.get_placement_group_id(), "resources": context.get_assigned_resources()}
