@@ -46,10 +46,9 @@ def init_local_ray(
     if address and address != "local":
         return ray.init(address=address, log_to_driver=True)
     if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
-        raise RuntimeError(
-            "ray was imported before roll_backend set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so a local Ray would "
-            "listen on every interface; call roll_backend.distributed.ray_env.apply_ray_env_defaults() before importing ray"
-        )
+        # ray was imported before the env default was set; apply it to the constant ray read at import,
+        # so the local node still listens on loopback only.
+        ray_constants.ENABLE_RAY_CLUSTER = False
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
     env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS} | (env_vars or {})

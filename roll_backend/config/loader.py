@@ -1,0 +1,118 @@
+"""Load a run config: YAML + `key=value` overrides (OmegaConf), typed into PipelineConfig, then validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
+from roll_backend.config.typed import ConfigError, suggest, build, to_dict
+from roll_backend.config.validate import validate
+from roll_backend.distributed.parallel import ParallelLayout
+
+ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")
+
+
+def _strategy_config_class(name: str):
+    from roll_backend.strategies.registry import config_class
+
+    return config_class(name)
+
+
+def build_strategy(path: str, section: Any, model_path: str, problems: list[str]) -> StrategySection | None:
+    from roll_backend.strategies.registry import UnknownStrategyError
+
+    if not isinstance(section, dict) or "name" not in section:
+        problems.append(f"{path}: needs a mapping with a `name` (e.g. name: megatron_train)")
+        return None
+    settings = dict(section)
+    name = settings.pop("name")
+    try:
+        cls = _strategy_config_class(name)
+    except UnknownStrategyError as exc:
+        problems.append(f"{path}.name: {exc}")
+        return None
+    known = {f.name for f in dataclasses.fields(cls)} | set(LAYOUT_KEYS)
+    for key in [k for k in settings if k not in known]:
+        problems.append(f"{path}.{key}: unknown key for strategy {name!r}; {suggest(str(key), sorted(known))}")
+        settings.pop(key)
+    layout_settings = {k: settings.pop(k) for k in LAYOUT_KEYS if k in settings}
+    layout = build(ParallelLayout, layout_settings, path, problems)
+    settings.setdefault("model_path", model_path)
+    config = build(cls, settings, path, problems)
+    return StrategySection(name, layout, config) if layout is not None and config is not None else None
+
+
+def build_role(name: str, section: Any, problems: list[str]) -> RoleConfig | None:
+    if not isinstance(section, dict):
+        problems.append(f"{name}: expected a mapping, got {section!r}")
+        return None
+    section = dict(section)
+    model_path = section.get("model_path", "")
+    strategy = build_strategy(f"{name}.strategy", section.pop("strategy", None), model_path, problems)
+    if strategy is None:
+        fields = {f.name for f in dataclasses.fields(RoleConfig)} - {"strategy"}
+        for key in set(section) - fields:
+            problems.append(f"{name}.{key}: unknown key; known keys: {', '.join(sorted(fields))}")
+        return None
+    return build(RoleConfig, {**section, "strategy": strategy}, name, problems)
+
+
+def resolve_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
+    """The YAML with overrides merged and ${...} interpolations resolved, as plain dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file {str(path)!r} does not exist"])
+    try:
+        tree = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_container(tree, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"{path}: {exc}".replace("\n", " ")]) from exc
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
+    """Read, type and validate a run config; raises ConfigError listing every problem at once."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"override {item!r} is not key=value (e.g. actor_train.strategy.tp=2)"])
+    data = resolve_yaml(path, overrides)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> PipelineConfig:
+    """Type errors and unknown keys of the whole tree are reported together; the cross-field rules
+    (layouts, batch splits, algorithm names) run once the tree is well-typed."""
+    problems: list[str] = []
+    data = dict(data)
+    broken_roles = []
+    for role in ROLE_NAMES:
+        if data.get(role) is not None:
+            before = len(problems)
+            data[role] = build_role(role, data[role], problems)
+            if len(problems) > before:
+                broken_roles.append(role)
+    top_problems: list[str] = []
+    config = build(PipelineConfig, data, "", top_problems)
+    # A role that failed to build shows up again as "required"; its own problems already say why.
+    problems.extend(p for p in top_problems if not any(p.startswith(f"{r}:") for r in broken_roles))
+    if config is not None and not problems:
+        problems.extend(validate(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_to_yaml(config: PipelineConfig) -> str:
+    """The resolved config as YAML (roles' strategies flattened back to the YAML shape)."""
+    tree = to_dict(config)
+    for role in ROLE_NAMES:
+        section = getattr(config, role)
+        if section is not None:
+            strategy = section.strategy
+            flat = {"name": strategy.name, **{k: v for k, v in to_dict(strategy.layout).items()}, **to_dict(strategy.config)}
+            tree[role]["strategy"] = flat
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
