@@ -1,0 +1,247 @@
+"""`roll-backend`: run, validate, submit (Ray Jobs) and plot a pipeline config from the command line.
+
+    roll-backend validate configs/grpo_tiny_cpu.yaml max_steps=5     # resolved YAML, or every problem (exit 2)
+    roll-backend run configs/grpo_tiny_cpu.yaml max_steps=5          # local Ray (or the job's cluster)
+    roll-backend submit --address http://127.0.0.1:8265 configs/grpo_tiny_cpu.yaml max_steps=5
+    roll-backend plot runs/grpo_tiny_cpu                             # -> runs/grpo_tiny_cpu/reward_curve.png
+
+Overrides are `key=value` with dotted keys (`actor_train.strategy.tp=2`). Heavy modules (Ray, the pipeline)
+are imported inside the commands that need them, so `validate` starts no Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+# Never uploaded with a job's working_dir (gitignore-style patterns; Ray also honours .gitignore files).
+JOB_EXCLUDES = [
+    ".venv", "venv", ".git", "runs", "outputs", "build", "__pycache__", "*.egg-info",
+    ".pytest_cache", ".hypothesis", ".ruff_cache", ".mypy_cache",
+]
+JOB_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+class CliError(Exception):
+    """A user-facing problem: printed to stderr, exit code 2."""
+
+
+def _load(config_path: str, overrides: list[str]):
+    from roll_backend.config.loader import load_config
+    from roll_backend.config.typed import ConfigError
+
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as exc:
+        raise CliError(f"{config_path}: {exc}") from exc
+
+
+# ---- validate -------------------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    from roll_backend.config.loader import config_to_yaml
+
+    config = _load(args.config, args.overrides)
+    print(config_to_yaml(config), end="")
+    return EXIT_OK
+
+
+# ---- run ------------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args.config, args.overrides)
+    from roll_backend.distributed.ray_env import init_local_ray
+
+    address = os.environ.get("RAY_ADDRESS")  # set by Ray inside a job: join that cluster
+    if address:
+        init_local_ray(address=address)
+    else:
+        init_local_ray(num_cpus=config.ray_num_cpus)
+    import ray
+
+    try:
+        from roll_backend.pipelines import run_pipeline
+
+        metrics = run_pipeline(config)
+    finally:
+        ray.shutdown()
+    last = metrics[-1] if metrics else {}
+    reward = last.get("reward/mean")
+    summary = f"{config.exp_name}: {len(metrics)} steps"
+    if reward is not None:
+        summary += f", last reward/mean {reward:.4f}"
+    print(f"{summary}; outputs in {Path(config.output_dir).resolve()}")
+    return EXIT_OK
+
+
+# ---- submit ---------------------------------------------------------------------------------------------
+def job_entrypoint(config_rel: str, overrides: list[str]) -> str:
+    """The shell command a Ray job runs: this CLI's `run` on the uploaded copy of the working dir."""
+    return shlex.join(["python", "-m", "roll_backend.cli", "run", config_rel, *overrides])
+
+
+def job_runtime_env(working_dir: Path) -> dict:
+    from roll_backend.distributed.ray_env import RAY_ENV_DEFAULTS
+
+    # RAY_ADDRESS is set by Ray for the job's entrypoint; the rest must be in place before the job's Ray starts.
+    return {"working_dir": str(working_dir), "excludes": list(JOB_EXCLUDES), "env_vars": dict(RAY_ENV_DEFAULTS)}
+
+
+def _config_inside(config_path: str, working_dir: Path) -> str:
+    resolved = Path(config_path).resolve()
+    try:
+        return resolved.relative_to(working_dir).as_posix()
+    except ValueError:
+        raise CliError(
+            f"config {config_path!r} lies outside the job's working dir {str(working_dir)!r}, which is what gets "
+            f"uploaded; copy it into the working dir or run submit from a folder that contains it"
+        ) from None
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    working_dir = Path.cwd().resolve()
+    config_rel = _config_inside(args.config, working_dir)
+    config = _load(args.config, args.overrides)  # fail here, not minutes later on the cluster
+    if not Path(config.output_dir).is_absolute():
+        print(
+            f"note: output_dir={config.output_dir!r} is relative: the job writes it inside its copy of the working "
+            f"dir on the cluster; pass output_dir=/shared/path to keep the results", file=sys.stderr,
+        )
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(args.address)
+    job_id = client.submit_job(
+        entrypoint=job_entrypoint(config_rel, args.overrides),
+        runtime_env=job_runtime_env(working_dir),
+        metadata={"exp_name": config.exp_name, "config": config_rel},
+    )
+    print(f"submitted job {job_id} to {args.address}", file=sys.stderr, flush=True)
+    if args.no_wait:
+        print(job_id)
+        return EXIT_OK
+    try:
+        status = follow_job(client, job_id, args.poll_s)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the job keeps running. Stop it with: ray job stop --address {args.address} {job_id}", file=sys.stderr)
+        return 130
+    if status == "SUCCEEDED":
+        print(f"job {job_id} SUCCEEDED", file=sys.stderr)
+        return EXIT_OK
+    message = client.get_job_info(job_id).message or ""
+    print(f"job {job_id} ended {status}: {message}".rstrip(": "), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def follow_job(client, job_id: str, poll_s: float = 1.0) -> str:
+    """Print the job's log as it grows until the job ends; returns its final status name."""
+    printed = 0
+    while True:
+        status = client.get_job_status(job_id)  # read before the logs: the last fetch then has every line
+        logs = client.get_job_logs(job_id)
+        if len(logs) > printed:
+            sys.stdout.write(logs[printed:])
+            sys.stdout.flush()
+            printed = len(logs)
+        name = str(getattr(status, "value", status))
+        if name in JOB_TERMINAL:
+            return name
+        time.sleep(poll_s)
+
+
+# ---- plot -----------------------------------------------------------------------------------------------
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise CliError(f"{path} does not exist; pass the run's output_dir (where the pipeline writes metrics.jsonl)")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise CliError(f"{path}:{number} is not JSON ({exc.msg}); each line must be one step's metrics") from None
+    return rows
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [(row["step"], row["reward/mean"]) for row in rows if "step" in row and "reward/mean" in row]
+    if not train:
+        raise CliError(f"{run_dir / 'metrics.jsonl'} has no rows with both 'step' and 'reward/mean'")
+    val = [(row["step"], row["val/reward"]) for row in rows if "step" in row and "val/reward" in row]
+    out = Path(args.out) if args.out else run_dir / "reward_curve.png"
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(*zip(*train), marker="." if len(train) < 50 else None, label="reward/mean (train)")
+    if val:
+        ax.plot(*zip(*val), marker="o", label="val/reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(run_dir.resolve().name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    print(out)
+    return EXIT_OK
+
+
+# ---- entry ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="roll-backend", description="RLHF pipelines (PPO/GRPO) on Ray.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("config", help="run config YAML (see configs/)")
+        sub.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. max_steps=5 actor_train.strategy.tp=2")
+
+    run = commands.add_parser("run", help="run a pipeline on a local Ray (or the cluster of RAY_ADDRESS)")
+    with_config(run)
+    run.set_defaults(handler=cmd_run)
+
+    validate = commands.add_parser("validate", help="print the resolved config, or every problem in it (exit 2)")
+    with_config(validate)
+    validate.set_defaults(handler=cmd_validate)
+
+    submit = commands.add_parser(
+        "submit", help="validate locally, then run on a Ray cluster through Ray Jobs and follow its log",
+        description="Uploads the current directory as the job's working_dir; the config must lie inside it.",
+    )
+    submit.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://127.0.0.1:8265")
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return without following the job")
+    submit.add_argument("--poll-s", type=float, default=1.0, help="seconds between status/log polls (default 1)")
+    with_config(submit)
+    submit.set_defaults(handler=cmd_submit)
+
+    plot = commands.add_parser("plot", help="plot the reward curve of a run from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/reward_curve.png)")
+    plot.set_defaults(handler=cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except CliError as exc:
+        print(f"roll-backend {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
