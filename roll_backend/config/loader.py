@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -70,7 +71,7 @@ def resolve_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
     try:
         tree = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(tree, resolve=True)
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a malformed override value is a YAMLError
         raise ConfigError([f"{path}: {exc}".replace("\n", " ")]) from exc
 
 
