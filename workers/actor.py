@@ -85,7 +85,21 @@ class ActorWorker(Worker):
         """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
         loss_fn = functools.partial(actor_loss, self.config.loss)
         metrics = self.strategy.train_step(batch, loss_fn)
+        if metrics is not None:
+            metrics["broadcast_seconds"] = self.last_broadcast_seconds
         return metrics  # reduced over DP already; the group call returns one dict per DP rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def publish_hf_weights(self, bucket_bytes: int) -> list:
+        """Full HF-named weights for the rollout engine: every rank joins the gather, rank 0 puts each bucket
+        in the object store and returns the refs ([] on other ranks). The driver only passes refs along."""
+        import ray
+
+        refs = []
+        for bucket in self.strategy.iter_hf_weights(bucket_bytes):
+            if self.rank == 0:
+                refs.append(ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket]))
+        return refs
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

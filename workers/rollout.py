@@ -52,6 +52,14 @@ class RolloutWorker(Worker):
         """Load HF-named tensors into every rank's engine; returns how many tensors were loaded."""
         return self._strategy().update_weights(named_tensors)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weight_buckets(self, bucket_refs: list) -> int:
+        """Load buckets the trainer published (ActorWorker.publish_hf_weights), fetching one bucket at a
+        time so a rank never holds more than one bucket beyond the engine's own weights."""
+        import ray
+
+        return self._strategy().update_weights(item for ref in bucket_refs for item in ray.get(ref))
+
     @register(Dispatch.DP_MP_COMPUTE)
     def probe_log_probs(self, batch: DataProto) -> DataProto:
         """The engine's log-probs of the batch's fixed responses: keys.LOG_PROBS [B, T_resp] float32."""

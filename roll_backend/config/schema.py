@@ -143,4 +143,6 @@ class PipelineConfig:
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     reward: RewardConfig = field(default_factory=RewardConfig)
+    weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
+    weight_sync_max_logprob_gap: float = 1e-3  # the post-sync probe fails the run past this mean |gap|
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)

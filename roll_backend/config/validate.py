@@ -97,6 +97,8 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
             problems.append(f"algorithm.{field_name}={value!r} is unknown; known: {', '.join(known)}")
     if algo.reward_norm is not None and algo.reward_norm not in alg.REWARD_NORM_MODES:
         problems.append(f"algorithm.reward_norm={algo.reward_norm!r}; choose one of {', '.join(alg.REWARD_NORM_MODES)} or null")
+    if algo.adv_estimator == "remax":
+        problems.append("algorithm.adv_estimator=remax needs greedy-rollout baselines, which the pipelines do not produce yet; pick grpo, rloo or reinforce_plus_plus")
     if algo.adv_estimator == "gae" and config.critic is None:
         problems.append("algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick grpo/rloo/reinforce_plus_plus")
     if (algo.use_kl_loss or algo.use_kl_in_reward) and config.reference is None:
@@ -131,6 +133,11 @@ def validate(config: PipelineConfig) -> list[str]:
     if config.checkpoint.save_steps and config.actor_train.strategy.config.optimizer.use_distributed_optimizer:
         if config.actor_train.num_gpus_per_rank == 0:
             problems.append("checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot save its state there; set actor_train.strategy.optimizer.use_distributed_optimizer=false")
+    from roll_backend.rewards.registry import REWARDS
+
+    for name in config.reward.rewards:
+        if name not in REWARDS:
+            problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
     _check_algorithm(config, problems)
     _check_batches(config, problems)
     return problems

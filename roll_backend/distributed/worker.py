@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from roll_backend.distributed import parallel
@@ -31,6 +32,7 @@ class Worker:
         self.config = config
         self.device = parallel.pick_device(use_gpu)
         self.coords: RankCoords | None = None
+        self.last_broadcast_seconds = 0.0  # the in-actor broadcast of the last DP_MP_DISPATCH_FIRST call
 
     # ---- set-up, called by the Cluster ---------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -64,7 +66,9 @@ class Worker:
         try:
             with parallel.device_call_context(self.device):
                 if mode.broadcast_in_actor:
+                    started = time.perf_counter()
                     args, kwargs = self._receive_batches(method.__name__, args, kwargs)
+                    self.last_broadcast_seconds = time.perf_counter() - started
                 return method(self, *args, **kwargs)
         except Exception as exc:
             # Ray attaches the remote traceback of this exception and of its cause.

@@ -1,0 +1,141 @@
+"""The RL control loop shared by GRPO and PPO: set-up and resume, one step as data flows, checkpoints, metrics."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from roll_backend import keys
+from roll_backend.algorithms import make_kl_controller
+from roll_backend.config.loader import config_to_yaml
+from roll_backend.config.schema import PipelineConfig
+from roll_backend.pipelines import checkpoint as ckpt
+from roll_backend.pipelines import steps
+from roll_backend.pipelines.roles import RoleGroups, build_role_groups
+from roll_backend.pipelines.tracking import MetricsTracker, PhaseTimer
+
+logger = logging.getLogger(__name__)
+
+PROBE_ROWS = 4  # sequences the post-sync log-prob probe scores with both engines
+
+
+def ensure_model(config: PipelineConfig) -> None:
+    """With `build_tiny_model`, write the tiny model and tokenizer to model_path unless it is already there."""
+    if config.build_tiny_model is None or (Path(config.model_path) / "config.json").is_file():
+        return
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(**{"seed": config.seed, **config.build_tiny_model})
+    build_tiny_model(config.model_path, spec)
+
+
+class PipelineRun:
+    """Everything one run holds: groups, data, KL controller, tracker; `steps()` yields the steps left to run."""
+
+    def __init__(self, config: PipelineConfig):
+        from transformers import AutoTokenizer
+
+        from roll_backend.pipelines.data import PromptDataset
+
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(config_to_yaml(config))
+        ensure_model(config)
+        self.data = PromptDataset(config.data, AutoTokenizer.from_pretrained(config.model_path), config.seed)
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.groups: RoleGroups = build_role_groups(config)
+        self.first_step = 1
+        self.history: list[dict] = []
+        try:
+            if config.checkpoint.resume:
+                self._resume(config.checkpoint.resume)
+            self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
+        except BaseException:
+            self.groups.shutdown()
+            raise
+
+    def __enter__(self) -> "PipelineRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.close()
+        self.groups.shutdown()
+
+    def steps(self) -> range:
+        return range(self.first_step, self.config.max_steps + 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+        self.tracker.log(step, metrics)
+        save_every = self.config.checkpoint.save_steps
+        if save_every and step % save_every == 0:
+            self.save_checkpoint(step)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        staged = ckpt.staging_dir(self.output_dir, step)
+        self.groups.actor.save_checkpoint(str(staged.resolve() / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.save_checkpoint(str(staged.resolve() / "critic"))
+        state = {"step": step, "kl_coef": self.kl_ctrl.value, "rng": ckpt.driver_rng_state()}
+        return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
+
+    def _resume(self, resume: str) -> None:
+        path = ckpt.latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            logger.info("resume=auto: no checkpoint under %s yet; starting from step 1", self.output_dir)
+            return
+        state = ckpt.load_driver_state(path)
+        self.groups.actor.load_checkpoint(str(Path(path).resolve() / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(Path(path).resolve() / "critic"))
+        self.kl_ctrl.value = state["kl_coef"]
+        ckpt.restore_driver_rng(state["rng"])
+        steps.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.weight_sync_max_logprob_gap)
+        self.first_step = state["step"] + 1
+        logger.info("resumed from %s at step %d", path, self.first_step)
+
+
+def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
+    """One step of GRPO (no critic) or PPO (critic + GAE), following the data path of DESIGN.md."""
+    config, groups, algo = run.config, run.groups, run.config.algorithm
+    timer, metrics = PhaseTimer(), {}
+    with timer.phase("generate"):
+        batch = steps.generate(groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+    with timer.phase("reward"):
+        metrics |= steps.score(groups, batch)
+    metrics |= steps.batch_metrics(batch, timer.seconds["generate"])
+    if algo.dynamic_sampling:
+        batch, dropped = steps.drop_uniform_groups(batch)
+        metrics["dynamic_sampling/dropped_responses"] = dropped
+        if len(batch) == 0:
+            return metrics | timer.metrics()  # every group was uniform: nothing to learn from this step
+    if groups.reference is not None:
+        with timer.phase("reference"):
+            steps.log_probs(groups.reference, batch, keys.REF_LOG_PROBS)
+    with timer.phase("log_probs"):
+        steps.log_probs(groups.actor, batch, keys.OLD_LOG_PROBS)
+    if groups.critic is not None:
+        with timer.phase("values"):
+            steps.values(groups.critic, batch)
+    metrics |= steps.advantages(batch, algo, run.kl_ctrl.value)
+    if groups.critic is not None:
+        with timer.phase("critic_train"):
+            metrics |= steps.train(groups.critic, batch, algo, steps.step_seed(config, step, salt=2), "critic/")
+    with timer.phase("train"):
+        metrics |= steps.train(groups.actor, batch, algo, steps.step_seed(config, step, salt=1), "actor/")
+    with timer.phase("weight_sync"):
+        metrics |= steps.sync_weights(groups, batch.select_idxs(list(range(min(PROBE_ROWS, len(batch))))),
+                                      config.weight_sync_bucket_bytes, config.weight_sync_max_logprob_gap)
+    run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
+    return metrics | timer.metrics()
+
+
+def run_pipeline(config: PipelineConfig) -> list[dict]:
+    """Run `config` to max_steps (Ray must be initialised); returns the per-step metrics."""
+    with PipelineRun(config) as run:
+        for step in run.steps():
+            run.log(step, rl_step(run, step))
+        return run.history

@@ -1,0 +1,150 @@
+"""The phases of one RL step, shared by the GRPO and PPO loops. Each takes the groups and the step's batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from roll_backend import keys
+from roll_backend.algorithms import (
+    as_group_ids,
+    get_advantage_estimator,
+    kl_estimate,
+    kl_penalized_rewards,
+    masked_mean,
+    postprocess_rewards,
+)
+from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
+from roll_backend.pipelines.roles import RoleGroups
+from roll_backend.protocol import DataProto
+
+
+class WeightSyncError(RuntimeError):
+    """After a weight sync the rollout engine's log-probs disagree with the trainer's."""
+
+
+def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
+    """A per-step seed: a resumed run samples and shuffles exactly as the uninterrupted one."""
+    return (config.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+
+def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> DataProto:
+    """Prompts -> n responses each (vLLM gives the n samples of a request seeds seed, seed+1, ...)."""
+    prompts.meta_info["seed"] = step_seed(config, step)
+    batch = groups.rollout.generate(prompts)
+    batch.meta_info.pop("seed", None)
+    return batch
+
+
+def score(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
+    rewards = groups.reward.compute_rewards(batch)
+    batch[keys.TOKEN_LEVEL_SCORES] = rewards.batch[keys.TOKEN_LEVEL_SCORES]
+    return _mean_metrics(rewards.meta_info.get(keys.META_METRICS, {}), prefix="reward/")
+
+
+def drop_uniform_groups(batch: DataProto) -> tuple[DataProto, int]:
+    """Dynamic sampling (DAPO): keep only prompt groups whose rewards are not all equal (they carry no signal)."""
+    scores = batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).numpy()
+    _, group_index = np.unique(batch.non_tensor_batch[keys.UID], return_inverse=True)
+    spread = np.zeros(group_index.max() + 1)
+    np.maximum.at(spread, group_index, scores)
+    low = np.full_like(spread, np.inf)
+    np.minimum.at(low, group_index, scores)
+    keep = (spread - low)[group_index] > 0
+    return batch.select_idxs(np.flatnonzero(keep)), int((~keep).sum())
+
+
+def log_probs(group, batch: DataProto, key: str) -> None:
+    """batch[key] = the group's log-probs of the responses (at the batch's sampling temperature)."""
+    batch[key] = group.compute_log_probs(batch).batch[keys.LOG_PROBS]
+
+
+def values(group, batch: DataProto) -> None:
+    batch[keys.VALUES] = group.compute_values(batch).batch[keys.VALUES]
+
+
+def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[str, float]:
+    """Token rewards (post-processed scores, minus the KL penalty if KL is in the reward) and advantages."""
+    tensors = batch.batch
+    mask = tensors[keys.RESPONSE_MASK].float()
+    scores = tensors[keys.TOKEN_LEVEL_SCORES].float()
+    group_ids = as_group_ids(batch.non_tensor_batch[keys.UID])
+    metrics: dict[str, float] = {}
+    if algo.reward_norm is not None or algo.reward_clip is not None:
+        sequence = postprocess_rewards(scores.sum(-1), group_ids, norm=algo.reward_norm, clip=algo.reward_clip)
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)  # last response token
+        scores = torch.where(last, sequence[:, None], torch.zeros_like(scores))
+    rewards = scores
+    if keys.REF_LOG_PROBS in tensors.keys():
+        kl = masked_mean(kl_estimate(tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], "k1"), mask)
+        metrics["actor/reference_kl"] = float(kl)
+        if algo.use_kl_in_reward:
+            rewards = kl_penalized_rewards(scores, tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], kl_coef, mask=mask)
+            metrics["actor/kl_coef"] = kl_coef
+    estimator = get_advantage_estimator(algo.adv_estimator)
+    inputs = {"group_ids": group_ids, "gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std}
+    if keys.VALUES in tensors.keys():
+        inputs["values"] = tensors[keys.VALUES].float()
+    adv, returns = estimator(rewards, mask, **inputs)  # it reads only what it needs
+    batch[keys.TOKEN_LEVEL_REWARDS] = rewards
+    batch[keys.ADVANTAGES] = adv
+    batch[keys.RETURNS] = returns
+    metrics["advantages/mean"] = float(masked_mean(adv, mask))
+    return metrics
+
+
+def train(group, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str) -> dict[str, float]:
+    """`ppo_epochs` passes over the batch in shuffled mini-batches; one optimizer step per mini-batch."""
+    mini = algo.ppo_mini_batch_size or len(batch)
+    collected: dict[str, list[float]] = {}
+    for epoch in range(algo.ppo_epochs):
+        order = np.random.default_rng(seed + epoch).permutation(len(batch))
+        for start in range(0, len(batch), mini):
+            per_dp_rank = group.train_step(batch.select_idxs(order[start : start + mini]))
+            for metrics in per_dp_rank:
+                for name, value in (metrics or {}).items():
+                    collected.setdefault(name, []).append(float(value))
+    return {f"{prefix}{name}": float(np.mean(vals)) for name, vals in collected.items()}
+
+
+def sync_weights(groups: RoleGroups, probe_rows: DataProto | None, bucket_bytes: int, max_gap: float) -> dict[str, float]:
+    """Trainer weights -> rollout engine, then a probe: both score the same sequences; the gap must stay small."""
+    bucket_refs = groups.actor.publish_hf_weights(bucket_bytes)
+    loaded = groups.rollout.load_weight_buckets(next(refs for refs in bucket_refs if refs))
+    if probe_rows is None:
+        return {"weight_sync/tensors": float(loaded[0])}
+    probe = probe_rows.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.PROMPTS,
+                                          keys.RESPONSES, keys.RESPONSE_MASK])
+    probe.meta_info[keys.META_TEMPERATURE] = 1.0
+    engine = groups.rollout.probe_log_probs(probe).batch[keys.LOG_PROBS]
+    trainer = groups.actor.compute_log_probs(probe).batch[keys.LOG_PROBS]
+    mask = probe.batch[keys.RESPONSE_MASK].float()
+    gap = float(masked_mean((engine - trainer).abs(), mask))
+    if not gap <= max_gap:
+        raise WeightSyncError(
+            f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
+            f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact"
+        )
+    return {"weight_sync/logprob_gap": gap, "weight_sync/tensors": float(loaded[0])}
+
+
+def batch_metrics(batch: DataProto, seconds_generating: float) -> dict[str, float]:
+    mask = batch.batch[keys.RESPONSE_MASK].float()
+    lengths = mask.sum(-1)
+    scores = batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1)
+    return {
+        "reward/mean": float(scores.mean()),
+        "reward/max": float(scores.max()),
+        "reward/min": float(scores.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "throughput/generated_tokens_per_s": float(lengths.sum()) / max(seconds_generating, 1e-9),
+    }
+
+
+def _mean_metrics(metrics: dict, prefix: str) -> dict[str, float]:
+    out = {}
+    for name, value in metrics.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        out[name if name.startswith(prefix) else prefix + name] = float(np.mean(values))
+    return out
