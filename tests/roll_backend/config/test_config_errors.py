@@ -1,0 +1,278 @@
+"""Config errors: one test per rule of the loader and validator, each checking that the message names the key,
+the value seen and the fix; and that several problems come back together. Uses the demo config plus overrides
+(its numbers are tuned elsewhere: every value a test relies on is set by the test) and tiny YAML files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from roll_backend.config.loader import load_config
+from roll_backend.config.typed import ConfigError
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
+
+# Every roles' model_path interpolates ${output_dir}; a folder that does not exist means the head counts come
+# from build_tiny_model (4 attention heads, 2 kv heads, set here), never from a model someone built in runs/.
+TINY_HEADS = ["build_tiny_model.num_attention_heads=4", "build_tiny_model.num_key_value_heads=2"]
+
+
+@pytest.fixture()
+def base(tmp_path) -> list[str]:
+    return [f"output_dir={tmp_path}/run", *TINY_HEADS]
+
+
+def problems_of(overrides: list[str], path: Path | str = CONFIG) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    for problem in info.value.problems:
+        assert problem in str(info.value)  # the message lists every problem
+    return info.value.problems
+
+
+def test_demo_config_loads(base):
+    config = load_config(CONFIG, base)
+    assert config.pipeline == "grpo" and config.actor_train.strategy.name == "megatron_train"
+
+
+# ---- shape of the tree: keys, types, required fields, strategy names -----------------------------------
+def test_unknown_key_suggests_the_close_one(base):
+    assert problems_of(base + ["max_step=3"]) == ["max_step: unknown key; did you mean 'max_steps'?"]
+    assert problems_of(base + ["algorithm.clip_ratio_lo=0.1"]) == ["algorithm.clip_ratio_lo: unknown key; did you mean 'clip_ratio_low'?"]
+
+
+def test_unknown_strategy_key_suggests_the_close_one(base):
+    [problem] = problems_of(base + ["actor_train.strategy.tpp=2"])
+    assert problem == "actor_train.strategy.tpp: unknown key for strategy 'megatron_train'; did you mean 'tp'?"
+
+
+def test_wrong_type_names_expected_type_and_value(base):
+    assert problems_of(base + ["max_steps=abc"]) == ["max_steps: expected int, got str 'abc'"]
+    assert problems_of(base + ["seed=1.5"]) == ["seed: expected int, got float 1.5"]
+    assert problems_of(base + ["algorithm.use_kl_loss=maybe"]) == ["algorithm.use_kl_loss: expected bool, got str 'maybe'"]
+
+
+def test_missing_required_field_says_how_to_set_it(tmp_path):
+    config = tmp_path / "no_pipeline.yaml"
+    config.write_text(
+        "model_path: m\n"
+        "data: {synthetic: {}}\n"
+        "actor_train: {model_path: m, strategy: {name: megatron_train}}\n"
+        "actor_infer: {model_path: m, strategy: {name: vllm_rollout}}\n"
+    )
+    assert "pipeline: required; set it in the YAML or as pipeline=..." in problems_of([], config)
+
+
+def test_role_strategy_needs_a_name(tmp_path):
+    config = tmp_path / "no_name.yaml"
+    config.write_text(
+        "pipeline: grpo\nmodel_path: m\ndata: {synthetic: {}}\nalgorithm: {use_kl_loss: false}\n"
+        "actor_train: {model_path: m, strategy: {tp: 1}}\n"
+        "actor_infer: {model_path: m, strategy: {name: vllm_rollout}}\n"
+    )
+    assert problems_of([], config) == ["actor_train.strategy: needs a mapping with a `name` (e.g. name: megatron_train)"]
+
+
+def test_unknown_strategy_name_lists_the_registry(base):
+    [problem] = problems_of(base + ["actor_train.strategy.name=megatron"])
+    assert problem.startswith("actor_train.strategy.name: unknown strategy 'megatron'; known: ")
+    assert "megatron_train" in problem and "vllm_rollout" in problem
+
+
+def test_strategy_config_checks_report_the_value(base):
+    [problem] = problems_of(base + ["actor_train.strategy.micro_batch_size=0"])
+    assert "actor_train.strategy" in problem and "micro_batch_size=0 must be >= 1" in problem
+
+
+# ---- parallel layouts ---------------------------------------------------------------------------------
+def test_model_parallel_size_must_divide_world_size(base):
+    [problem] = problems_of(base + ["actor_train.strategy.tp=2", "actor_train.world_size=3"])
+    assert problem == (
+        "actor_train: tp*pp*cp = 2*1*1 = 2 does not divide actor_train.world_size=3; "
+        "set world_size to a multiple of 2 or shrink the layout"
+    )
+
+
+def test_tp_must_divide_attention_and_kv_heads(base):
+    assert problems_of(base + ["actor_train.strategy.tp=3", "actor_train.world_size=3"]) == [
+        "actor_train.strategy.tp=3 does not divide num_attention_heads=4; choose one of 1, 2, 4",
+        "actor_train.strategy.tp=3 does not divide num_key_value_heads=2; choose one of 1, 2",
+    ]
+
+
+def test_heads_come_from_the_model_folder_when_it_exists(base, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 6}')
+    assert problems_of(base + [f"reference.model_path={model}", "reference.strategy.tp=4", "reference.world_size=4"]) == [
+        "reference.strategy.tp=4 does not divide num_attention_heads=6; choose one of 1, 2, 3, 6",
+        "reference.strategy.tp=4 does not divide num_key_value_heads=6; choose one of 1, 2, 3, 6",
+    ]
+
+
+def test_vllm_tensor_parallel_size_must_match_tp(base):
+    [problem] = problems_of(base + ["actor_infer.strategy.tp=1", "actor_infer.strategy.tensor_parallel_size=2"])
+    assert problem == "actor_infer.strategy.tensor_parallel_size=2 differs from actor_infer.strategy.tp=1; make them equal"
+
+
+def test_cp_is_refused_by_megatron_strategies(base):
+    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.cp=2", "actor_train.world_size=2"])
+    assert problem == "actor_train.strategy: vpp and cp > 1 are not supported by the Megatron strategies yet; remove them"
+
+
+# ---- batch sizes --------------------------------------------------------------------------------------
+BATCH_16 = ["rollout_batch_size=4", "num_return_sequences_in_group=4"]  # 16 responses per step
+
+
+def test_mini_batch_must_divide_the_step_batch(base):
+    problems = problems_of(base + BATCH_16 + ["algorithm.ppo_mini_batch_size=6", "actor_train.strategy.micro_batch_size=1"])
+    assert problems == [
+        "algorithm.ppo_mini_batch_size=6 does not divide rollout_batch_size*num_return_sequences_in_group=16; "
+        "choose one of 1, 2, 4, 8, 16"
+    ]
+
+
+def test_mini_batch_must_split_into_micro_batches_on_every_dp_rank(base):
+    # tp=1 on 2 ranks: dp=2, so a mini-batch of 12 gives 6 per rank, not a multiple of micro_batch_size=4.
+    overrides = ["rollout_batch_size=6", "num_return_sequences_in_group=2", "algorithm.ppo_mini_batch_size=12",
+                 "actor_train.world_size=2", "actor_train.strategy.tp=1", "actor_train.strategy.micro_batch_size=4"]
+    assert problems_of(base + overrides) == [
+        "actor_train: a mini-batch of 12 responses cannot be split into micro-batches of "
+        "actor_train.strategy.micro_batch_size=4 on each of 2 data-parallel ranks; make ppo_mini_batch_size "
+        "a multiple of 8 or change micro_batch_size to one of 1, 2, 3, 6"
+    ]
+
+
+def test_whole_step_is_the_mini_batch_by_default(base):
+    # ppo_mini_batch_size=null: the 16 responses of a step, split over dp=1 into micro-batches of 5: no.
+    [problem] = problems_of(base + BATCH_16 + ["algorithm.ppo_mini_batch_size=null", "actor_train.strategy.micro_batch_size=5"])
+    assert "a mini-batch of 16 responses" in problem and "micro_batch_size=5" in problem
+
+
+# ---- algorithm and roles ------------------------------------------------------------------------------
+def test_gae_needs_a_critic(base):
+    assert problems_of(base + ["algorithm.adv_estimator=gae"]) == [
+        "algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick grpo/rloo/reinforce_plus_plus"
+    ]
+
+
+def test_kl_needs_a_reference(base):
+    expected = ["KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"]
+    assert problems_of(base + ["reference=null", "algorithm.use_kl_loss=true"]) == expected
+    assert problems_of(base + ["reference=null", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true"]) == expected
+    load_config(CONFIG, base + ["reference=null", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=false"])
+
+
+def test_ppo_pipeline_needs_a_critic(base):
+    assert problems_of(base + ["pipeline=ppo"]) == ["pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)"]
+
+
+def test_unknown_pipeline_lists_the_known_ones(base):
+    assert problems_of(base + ["pipeline=dpo"]) == ["pipeline='dpo' is unknown; choose one of grpo, ppo"]
+
+
+def test_unknown_algorithm_names_are_all_reported_with_the_known_ones(base):
+    overrides = ["algorithm.adv_estimator=grpoo", "algorithm.policy_loss=ppo2", "algorithm.kl_estimator=kl9",
+                 "algorithm.loss_agg_mode=mean", "algorithm.kl_ctrl.type=pid", "algorithm.reward_norm=xx"]
+    problems = problems_of(base + overrides)
+    assert len(problems) == 6
+    for needle in ("algorithm.adv_estimator='grpoo' is unknown; known: ", "algorithm.policy_loss='ppo2' is unknown; known: ",
+                   "algorithm.kl_estimator='kl9' is unknown; known: ", "algorithm.loss_agg_mode='mean' is unknown; known: ",
+                   "algorithm.kl_ctrl.type='pid' is unknown; known: ", "algorithm.reward_norm='xx'; choose one of "):
+        assert any(p.startswith(needle) for p in problems), needle
+    joined = "\n".join(problems)
+    assert "grpo" in joined and "gspo" in joined and "low_var_kl" in joined and "token-mean" in joined and "adaptive" in joined
+
+
+def test_ppo_epochs_must_be_positive(base):
+    assert problems_of(base + ["algorithm.ppo_epochs=0"]) == ["algorithm.ppo_epochs=0 must be >= 1"]
+
+
+def test_colocate_with_an_unknown_role(base):
+    [problem] = problems_of(base + ["reference.colocate_with=critic"])
+    assert problem.startswith("reference.colocate_with='critic' names no role in this config; known: ")
+    assert "actor_train" in problem
+
+
+def test_colocated_roles_need_equal_world_sizes(base):
+    [problem] = problems_of(base + ["reference.colocate_with=actor_train", "reference.world_size=1", "actor_train.world_size=2",
+                                    "actor_train.strategy.tp=2"])
+    assert problem == (
+        "reference.colocate_with='actor_train': world sizes differ (1 vs 2); colocated roles share bundles rank by rank"
+    )
+
+
+# ---- data, model, checkpoints -------------------------------------------------------------------------
+def test_data_needs_a_path_or_a_synthetic_task(base):
+    assert problems_of(base + ["data.synthetic=null", "data.train_path=null"]) == [
+        "data: set data.train_path (JSONL or parquet) or data.synthetic"
+    ]
+
+
+def test_missing_data_file_is_named(base, tmp_path):
+    missing = tmp_path / "prompts.jsonl"
+    assert problems_of(base + [f"data.train_path={missing}"]) == [f"data.train_path={str(missing)!r} does not exist"]
+
+
+def test_model_path_needed_without_a_tiny_model(base):
+    # Each Megatron role's strategy config refuses the empty path (the roles interpolate ${model_path}).
+    problems = problems_of(base + ["build_tiny_model=null", "model_path=''"])
+    for role in ("actor_train", "reference"):
+        assert any(p.startswith(f"{role}.strategy: ") and "model_path is empty; point it at a Hugging Face model folder" in p
+                   for p in problems), role
+
+
+def test_distributed_optimizer_cannot_checkpoint_on_cpu(base):
+    overrides = ["checkpoint.save_steps=5", "actor_train.num_gpus_per_rank=0", "actor_train.strategy.optimizer.use_distributed_optimizer=true"]
+    assert problems_of(base + overrides) == [
+        "checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot save its state "
+        "there; set actor_train.strategy.optimizer.use_distributed_optimizer=false"
+    ]
+    # On GPUs, or without checkpoints, the same optimizer is fine.
+    load_config(CONFIG, base + ["checkpoint.save_steps=0", "actor_train.strategy.optimizer.use_distributed_optimizer=true"])
+
+
+# ---- overrides and files ------------------------------------------------------------------------------
+def test_override_without_equals_sign(base):
+    assert problems_of(base + ["actor_train.strategy.tp"]) == [
+        "override 'actor_train.strategy.tp' is not key=value (e.g. actor_train.strategy.tp=2)"
+    ]
+
+
+def test_override_with_malformed_value_is_a_config_error(base):
+    [problem] = problems_of(base + ["max_steps=[1"])
+    assert str(CONFIG) in problem and "flow sequence" in problem
+
+
+def test_malformed_yaml_file(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("pipeline: grpo\n  bad: [\n")
+    [problem] = problems_of([], config)
+    assert problem.startswith(f"{config}: ") and "line 2" in problem
+
+
+def test_missing_config_file():
+    assert problems_of([], "/nonexistent/run.yaml") == ["config file '/nonexistent/run.yaml' does not exist"]
+
+
+# ---- all at once ------------------------------------------------------------------------------------------
+def test_every_shape_problem_is_reported_together(base):
+    problems = problems_of(base + ["max_step=3", "seed=x", "algorithm.clip_ratio_lo=0.1", "actor_train.strategy.tpp=2",
+                                   "actor_infer.strategy.name=vllm"])
+    assert len(problems) == 5
+    joined = "\n".join(problems)
+    for key in ("max_step:", "seed:", "algorithm.clip_ratio_lo:", "actor_train.strategy.tpp:", "actor_infer.strategy.name:"):
+        assert key in joined
+
+
+def test_every_cross_field_problem_is_reported_together(base):
+    overrides = ["actor_train.strategy.tp=2", "actor_train.world_size=3", "algorithm.adv_estimator=gae", "reference=null",
+                 "algorithm.use_kl_loss=true", "rollout_batch_size=3", "num_return_sequences_in_group=2",
+                 "algorithm.ppo_mini_batch_size=4", "data.synthetic=null"]
+    problems = problems_of(base + overrides)
+    assert len(problems) == 5
+    starts = ("actor_train: tp*pp*cp", "algorithm.adv_estimator=gae", "KL (algorithm.use_kl_loss", "algorithm.ppo_mini_batch_size=4",
+              "data: set data.train_path")
+    for start in starts:
+        assert any(p.startswith(start) for p in problems), start
