@@ -39,6 +39,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: disabled
     max_tokens: int = 128  # also the response width T_resp of the returned batch
+    min_tokens: int = 0  # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
     stop: tuple[str, ...] = ()
     # Per-request seed. Leave None for RL sampling: one seed for a request makes its n samples identical;
     # the engine-wide `VllmRolloutConfig.seed` already makes runs reproducible.
@@ -51,6 +52,8 @@ class SamplingConfig:
             raise ValueError(f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}.")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens={self.max_tokens}; it must be >= 1.")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"sampling.min_tokens={self.min_tokens}; it must be between 0 and max_tokens={self.max_tokens}.")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 
@@ -211,6 +214,7 @@ class VllmRolloutStrategy:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
             stop=list(sampling.stop) or None,
             seed=sampling.seed,
             logprobs=0,  # the sampled token's log-prob only

@@ -131,6 +131,12 @@ def test_greedy_validation_is_deterministic_and_overrides_apply(rollout):
         rollout.generate(text_batch(PROMPTS[:2], **{META_VALIDATE: True, "n": 4}))
 
 
+def test_min_tokens_gives_fixed_length_responses_without_eos(rollout, tokenizer):
+    fixed = rollout.generate(text_batch(n=2, max_tokens=24, min_tokens=24))
+    assert fixed.batch[keys.RESPONSE_MASK].sum(dim=1).tolist() == [24] * (2 * len(PROMPTS))
+    assert not (fixed.batch[keys.RESPONSES] == tokenizer.eos_token_id).any()  # EOS suppressed, as TRL's min_new_tokens
+
+
 def test_token_id_prompts_give_the_same_greedy_output_as_text_prompts(rollout, tokenizer):
     encoded = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
@@ -181,6 +187,8 @@ def test_sampling_config_validation_and_overrides():
     base = SamplingConfig(n=4, temperature=1.0, max_tokens=32)
     assert base.with_overrides({"n": 2, "stop": "\n", "unrelated": 1}) == SamplingConfig(n=2, temperature=1.0, max_tokens=32, stop=("\n",))
     assert base.with_overrides({}) is base
+    with pytest.raises(ValueError, match="min_tokens=40; it must be between 0 and max_tokens=32"):
+        SamplingConfig(max_tokens=32, min_tokens=40)
 
 
 def test_engine_environment_comes_from_config():
