@@ -1,0 +1,57 @@
+"""The TRL side of bench/grpo_step.py: GRPOTrainer on CPU (transformers generate), one optimizer step per generation batch."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int) -> list[float]:
+    """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from roll_backend.rewards.exact_match import score
+
+    def exact_match_reward(completions, answer, **_):  # the rule the roll-backend side's reward worker runs
+        return [score(completion[0]["content"], ref) for completion, ref in zip(completions, answer)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    completions = scale.prompts * scale.samples
+    args = GRPOConfig(
+        output_dir=str(work_dir),
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        max_steps=1 + steps,
+        learning_rate=1e-6,
+        # One generation batch (prompts x samples) per optimizer step, in micro-batches of scale.micro_batch.
+        per_device_train_batch_size=scale.micro_batch,
+        gradient_accumulation_steps=completions // scale.micro_batch,
+        num_generations=scale.samples,
+        num_iterations=1,
+        max_completion_length=scale.new_tokens,
+        generation_kwargs={"min_new_tokens": scale.new_tokens},  # exactly new_tokens: EOS suppressed until then
+        temperature=1.0,
+        beta=0.04,
+        use_vllm=False,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    clock = StepClock()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match_reward, args=args, train_dataset=dataset, callbacks=[clock])
+    clock.ends = [time.perf_counter()]
+    trainer.train()
+    durations = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return durations[1:]  # drop the warm-up step

@@ -1,0 +1,171 @@
+"""One GRPO step, roll-backend vs TRL's GRPOTrainer, on the same random ~14M Qwen2 model: generated tokens/s.
+
+roll-backend runs its real system (Ray groups from roll_backend.pipelines, vLLM rollout, Megatron actor and
+reference, rule reward, weight sync) through `rl_step`; TRL runs GRPOTrainer on CPU (transformers generate).
+Both: 32 prompts x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step.
+Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Scale:
+    prompts: int
+    samples: int
+    new_tokens: int
+    micro_batch: int  # completions per forward/backward micro-batch, both sides
+    model: dict  # TinyModelSpec fields
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.prompts * self.samples * self.new_tokens
+
+
+FULL = Scale(32, 8, 128, 64, dict(hidden_size=512, num_hidden_layers=6, intermediate_size=1024,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+QUICK = Scale(4, 8, 16, 16, dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320))
+
+
+def prompt_rows(count: int) -> list[dict]:
+    """Short arithmetic prompts with digit answers (the exact_match rule scores them the same on both sides)."""
+    return [{"prompt": f"what is {7 * i % 50} + {13 * i % 40}? answer with the number only.",
+             "answer": str(7 * i % 50 + 13 * i % 40)} for i in range(count)]
+
+
+def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int):
+    """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference."""
+    from roll_backend.config.loader import config_from_dict, resolve_yaml
+
+    tree = resolve_yaml(REPO / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out_dir}"])
+    tree.update(model_path=model_dir, build_tiny_model=None, max_steps=1 + steps, rollout_batch_size=scale.prompts,
+                num_return_sequences_in_group=scale.samples, response_length=scale.new_tokens)
+    tree["data"] = {"train_path": str(data_path), "max_prompt_length": 64}
+    tree["algorithm"].update(use_kl_loss=True, kl_loss_coef=0.04, ppo_epochs=1,
+                             ppo_mini_batch_size=scale.prompts * scale.samples)  # one update per step
+    tree["reward"] = {"rewards": {"exact_match": 1.0}, "world_size": 1}
+    tree["logging"] = {"jsonl": False, "tensorboard": False, "progress_bar": False}
+    tree["actor_train"].update(model_path=model_dir, world_size=actor_tp)
+    tree["actor_train"]["strategy"].update(tp=actor_tp, micro_batch_size=scale.micro_batch)
+    tree["actor_train"]["strategy"]["optimizer"]["lr"] = 1e-6
+    tree["actor_infer"]["model_path"] = model_dir
+    tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
+                                           sampling={"temperature": 1.0, "min_tokens": scale.new_tokens})
+    tree["reference"]["model_path"] = model_dir
+    tree["reference"]["strategy"]["micro_batch_size"] = scale.micro_batch
+    return config_from_dict(tree)
+
+
+@dataclass
+class BenchRun:
+    """What `rl_step` reads from a PipelineRun: config, groups, KL controller, and data with `batch_at`."""
+
+    config: object
+    groups: object
+    kl_ctrl: object
+    data: object
+
+
+class FixedPrompts:
+    """The same prompt batch every step (text prompts; the rollout applies the chat template, as TRL does)."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def batch_at(self, step: int, size: int):
+        import numpy as np
+
+        from roll_backend import keys
+        from roll_backend.protocol import DataProto
+
+        rows = self.rows[:size]
+        return DataProto.from_dict(non_tensors={
+            keys.PROMPT_TEXT: np.array([r["prompt"] for r in rows], dtype=object),
+            keys.ANSWER: np.array([r["answer"] for r in rows], dtype=object)})
+
+
+def roll_backend_step_seconds(config, rows: list[dict], steps: int, threads_per_rank: int) -> list[float]:
+    """Start the role groups, run 1 warm-up + `steps` rl_steps; returns each timed step's wall seconds."""
+    import ray
+
+    from roll_backend.algorithms import make_kl_controller
+    from roll_backend.distributed.ray_env import init_local_ray
+    from roll_backend.pipelines.loop import rl_step
+    from roll_backend.pipelines.roles import build_role_groups
+
+    # Ray would give every actor OMP_NUM_THREADS=1; the phases run one after another, so each may use the cores.
+    init_local_ray(num_cpus=config.ray_num_cpus, env_vars={"OMP_NUM_THREADS": str(threads_per_rank)})
+    try:
+        start = time.perf_counter()
+        groups = build_role_groups(config)
+        print(f"roll-backend: role groups up in {time.perf_counter() - start:.1f}s", flush=True)
+        kl = config.algorithm.kl_ctrl
+        run = BenchRun(config, groups, make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), FixedPrompts(rows))
+        seconds = []
+        try:
+            for step in range(1, 2 + steps):
+                start = time.perf_counter()
+                metrics = rl_step(run, step)
+                seconds.append(time.perf_counter() - start)
+                phases = " ".join(f"{k.split('/')[1]}={v:.1f}" for k, v in metrics.items() if k.startswith("timing/"))
+                print(f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s "
+                      f"[{phases}] response_length={metrics['response_length/mean']:.0f}", flush=True)
+        finally:
+            groups.shutdown()
+    finally:
+        ray.shutdown()
+    return seconds[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per side, after one warm-up step")
+    parser.add_argument("--actor-tp", type=int, default=2, choices=(1, 2), help="Megatron actor world size (= TP)")
+    parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
+    parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
+    args = parser.parse_args()
+    scale = QUICK if args.quick else FULL
+
+    from _grpo_step_trl import trl_step_seconds
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="grpo_step_"))
+    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
+    rows = prompt_rows(scale.prompts)
+    data_path = work / "prompts.jsonl"
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    print(f"model: {params / 1e6:.1f}M params; {scale.prompts} prompts x {scale.samples} samples x {scale.new_tokens} "
+          f"new tokens = {scale.generated_tokens} tokens/step; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}", flush=True)
+
+    results = {}
+    if args.only in (None, "roll-backend"):
+        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp)
+        results["roll-backend"] = roll_backend_step_seconds(config, rows, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
+    if args.only in (None, "trl"):
+        results["TRL GRPOTrainer"] = trl_step_seconds(model_dir, rows, scale, work / "trl", args.steps)
+        print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'])}", flush=True)
+
+    rates = {}
+    for name, seconds in results.items():
+        mean = sum(seconds) / len(seconds)
+        rates[name] = scale.generated_tokens / mean
+        print(f"{name}: {mean:.1f} s/step (steps {', '.join(f'{s:.1f}' for s in seconds)}), {rates[name]:.0f} generated tokens/s")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if len(rates) == 2:
+        print(f"tokens/s vs TRL GRPOTrainer: {rates['roll-backend'] / rates['TRL GRPOTrainer']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
