@@ -12,3 +12,4 @@ test: setup
 bench: setup
 	.venv/bin/python bench/dataproto.py
 	.venv/bin/python bench/broadcast.py
+	.venv/bin/python bench/grpo_step.py
