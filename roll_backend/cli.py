@@ -234,7 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come on both sides of an option (`CONFIG a=1 --no-wait b=2`); argparse leaves the later
+    # ones unparsed, and its intermixed mode does not work with subcommands.
+    args, extra = parser.parse_known_args(argv)
+    flags = [item for item in extra if item.startswith("-")]
+    if flags or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)

@@ -122,9 +122,27 @@ def test_submit_rejects_a_config_outside_the_working_dir(tmp_path):
 
 def test_submit_validates_before_contacting_the_cluster(tmp_path):
     # Port 1 has no cluster: an exit 2 with the config message shows nothing was sent.
-    done = run_cli("submit", "--address", "http://127.0.0.1:1", "configs/grpo_tiny_cpu.yaml", "actor_train.world_size=3")
+    done = run_cli("submit", "--address", "http://127.0.0.1:1", "configs/grpo_tiny_cpu.yaml", "actor_train.strategy.tp=2",
+                   "actor_train.world_size=3")
     assert done.returncode == 2
     assert "tp*pp*cp = 2*1*1 = 2 does not divide actor_train.world_size=3" in done.stderr
+
+
+def test_overrides_after_an_option_still_apply(monkeypatch, capsys):
+    # The override after --no-wait makes the config invalid: exit 2 shows it reached validation, before any
+    # cluster is contacted (nothing answers on port 1).
+    monkeypatch.chdir(REPO)
+    argv = ["submit", "--address", "http://127.0.0.1:1", "configs/grpo_tiny_cpu.yaml", "max_steps=2", "--no-wait",
+            "actor_train.strategy.tp=2", "actor_train.world_size=3"]
+    assert cli.main(argv) == 2
+    assert "does not divide actor_train.world_size=3" in capsys.readouterr().err
+
+
+def test_unknown_option_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["validate", str(CONFIG), "max_steps=2", "--bogus"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 # ---- submit to a real head on loopback ------------------------------------------------------------------
@@ -168,8 +186,8 @@ def ray_head():
 
 
 def stop_process_group(head: subprocess.Popen) -> None:
-    """SIGTERM the head's process group (the head and everything it started), SIGKILL what outlives 30 s."""
-    for sig, grace_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+    """SIGTERM the head's process group (the head and everything it started), SIGKILL what outlives 10 s."""
+    for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(head.pid, sig)
         except ProcessLookupError:
@@ -201,10 +219,20 @@ def wait_for_jobs_api(url: str, head: subprocess.Popen, timeout_s: float) -> Non
 
 @pytest.fixture()
 def job_dir(tmp_path):
-    """A small working dir to upload: the demo config, and a prompt file that .gitignore keeps out of the upload."""
-    shutil.copy(CONFIG, tmp_path / "grpo.yaml")
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "copy 7", "answer": "7"}) + "\n")
-    (tmp_path / ".gitignore").write_text("prompts.jsonl\n")
+    """A small working dir to upload: the demo config (exact-match reward on a prompt file, a model vLLM's CPU
+    attention takes), its prompts, and a second prompt file that .gitignore keeps out of the upload."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.load(CONFIG)
+    tree.reward.rewards = {"exact_match": 1.0}
+    tree.build_tiny_model = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    tree.data.synthetic = None
+    tree.data.train_path = "prompts.jsonl"
+    OmegaConf.save(tree, tmp_path / "grpo.yaml")
+    rows = "".join(json.dumps({"prompt": f"copy: {d}", "answer": str(d)}) + "\n" for d in range(10))
+    (tmp_path / "prompts.jsonl").write_text(rows)
+    (tmp_path / "ignored_prompts.jsonl").write_text(rows)
+    (tmp_path / ".gitignore").write_text("ignored_prompts.jsonl\n")
     return tmp_path
 
 
@@ -212,26 +240,22 @@ def test_submit_reports_a_failed_job_with_exit_1(ray_head, job_dir):
     # Valid here, but the job's copy of the working dir lacks the git-ignored prompt file: the job's own
     # validation fails, so the job ends FAILED and submit says so.
     start = time.monotonic()
-    done = run_cli("submit", "--address", ray_head, "grpo.yaml", "data.train_path=prompts.jsonl", "--poll-s=0.5", cwd=job_dir, timeout=180)
+    done = run_cli("submit", "--address", ray_head, "grpo.yaml", "data.train_path=ignored_prompts.jsonl", "--poll-s=0.5", cwd=job_dir, timeout=180)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "data.train_path='prompts.jsonl' does not exist" in done.stdout  # the job's log, followed
+    assert "data.train_path='ignored_prompts.jsonl' does not exist" in done.stdout  # the job's log, followed
     assert "ended FAILED" in done.stderr
     print(f"failed job round trip: {time.monotonic() - start:.1f}s")
 
 
-def pipeline_exists() -> bool:
-    import roll_backend.pipelines
-
-    return hasattr(roll_backend.pipelines, "run_pipeline")
-
-
-@pytest.mark.skipif(not pipeline_exists(), reason="roll_backend.pipelines.run_pipeline does not exist yet")
 def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
     out = job_dir / "out"
     start = time.monotonic()
     done = run_cli(
         "submit", "--address", ray_head, "grpo.yaml", "max_steps=1", f"output_dir={out}", "--poll-s=0.5",
-        cwd=job_dir, timeout=300,
+        "rollout_batch_size=2", "num_return_sequences_in_group=4", "response_length=6", "algorithm.ppo_mini_batch_size=8",
+        "actor_train.strategy.micro_batch_size=4", "reference.strategy.micro_batch_size=8",
+        "logging.progress_bar=false", "logging.tensorboard=false",
+        cwd=job_dir, timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stderr
