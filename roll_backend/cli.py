@@ -57,6 +57,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
     from roll_backend.distributed.ray_env import init_local_ray
+    from roll_backend.pipelines import run_pipeline  # before Ray starts: a broken install fails at once
 
     address = os.environ.get("RAY_ADDRESS")  # set by Ray inside a job: join that cluster
     if address:
@@ -66,8 +67,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     import ray
 
     try:
-        from roll_backend.pipelines import run_pipeline
-
         metrics = run_pipeline(config)
     finally:
         ray.shutdown()
