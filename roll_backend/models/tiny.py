@@ -11,6 +11,8 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # the end-of-turn token, used as EOS
 
+DEFAULT_CHAR_ALPHABET = "0123456789 abcdefghijklmnopqrstuvwxyz+-*=?:.,"
+
 # Qwen2-style chat template: the model answers after "<|im_start|>assistant\n" and ends with <|im_end|>.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -31,8 +33,13 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
-    vocab_size: int = 320  # target size for the tokenizer's BPE training
+    vocab_size: int = 320  # target size for the tokenizer's BPE training (tokenizer="bpe")
     seed: int = 0
+    # "bpe": byte-level BPE trained on the corpus. "char": one token per character of `char_alphabet` (plus
+    # the chat template's characters): a vocabulary of a few dozen, so a random model samples the right
+    # token often enough for RL to find it (the demo's choice).
+    tokenizer: str = "bpe"
+    char_alphabet: str = DEFAULT_CHAR_ALPHABET
 
 
 def default_corpus() -> list[str]:
@@ -73,12 +80,67 @@ def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
     )
 
 
+def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
+    """A byte-level tokenizer with one token per character of `alphabet` (plus the chat template's characters) and no merges.
+
+    Same pipeline as `build_tokenizer` (byte-level BPE, pad/eos, chat template), just no merges and a tiny
+    vocabulary: transformers 5 reloads a qwen2 model's tokenizer as `Qwen2Tokenizer`, which rebuilds a
+    byte-level BPE from the vocabulary, so only this shape survives save/load unchanged. Characters outside
+    the alphabet are dropped when encoding (byte-level BPE without an unknown token); keep prompts inside it.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    template_chars = "user" + "assistant" + "system" + "\n"
+    byte_to_unicode = {chr(code): mapped for code, mapped in zip(range(256), _byte_level_chars())}
+    chars = sorted(set(alphabet) | set(template_chars))
+    not_single_byte = [char for char in chars if char not in byte_to_unicode]
+    if not_single_byte:
+        raise ValueError(f"char_alphabet has characters outside Latin-1 {not_single_byte!r}; use single-byte characters.")
+    specials = [PAD_TOKEN, IM_START, IM_END]
+    vocab = {token: index for index, token in enumerate(specials + [byte_to_unicode[char] for char in chars])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def _byte_level_chars() -> list[str]:
+    """The printable stand-in of each byte 0..255 that byte-level BPE (GPT-2) uses in its vocabulary."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapped, extra = {}, 0
+    for code in range(256):
+        if code in printable:
+            mapped[code] = chr(code)
+        else:
+            mapped[code] = chr(256 + extra)
+            extra += 1
+    return [mapped[code] for code in range(256)]
+
+
+def tokenizer_for(spec: TinyModelSpec, corpus: list[str] | None = None):
+    """The tokenizer `spec.tokenizer` names: "bpe" (trained on `corpus`) or "char"."""
+    if spec.tokenizer == "bpe":
+        return build_tokenizer(spec.vocab_size, corpus)
+    if spec.tokenizer == "char":
+        return build_char_tokenizer(spec.char_alphabet)
+    raise ValueError(f"TinyModelSpec.tokenizer={spec.tokenizer!r} is unknown; choose 'bpe' or 'char'.")
+
+
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None) -> Path:
     """Write a random-init Qwen2ForCausalLM (float32, safetensors) and its tokenizer to `out_dir`."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(spec.vocab_size, corpus)
+    tokenizer = tokenizer_for(spec, corpus)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
