@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from roll_backend.rewards import exact_match, format_rules, math_answer
+from roll_backend.rewards import copy_digit, exact_match, format_rules, math_answer
 
 RewardFn = Callable[[str, str], float]
 
@@ -13,6 +13,7 @@ REWARDS: Mapping[str, RewardFn] = {
     "exact_match": exact_match.score,
     "format_boxed": format_rules.boxed_score,
     "format_think_answer": format_rules.think_answer_score,
+    "copy_digit": copy_digit.score,  # the default demo's synthetic task (roll_backend.pipelines.synthetic_tasks)
 }
 
 

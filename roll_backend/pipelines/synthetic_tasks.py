@@ -1,0 +1,35 @@
+"""Synthetic prompt sets for demos and tests: task name -> generator of (prompt, answer) rows, no files needed."""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Mapping
+
+# A generator takes (num_prompts, rng) and returns that many {"prompt": str, "answer": str} rows.
+TaskGenerator = Callable[[int, random.Random], list[dict[str, str]]]
+
+# The characters copy_digit prompts and answers use: a tiny model's char tokenizer needs only these
+# (TinyModelSpec(tokenizer="char", char_alphabet=COPY_DIGIT_ALPHABET)).
+COPY_DIGIT_ALPHABET = "0123456789 copy"
+
+
+def copy_digit(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
+    """"copy 7" -> "7": the answer is the prompt's digit (scored by the `copy_digit` reward)."""
+    digits = [rng.randrange(10) for _ in range(num_prompts)]
+    return [{"prompt": f"copy {digit}", "answer": str(digit)} for digit in digits]
+
+
+SYNTHETIC_TASKS: Mapping[str, TaskGenerator] = {
+    "copy_digit": copy_digit,
+}
+
+
+def generate_task(name: str, num_prompts: int, seed: int) -> list[dict[str, str]]:
+    """`num_prompts` rows of task `name`, the same for the same seed."""
+    try:
+        generator = SYNTHETIC_TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown synthetic task '{name}'; known: {', '.join(sorted(SYNTHETIC_TASKS))}.") from None
+    if num_prompts < 1:
+        raise ValueError(f"data.synthetic.num_prompts={num_prompts}; it must be >= 1.")
+    return generator(num_prompts, random.Random(seed))
