@@ -20,3 +20,16 @@ def test_workers_and_strategies_install_inside_roll_backend():
 
     assert roll_backend.workers.__name__ == "roll_backend.workers"
     assert roll_backend.strategies.__file__.replace("\\", "/").endswith("strategies/__init__.py")
+
+
+def test_a_plain_source_checkout_imports_workers_and_strategies():
+    """As in a Ray job's uploaded working dir: no install, just the checkout on sys.path (-S: no site-packages)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import sys; sys.path.insert(0, {str(root)!r}); import roll_backend.workers, roll_backend.strategies; "
+            "print(roll_backend.workers.__file__, roll_backend.strategies.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(root / "workers" / "__init__.py"), str(root / "strategies" / "__init__.py")]

