@@ -357,3 +357,17 @@ def bucketed(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: in
         size += nbytes
     if bucket:
         yield bucket
+
+
+def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
+    """Forward-only per-token outputs for a Megatron strategy (infer or train): log-probs or values."""
+    if strategy.model is None:
+        raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+    config = strategy.config
+    if value_head != config.value_head:
+        kind = "a value head" if value_head else "an LM head"
+        raise ValueError(f"{what} needs {kind}; this strategy has value_head={config.value_head}")
+    return forward_per_token(
+        strategy.model, strategy.capture, batch, strategy.arch, config.micro_batch_size, strategy.device,
+        config.temperature, value_head, config.compute_entropy, config.mtp_num_layers > 0, what,
+    )

@@ -31,19 +31,8 @@ class MegatronInferStrategy(InferStrategy):
         self.model, self.arch, self.hf_config = common.build_model_chunk(self.config, self.layout, self.device, self.config.test_swap_gate_up)
         self.capture = common.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
 
-    def _forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
-        if self.model is None:
-            raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
-        if value_head != self.config.value_head:
-            kind = "a value head" if value_head else "an LM head"
-            raise ValueError(f"{what} needs {kind}; this strategy has value_head={self.config.value_head}")
-        return common.forward_per_token(
-            self.model, self.capture, batch, self.arch, self.config.micro_batch_size, self.device,
-            self.config.temperature, value_head, self.config.compute_entropy, self.config.mtp_num_layers > 0, what,
-        )
-
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
-        return self._forward(batch, value_head=False, what="compute_log_probs")
+        return common.strategy_forward(self, batch, value_head=False, what="compute_log_probs")
 
     def compute_values(self, batch: DataProto) -> DataProto | None:
-        return self._forward(batch, value_head=True, what="compute_values")
+        return common.strategy_forward(self, batch, value_head=True, what="compute_values")

@@ -106,21 +106,11 @@ class MegatronTrainStrategy(TrainStrategy):
             raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
 
     # ---- forward only ------------------------------------------------------------------------------------
-    def _forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
-        self._check_ready(what)
-        if value_head != self.config.value_head:
-            kind = "a value head" if value_head else "an LM head"
-            raise ValueError(f"{what} needs {kind}; this strategy has value_head={self.config.value_head}")
-        return common.forward_per_token(
-            self.model, self.capture, batch, self.arch, self.config.micro_batch_size, self.device,
-            self.config.temperature, value_head, self.config.compute_entropy, self.config.mtp_num_layers > 0, what,
-        )
-
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
-        return self._forward(batch, value_head=False, what="compute_log_probs")
+        return common.strategy_forward(self, batch, value_head=False, what="compute_log_probs")
 
     def compute_values(self, batch: DataProto) -> DataProto | None:
-        return self._forward(batch, value_head=True, what="compute_values")
+        return common.strategy_forward(self, batch, value_head=True, what="compute_values")
 
     # ---- training ----------------------------------------------------------------------------------------
     def _global_token_count(self, batch: DataProto) -> float:
