@@ -3,7 +3,7 @@
 roll-backend runs its real system (Ray groups from roll_backend.pipelines, vLLM rollout, Megatron actor and
 reference, rule reward, weight sync) through `rl_step`; TRL runs GRPOTrainer on CPU (transformers generate).
 Both: 32 prompts x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step.
-Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 2] [--quick]
+Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--quick] [--only roll-backend|trl]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     tree["actor_train"]["strategy"]["optimizer"]["lr"] = 1e-6
     tree["actor_infer"]["model_path"] = model_dir
     tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
+                                           max_num_batched_tokens=scale.prompts * scale.samples * 64,  # no split prefill
                                            sampling={"temperature": 1.0, "min_tokens": scale.new_tokens})
     tree["reference"]["model_path"] = model_dir
     tree["reference"]["strategy"]["micro_batch_size"] = scale.micro_batch
@@ -105,6 +106,9 @@ def roll_backend_step_seconds(config, rows: list[dict], steps: int, threads_per_
     from roll_backend.pipelines.roles import build_role_groups
 
     # Ray would give every actor OMP_NUM_THREADS=1; the phases run one after another, so each may use the cores.
+    # Ray also starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
+    # that alone would hand the cores to TRL, so both sides run at the same priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     init_local_ray(num_cpus=config.ray_num_cpus, env_vars={"OMP_NUM_THREADS": str(threads_per_rank)})
     try:
         start = time.perf_counter()
@@ -131,7 +135,7 @@ def roll_backend_step_seconds(config, rows: list[dict], steps: int, threads_per_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side, after one warm-up step")
-    parser.add_argument("--actor-tp", type=int, default=2, choices=(1, 2), help="Megatron actor world size (= TP)")
+    parser.add_argument("--actor-tp", type=int, default=1, choices=(1, 2), help="Megatron actor world size (= TP)")
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
     parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
     args = parser.parse_args()
