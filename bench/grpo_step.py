@@ -61,7 +61,7 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     tree["actor_train"]["strategy"]["optimizer"]["lr"] = 1e-6
     tree["actor_infer"]["model_path"] = model_dir
     tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
-                                           max_num_batched_tokens=scale.prompts * scale.samples * 64,  # no split prefill
+                                           max_num_batched_tokens=scale.prompts * scale.samples * 64,  # one prefill step
                                            sampling={"temperature": 1.0, "min_tokens": scale.new_tokens})
     tree["reference"]["model_path"] = model_dir
     tree["reference"]["strategy"]["micro_batch_size"] = scale.micro_batch

