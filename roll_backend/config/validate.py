@@ -21,15 +21,16 @@ def _ties_embeddings(config: PipelineConfig, model_path: str) -> bool:
     return bool(config.build_tiny_model and model_path == config.model_path and config.build_tiny_model.get("tie_word_embeddings"))
 
 
-def _model_shape(config: PipelineConfig, model_path: str) -> tuple[int, int, int] | None:
-    """(attention heads, kv heads, head dim) of the role's model, from its config.json or the tiny-model spec."""
+def _model_shape(config: PipelineConfig, model_path: str) -> tuple[int, int, int | None] | None:
+    """(attention heads, kv heads, head dim or None) of the role's model, from its config.json or the tiny-model spec."""
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
         hf = json.loads(config_file.read_text())
         heads = hf.get("num_attention_heads")
         if not heads:
             return None
-        return heads, hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
+        head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if "hidden_size" in hf else None)
+        return heads, hf.get("num_key_value_heads", heads), head_dim
     if config.build_tiny_model is not None and model_path == config.model_path:
         from roll_backend.models.tiny import TinyModelSpec
 
@@ -59,7 +60,7 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
                 problems.append(
                     f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of {_divisors(count)}"
                 )
-    if role.strategy.name == "vllm_rollout" and role.num_gpus_per_rank == 0 and shape is not None and shape[2] < VLLM_CPU_MIN_HEAD_DIM:
+    if role.strategy.name == "vllm_rollout" and role.num_gpus_per_rank == 0 and shape is not None and (shape[2] or VLLM_CPU_MIN_HEAD_DIM) < VLLM_CPU_MIN_HEAD_DIM:
         problems.append(
             f"{name}: the model's attention head size is {shape[2]}, and vLLM on CPU needs at least {VLLM_CPU_MIN_HEAD_DIM}; "
             f"use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size={shape[0] * VLLM_CPU_MIN_HEAD_DIM})"

@@ -1,5 +1,5 @@
 """Megatron -> vLLM weight sync: train the Megatron actor (TP2) a few steps on vLLM's own rollouts, send its
-HF-named weights (gathered over TP by the train strategy) into the running engine, then vLLM's greedy output
+HF-named weights (gathered over TP by the train strategy, published in buckets through the object store) into the running engine, then vLLM's greedy output
 equals transformers' with the trained weights on 16 prompts sharing a 420-token prefix, and vLLM's sampling
 log-probs agree with Megatron's log-probs of the same sequences (the check that fails, 30x over its bound, when
 the prefix cache is not reset after the sync: these few small Adam steps leave greedy decoding on a repeated token
@@ -75,11 +75,15 @@ def synced(rollout, actor, tokenizer, shared_prefix_prompts, tmp_path_factory): 
         advantages = torch.randn(samples.batch[keys.RESPONSES].shape, generator=gen)
         extra = DataProto.from_dict(tensors={keys.OLD_LOG_PROBS: megatron_log_probs(actor, samples), keys.ADVANTAGES: advantages})
         actor.train_step(samples.union(extra))
-    # The train strategy's iter_hf_weights gathers TP shards into full HF-named tensors; export_hf writes them.
+    # The pipeline's path: every trainer rank joins the TP gather (iter_hf_weights), rank 0 publishes HF-named
+    # buckets of bounded size to the object store, every rollout rank loads them one bucket at a time.
+    bucket_refs = next(refs for refs in actor.publish_hf_weights(64 * 1024) if refs)
+    assert len(bucket_refs) > 1, "64 KiB buckets should split this model"
+    loaded = rollout.load_weight_buckets(bucket_refs)
+    # The same weights as a HF checkpoint, for the transformers reference.
     export_dir = tmp_path_factory.mktemp("megatron_trained")
     actor.export_hf(str(export_dir))
-    named = list(load_file(str(export_dir / "model.safetensors")).items())
-    assert rollout.update_weights(named) == [len(named)]
+    assert loaded == [len(load_file(str(export_dir / "model.safetensors")))]
     return before, str(export_dir)
 
 

@@ -14,8 +14,10 @@ from roll_backend.config.typed import ConfigError
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
 
 # Every roles' model_path interpolates ${output_dir}; a folder that does not exist means the head counts come
-# from build_tiny_model (4 attention heads, 2 kv heads, set here), never from a model someone built in runs/.
-TINY_HEADS = ["build_tiny_model.num_attention_heads=4", "build_tiny_model.num_key_value_heads=2"]
+# from build_tiny_model (4 attention heads of size 32, 2 kv heads, untied: set here), never from a model
+# someone built in runs/.
+TINY_HEADS = ["build_tiny_model.num_attention_heads=4", "build_tiny_model.num_key_value_heads=2",
+              "build_tiny_model.hidden_size=128", "build_tiny_model.tie_word_embeddings=false"]
 
 
 @pytest.fixture()
@@ -276,3 +278,17 @@ def test_every_cross_field_problem_is_reported_together(base):
               "data: set data.train_path")
     for start in starts:
         assert any(p.startswith(start) for p in problems), start
+
+
+def test_vllm_on_cpu_refuses_small_attention_heads(base):
+    [problem] = problems_of(base + ["build_tiny_model.hidden_size=64"])
+    assert problem == (
+        "actor_infer: the model's attention head size is 16, and vLLM on CPU needs at least 32; "
+        "use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size=128)"
+    )
+
+
+def test_vllm_rollout_refuses_tied_embeddings(base):
+    [problem] = problems_of(base + ["build_tiny_model.tie_word_embeddings=true"])
+    assert problem.startswith("actor_infer: the model ties its input and output embeddings")
+    assert "use a model with untied embeddings" in problem
