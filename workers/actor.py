@@ -47,8 +47,11 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
     mask = batch[keys.RESPONSE_MASK].float()
     global_tokens = micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT]
     log_probs = per_token[keys.LOG_PROBS]
+    # Without OLD_LOG_PROBS the update is on-policy (one epoch, one mini-batch): the old policy is the current
+    # one, so its log-probs are these, detached (the pipeline then skips a forward pass, as verl does).
+    old_log_probs = batch[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in batch.keys() else log_probs.detach()
     policy = get_policy_loss(cfg.policy_loss)(
-        batch[keys.OLD_LOG_PROBS], log_probs, batch[keys.ADVANTAGES], mask,
+        old_log_probs, log_probs, batch[keys.ADVANTAGES], mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg_mode="token-mean",
         dp_size=1, batch_num_tokens=global_tokens,
     )

@@ -115,8 +115,9 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     if groups.reference is not None:
         with timer.phase("reference"):
             steps.log_probs(groups.reference, batch, keys.REF_LOG_PROBS)
-    with timer.phase("log_probs"):
-        steps.log_probs(groups.actor, batch, keys.OLD_LOG_PROBS)
+    if not steps.is_on_policy(algo, len(batch)):
+        with timer.phase("log_probs"):
+            steps.log_probs(groups.actor, batch, keys.OLD_LOG_PROBS)
     if groups.critic is not None:
         with timer.phase("values"):
             steps.values(groups.critic, batch)

@@ -54,6 +54,13 @@ def drop_uniform_groups(batch: DataProto) -> tuple[DataProto, int]:
     return batch.select_idxs(np.flatnonzero(keep)), int((~keep).sum())
 
 
+def is_on_policy(algo: AlgorithmConfig, batch_size: int) -> bool:
+    """One epoch, one mini-batch, KL not in the reward: the policy that sampled is the one being updated, so
+    its "old" log-probs need no forward pass of their own (the actor loss uses its current ones, detached)."""
+    whole_batch = algo.ppo_mini_batch_size is None or algo.ppo_mini_batch_size >= batch_size
+    return algo.ppo_epochs == 1 and whole_batch and not algo.use_kl_in_reward
+
+
 def log_probs(group, batch: DataProto, key: str) -> None:
     """batch[key] = the group's log-probs of the responses (at the batch's sampling temperature)."""
     batch[key] = group.compute_log_probs(batch).batch[keys.LOG_PROBS]
@@ -76,7 +83,9 @@ def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[
         scores = torch.where(last, sequence[:, None], torch.zeros_like(scores))
     rewards = scores
     if keys.REF_LOG_PROBS in tensors.keys():
-        kl = masked_mean(kl_estimate(tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], "k1"), mask)
+        # On-policy steps skip the old log-probs; the sampler's own are then the policy's log-probs.
+        policy_log_probs = tensors[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in tensors.keys() else tensors[keys.ROLLOUT_LOG_PROBS]
+        kl = masked_mean(kl_estimate(policy_log_probs, tensors[keys.REF_LOG_PROBS], "k1"), mask)
         metrics["actor/reference_kl"] = float(kl)
         if algo.use_kl_in_reward:
             rewards = kl_penalized_rewards(scores, tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], kl_coef, mask=mask)

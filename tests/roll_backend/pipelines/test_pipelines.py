@@ -56,7 +56,8 @@ STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference
 
 def test_grpo_run_and_resume_repeats_the_next_step_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
     full = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2"))
+        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2",
+        "algorithm.ppo_mini_batch_size=16"))  # one mini-batch, one epoch: on-policy, no old-log-prob pass
     history = run_pipeline(full)
     assert [h["step"] for h in history] == [1, 2, 3]
     for record in history:
@@ -64,13 +65,15 @@ def test_grpo_run_and_resume_repeats_the_next_step_exactly(ray_session, base_con
                     "throughput/generated_tokens_per_s", "actor/broadcast_seconds"):
             assert math.isfinite(record[key]), (key, record)
         assert record["weight_sync/logprob_gap"] < 1e-4
+        assert "timing/log_probs" not in record  # on-policy: the loss used the current log-probs, detached
     checkpoint = latest_checkpoint(tmp_path / "full")
     assert checkpoint is not None and checkpoint.name == "step_2"
     assert (tmp_path / "full" / "metrics.jsonl").read_text().count("\n") == 3
     assert any((tmp_path / "full" / "tensorboard").iterdir())
 
     resumed = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}"))
+        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}",
+        "algorithm.ppo_mini_batch_size=16"))
     resumed_history = run_pipeline(resumed)
     assert [h["step"] for h in resumed_history] == [3]
     for key in STEP_KEYS:
@@ -87,6 +90,6 @@ def test_ppo_run_with_critic_and_gae(ray_session, base_config, prompt_file, mode
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:
-        for key in ("critic/loss", "actor/pg_loss", "actor/kl_coef", "timing/values", "timing/critic_train"):
+        for key in ("critic/loss", "actor/pg_loss", "actor/kl_coef", "timing/values", "timing/critic_train", "timing/log_probs"):
             assert math.isfinite(record[key]), (key, record)
     assert history[1]["actor/kl_coef"] != history[0]["actor/kl_coef"]  # the adaptive controller moved

@@ -1,0 +1,43 @@
+"""The actor's loss without OLD_LOG_PROBS (an on-policy step) equals the loss with old = current log-probs."""
+
+import torch
+
+from roll_backend import keys
+from roll_backend.config.schema import AlgorithmConfig
+from roll_backend.pipelines.steps import is_on_policy
+from roll_backend.protocol import DataProto
+from roll_backend.workers.actor import ActorLossConfig, actor_loss
+
+
+def _loss_and_grad(with_old: bool):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, generator=generator, requires_grad=True)
+    log_probs = torch.log_softmax(logits, -1)
+    tensors = {
+        keys.RESPONSE_MASK: torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]),
+        keys.ADVANTAGES: torch.randn(3, 5, generator=generator),
+        keys.REF_LOG_PROBS: torch.randn(3, 5, generator=generator) - 2,
+    }
+    if with_old:
+        tensors[keys.OLD_LOG_PROBS] = log_probs.detach().clone()
+    micro = DataProto.from_dict(tensors=tensors, meta_info={keys.META_GLOBAL_TOKEN_COUNT: 9.0})
+    loss, metrics = actor_loss(ActorLossConfig(kl_loss_coef=0.1), {keys.LOG_PROBS: log_probs}, micro)
+    loss.backward()
+    return loss.detach(), logits.grad, metrics
+
+
+def test_on_policy_loss_equals_loss_with_old_log_probs_equal_to_current():
+    loss_old, grad_old, metrics_old = _loss_and_grad(with_old=True)
+    loss_on, grad_on, metrics_on = _loss_and_grad(with_old=False)
+    assert torch.equal(loss_old, loss_on)
+    assert torch.allclose(grad_old, grad_on, atol=0, rtol=0)
+    assert float(metrics_on["pg_clipfrac"]) == 0.0 and float(metrics_old["ppo_kl"]) == 0.0
+    assert grad_on.abs().sum() > 0
+
+
+def test_on_policy_only_for_one_epoch_one_mini_batch_and_kl_outside_the_reward():
+    assert is_on_policy(AlgorithmConfig(ppo_epochs=1, ppo_mini_batch_size=None), 64)
+    assert is_on_policy(AlgorithmConfig(ppo_epochs=1, ppo_mini_batch_size=64), 64)
+    assert not is_on_policy(AlgorithmConfig(ppo_epochs=1, ppo_mini_batch_size=32), 64)
+    assert not is_on_policy(AlgorithmConfig(ppo_epochs=2), 64)
+    assert not is_on_policy(AlgorithmConfig(use_kl_in_reward=True), 64)
