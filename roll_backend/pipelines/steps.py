@@ -46,11 +46,11 @@ def drop_uniform_groups(batch: DataProto) -> tuple[DataProto, int]:
     """Dynamic sampling (DAPO): keep only prompt groups whose rewards are not all equal (they carry no signal)."""
     scores = batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).numpy()
     _, group_index = np.unique(batch.non_tensor_batch[keys.UID], return_inverse=True)
-    spread = np.zeros(group_index.max() + 1)
-    np.maximum.at(spread, group_index, scores)
-    low = np.full_like(spread, np.inf)
+    high = np.full(group_index.max() + 1, -np.inf)
+    np.maximum.at(high, group_index, scores)
+    low = np.full_like(high, np.inf)
     np.minimum.at(low, group_index, scores)
-    keep = (spread - low)[group_index] > 0
+    keep = (high - low)[group_index] > 0
     return batch.select_idxs(np.flatnonzero(keep)), int((~keep).sum())
 
 

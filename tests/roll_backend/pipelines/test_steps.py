@@ -1,0 +1,38 @@
+"""Driver-side step math: dynamic sampling and advantages on a hand-made batch (no Ray)."""
+
+import numpy as np
+import torch
+
+from roll_backend import keys
+from roll_backend.config.schema import AlgorithmConfig
+from roll_backend.pipelines.steps import advantages, drop_uniform_groups
+from roll_backend.protocol import DataProto
+
+
+def scored_batch(scores: list[float], uids: list[str]) -> DataProto:
+    n = len(scores)
+    token_scores = torch.zeros(n, 3)
+    token_scores[:, 1] = torch.tensor(scores)
+    mask = torch.tensor([[1, 1, 0]] * n)
+    return DataProto.from_dict(
+        tensors={keys.TOKEN_LEVEL_SCORES: token_scores, keys.RESPONSE_MASK: mask},
+        non_tensors={keys.UID: np.array(uids, dtype=object)},
+    )
+
+
+def test_dynamic_sampling_drops_only_groups_whose_rewards_are_all_equal():
+    batch = scored_batch([1, 1, -2, -1, 0, 0, -3, -3], ["a", "a", "b", "b", "c", "c", "d", "d"])
+    kept, dropped = drop_uniform_groups(batch)
+    assert dropped == 6
+    assert kept.non_tensor_batch[keys.UID].tolist() == ["b", "b"]  # all-negative but different: kept
+
+
+def test_grpo_advantages_on_the_batch_are_group_normalised_and_masked():
+    batch = scored_batch([1.0, 0.0, 0.5, 0.5], ["a", "a", "b", "b"])
+    metrics = advantages(batch, AlgorithmConfig(adv_estimator="grpo", use_kl_loss=False), kl_coef=0.0)
+    adv = batch.batch[keys.ADVANTAGES]
+    std = float(torch.tensor([1.0, 0.0]).std())
+    assert torch.allclose(adv[0, :2], torch.full((2,), 0.5 / (std + 1e-6)))
+    assert torch.allclose(adv[1, :2], torch.full((2,), -0.5 / (std + 1e-6)))
+    assert torch.equal(adv[2:], torch.zeros(2, 3)) and torch.equal(adv[:, 2], torch.zeros(4))
+    assert "advantages/mean" in metrics
