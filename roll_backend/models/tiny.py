@@ -53,10 +53,23 @@ def default_corpus() -> list[str]:
     return lines
 
 
+def _as_transformers_tokenizer(tok):
+    """Wrap a `tokenizers.Tokenizer` with our pad/eos tokens and chat template (left padding for prompts)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
 def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
     """Train a byte-level BPE tokenizer locally; returns a PreTrainedTokenizerFast with pad/eos and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     specials = [PAD_TOKEN, IM_START, IM_END]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -70,14 +83,7 @@ def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
     )
     tok.train_from_iterator(corpus or default_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=IM_END,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
-        padding_side="left",
-    )
+    return _as_transformers_tokenizer(tok)
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
@@ -89,7 +95,6 @@ def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
     the alphabet are dropped when encoding (byte-level BPE without an unknown token); keep prompts inside it.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     template_chars = "user" + "assistant" + "system" + "\n"
     byte_to_unicode = {chr(code): mapped for code, mapped in zip(range(256), _byte_level_chars())}
@@ -103,14 +108,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=IM_END,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
-        padding_side="left",
-    )
+    return _as_transformers_tokenizer(tok)
 
 
 def _byte_level_chars() -> list[str]:
