@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from roll_backend.distributed.dispatch import DispatchError, MethodDispatch, method_dispatch
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.distributed.ray_env import cpu_rank_env
 from roll_backend.distributed.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -103,10 +104,12 @@ class Cluster:
         if self.placement_group.bundle_count < world_size:
             raise DispatchError(f"{role}: placement group has {self.placement_group.bundle_count} bundles, world_size={world_size} needs one per rank")
         actor_cls = ray.remote(worker_cls)
+        rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray
         self.workers = [
             actor_cls.options(
                 num_cpus=resources.num_cpus,
                 num_gpus=resources.num_gpus,
+                runtime_env={"env_vars": rank_env} if rank_env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
             ).remote(role, rank, world_size, layout, resources.use_gpu, worker_config)
             for rank in range(world_size)

@@ -19,6 +19,17 @@ RAY_ENV_DEFAULTS = {
 }
 
 
+# A CPU rank's activations live in host memory, and glibc maps every allocation over 32 MiB fresh and faults its
+# pages in again each time: keeping freed memory in the heap instead cut a GRPO step by ~16% on 2 cores
+# (bench/grpo_step.py). GPU ranks keep tensors in CUDA's caching allocator and do not need it.
+CPU_RANK_ENV_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+
+
+def cpu_rank_env() -> dict[str, str]:
+    """Environment for a CPU rank's process: the allocator defaults above, unless the driver's env sets them."""
+    return {key: value for key, value in CPU_RANK_ENV_DEFAULTS.items() if key not in os.environ}
+
+
 def apply_ray_env_defaults() -> None:
     """Set the Ray/gloo environment defaults without overriding what the user already set."""
     for key, value in RAY_ENV_DEFAULTS.items():

@@ -37,7 +37,8 @@ class ProbeWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self, note: str) -> dict:
-        return {"rank": self.rank, "coords": self.coords, "note": note, "pid": os.getpid()}
+        return {"rank": self.rank, "coords": self.coords, "note": note, "pid": os.getpid(),
+                "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")}}
 
     @register(Dispatch.ALL_TO_ALL)
     def echo(self, value):

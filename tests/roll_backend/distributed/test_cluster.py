@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import time
 
 import numpy as np
@@ -39,6 +40,9 @@ def test_one_to_all_and_all_to_all_reach_every_rank(make_group):
     assert [r["rank"] for r in replies] == [0, 1, 2, 3]
     assert {r["note"] for r in replies} == {"hello"}
     assert len({r["pid"] for r in replies}) == 4  # one process per rank
+    # CPU ranks start with the allocator settings (ray_env.CPU_RANK_ENV_DEFAULTS), on top of the job's env.
+    assert {r["env"]["MALLOC_MMAP_MAX_"] for r in replies} == {"0"}
+    assert {r["env"]["RAY_DEDUP_LOGS"] for r in replies} == {"0"}  # the job-level env_vars still apply
     assert group.echo(["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
     with pytest.raises(DispatchError, match="list of 4"):
         group.echo(["only one"])
