@@ -144,5 +144,24 @@ class PipelineConfig:
     critic: RoleConfig | None = None
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
-    weight_sync_max_logprob_gap: float = 1e-3  # the post-sync probe fails the run past this mean |gap|
+    # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
+    weight_sync_max_logprob_gap: float | None = None
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
+
+    def logprob_gap_limit(self) -> float:
+        """The post-sync probe's limit: as configured, else 1e-3 when trainer and rollout both compute in float32
+        and 3e-2 when either uses a 16-bit dtype (bf16 kernels differ between engines by ~1e-3 to 1e-2 per token)."""
+        if self.weight_sync_max_logprob_gap is not None:
+            return self.weight_sync_max_logprob_gap
+        dtypes = {_compute_dtype(self.actor_train), _compute_dtype(self.actor_infer)}
+        return FULL_PRECISION_LOGPROB_GAP if dtypes == {"float32"} else HALF_PRECISION_LOGPROB_GAP
+
+
+FULL_PRECISION_LOGPROB_GAP = 1e-3
+HALF_PRECISION_LOGPROB_GAP = 3e-2
+
+
+def _compute_dtype(role: RoleConfig) -> str:
+    """A role's compute dtype: Megatron's params_dtype or vLLM's dtype."""
+    config = role.strategy.config
+    return str(getattr(config, "params_dtype", None) or getattr(config, "dtype", "float32"))

@@ -93,7 +93,7 @@ class PipelineRun:
             self.groups.critic.load_checkpoint(str(Path(path).resolve() / "critic"))
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
-        steps.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.weight_sync_max_logprob_gap)
+        steps.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit())
         self.first_step = state["step"] + 1
         logger.info("resumed from %s at step %d", path, self.first_step)
 
@@ -129,7 +129,7 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
         metrics |= steps.train(groups.actor, batch, algo, steps.step_seed(config, step, salt=1), "actor/")
     with timer.phase("weight_sync"):
         metrics |= steps.sync_weights(groups, batch.select_idxs(list(range(min(PROBE_ROWS, len(batch))))),
-                                      config.weight_sync_bucket_bytes, config.weight_sync_max_logprob_gap)
+                                      config.weight_sync_bucket_bytes, config.logprob_gap_limit())
     run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
     return metrics | timer.metrics()
 
