@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 
-def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int) -> list[float]:
+def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str) -> list[float]:
     """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -28,7 +28,7 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
     args = GRPOConfig(
         output_dir=str(work_dir),
         use_cpu=True,
-        bf16=False,
+        bf16=dtype == "bfloat16",
         seed=0,
         max_steps=1 + steps,
         learning_rate=1e-6,

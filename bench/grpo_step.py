@@ -1,9 +1,12 @@
 """One GRPO step, roll-backend vs TRL's GRPOTrainer, on the same random ~14M Qwen2 model: generated tokens/s.
 
-roll-backend runs its real system (Ray groups from roll_backend.pipelines, vLLM rollout, Megatron actor and
-reference, rule reward, weight sync) through `rl_step`; TRL runs GRPOTrainer on CPU (transformers generate).
-Both: 32 prompts x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step.
-Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--quick] [--only roll-backend|trl]
+roll-backend runs its product loop (PipelineRun + rl_step: Ray groups, vLLM rollout, Megatron actor and reference,
+rule reward, weight sync); TRL runs GRPOTrainer on CPU (transformers generate). Both: 32 prompts (a JSONL file)
+x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step, and the same
+precision: bf16 mixed precision by default (TRL's own default; Megatron bf16 with fp32 main weights and vLLM in
+bf16), or --dtype float32 for both.
+Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--dtype bfloat16|float32] [--quick]
+     [--only roll-backend|trl]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def prompt_rows(count: int) -> list[dict]:
              "answer": str(7 * i % 50 + 13 * i % 40)} for i in range(count)]
 
 
-def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int):
+def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str):
     """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference."""
     from roll_backend.config.loader import config_from_dict, resolve_yaml
 
@@ -59,6 +62,9 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     tree["actor_train"].update(model_path=model_dir, world_size=actor_tp)
     tree["actor_train"]["strategy"].update(tp=actor_tp, micro_batch_size=scale.micro_batch)
     tree["actor_train"]["strategy"]["optimizer"]["lr"] = 1e-6
+    tree["actor_train"]["strategy"]["params_dtype"] = dtype
+    tree["reference"]["strategy"]["params_dtype"] = dtype
+    tree["actor_infer"]["strategy"]["dtype"] = dtype
     tree["actor_infer"]["model_path"] = model_dir
     tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
                                            max_num_batched_tokens=scale.prompts * scale.samples * 64,  # one prefill step
@@ -68,42 +74,12 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     return config_from_dict(tree)
 
 
-@dataclass
-class BenchRun:
-    """What `rl_step` reads from a PipelineRun: config, groups, KL controller, and data with `batch_at`."""
-
-    config: object
-    groups: object
-    kl_ctrl: object
-    data: object
-
-
-class FixedPrompts:
-    """The same prompt batch every step (text prompts; the rollout applies the chat template, as TRL does)."""
-
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
-
-    def batch_at(self, step: int, size: int):
-        import numpy as np
-
-        from roll_backend import keys
-        from roll_backend.protocol import DataProto
-
-        rows = self.rows[:size]
-        return DataProto.from_dict(non_tensors={
-            keys.PROMPT_TEXT: np.array([r["prompt"] for r in rows], dtype=object),
-            keys.ANSWER: np.array([r["answer"] for r in rows], dtype=object)})
-
-
-def roll_backend_step_seconds(config, rows: list[dict], steps: int, threads_per_rank: int) -> list[float]:
-    """Start the role groups, run 1 warm-up + `steps` rl_steps; returns each timed step's wall seconds."""
+def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> list[float]:
+    """A PipelineRun of 1 warm-up + `steps` rl_steps (the product's loop); returns each timed step's wall seconds."""
     import ray
 
-    from roll_backend.algorithms import make_kl_controller
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.pipelines.loop import rl_step
-    from roll_backend.pipelines.roles import build_role_groups
+    from roll_backend.pipelines.loop import PipelineRun, rl_step
 
     # Ray would give every actor OMP_NUM_THREADS=1; the phases run one after another, so each may use the cores.
     # Ray also starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
@@ -112,21 +88,17 @@ def roll_backend_step_seconds(config, rows: list[dict], steps: int, threads_per_
     init_local_ray(num_cpus=config.ray_num_cpus, env_vars={"OMP_NUM_THREADS": str(threads_per_rank)})
     try:
         start = time.perf_counter()
-        groups = build_role_groups(config)
-        print(f"roll-backend: role groups up in {time.perf_counter() - start:.1f}s", flush=True)
-        kl = config.algorithm.kl_ctrl
-        run = BenchRun(config, groups, make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), FixedPrompts(rows))
-        seconds = []
-        try:
-            for step in range(1, 2 + steps):
+        with PipelineRun(config) as run:
+            print(f"roll-backend: role groups up in {time.perf_counter() - start:.1f}s", flush=True)
+            seconds = []
+            for step in run.steps():
                 start = time.perf_counter()
                 metrics = rl_step(run, step)
                 seconds.append(time.perf_counter() - start)
                 phases = " ".join(f"{k.split('/')[1]}={v:.1f}" for k, v in metrics.items() if k.startswith("timing/"))
-                print(f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s "
-                      f"[{phases}] response_length={metrics['response_length/mean']:.0f}", flush=True)
-        finally:
-            groups.shutdown()
+                print(f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s [{phases}] "
+                      f"response_length={metrics['response_length/mean']:.0f} "
+                      f"sync_gap={metrics.get('weight_sync/logprob_gap', float('nan')):.1e}", flush=True)
     finally:
         ray.shutdown()
     return seconds[1:]
@@ -137,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side, after one warm-up step")
     parser.add_argument("--actor-tp", type=int, default=1, choices=(1, 2), help="Megatron actor world size (= TP)")
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
@@ -155,10 +128,10 @@ def main() -> None:
 
     results = {}
     if args.only in (None, "roll-backend"):
-        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp)
-        results["roll-backend"] = roll_backend_step_seconds(config, rows, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
+        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype)
+        results["roll-backend"] = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
     if args.only in (None, "trl"):
-        results["TRL GRPOTrainer"] = trl_step_seconds(model_dir, rows, scale, work / "trl", args.steps)
+        results["TRL GRPOTrainer"] = trl_step_seconds(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
         print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'])}", flush=True)
 
     rates = {}
