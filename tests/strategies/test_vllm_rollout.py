@@ -205,3 +205,16 @@ def test_engine_environment_comes_from_config():
     config = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
     assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
     assert engine_environment(config, "cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def test_response_text_is_the_decoded_response_with_or_without_stop_strings(rollout, sampled, tokenizer):
+    def decoded(batch):
+        ids, mask = batch.batch[keys.RESPONSES], batch.batch[keys.RESPONSE_MASK].bool()
+        return [tokenizer.decode(row[keep].tolist(), skip_special_tokens=True) for row, keep in zip(ids, mask)]
+
+    texts = list(sampled.non_tensor_batch[keys.RESPONSE_TEXT])
+    assert texts == decoded(sampled) and any(texts)  # no stop strings: decoded once, after generation
+    # Stop strings need vLLM's per-step detokenizer: with one, texts end before it and samples stop early.
+    with_stop = rollout.generate(text_batch(stop=[" "]))
+    assert not any(" " in text for text in with_stop.non_tensor_batch[keys.RESPONSE_TEXT])
+    assert with_stop.batch[keys.RESPONSE_MASK].sum(-1).float().mean() < sampled.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
