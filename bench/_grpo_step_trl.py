@@ -1,9 +1,19 @@
-"""The TRL side of bench/grpo_step.py: GRPOTrainer on CPU (transformers generate), one optimizer step per generation batch."""
+"""The TRL side of bench/grpo_step.py: GRPOTrainer on CPU (transformers generate), one optimizer step per generation batch.
+
+bench/grpo_step.py runs it as its own process (`python bench/_grpo_step_trl.py REQUEST_JSON`), started with the
+same allocator settings roll-backend gives its CPU ranks, so neither side gains from the process it runs in.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+RESULT_PREFIX = "TRL_STEP_SECONDS "
 
 
 def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str) -> list[float]:
@@ -49,9 +59,19 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
         dataloader_num_workers=0,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    import torch
+
+    print(f"TRL: {torch.get_num_threads()} torch threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
     clock = StepClock()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match_reward, args=args, train_dataset=dataset, callbacks=[clock])
     clock.ends = [time.perf_counter()]
     trainer.train()
     durations = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
     return durations[1:]  # drop the warm-up step
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.argv[1])
+    seconds = trl_step_seconds(request["model_dir"], request["rows"], SimpleNamespace(**request["scale"]),
+                               Path(request["work_dir"]), request["steps"], request["dtype"])
+    print(RESULT_PREFIX + json.dumps(seconds), flush=True)

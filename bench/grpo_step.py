@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -104,6 +106,25 @@ def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> list
     return seconds[1:]
 
 
+def trl_step_seconds_in_subprocess(model_dir: str, rows: list[dict], scale: Scale, work_dir: Path, steps: int,
+                                   dtype: str) -> list[float]:
+    """TRL's steps, run by bench/_grpo_step_trl.py in a fresh process with roll-backend's CPU-rank allocator env."""
+    from _grpo_step_trl import RESULT_PREFIX
+
+    from roll_backend.distributed.ray_env import cpu_rank_env
+
+    request = dict(model_dir=model_dir, rows=rows, work_dir=str(work_dir), steps=steps, dtype=dtype,
+                   scale=dict(prompts=scale.prompts, samples=scale.samples, new_tokens=scale.new_tokens,
+                              micro_batch=scale.micro_batch))
+    env = os.environ | cpu_rank_env()
+    print(f"TRL: a fresh process with {' '.join(f'{k}={v}' for k, v in cpu_rank_env().items()) or 'the inherited env'}", flush=True)
+    process = subprocess.run([sys.executable, str(Path(__file__).with_name("_grpo_step_trl.py")), json.dumps(request)],
+                             env=env, stdout=subprocess.PIPE, text=True, check=True)
+    print("\n".join(line for line in process.stdout.splitlines() if line.startswith("TRL:")), flush=True)
+    result = [line for line in process.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(result[-1][len(RESULT_PREFIX):])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side, after one warm-up step")
@@ -114,7 +135,6 @@ def main() -> None:
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
 
-    from _grpo_step_trl import trl_step_seconds
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="grpo_step_"))
@@ -131,7 +151,7 @@ def main() -> None:
         config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype)
         results["roll-backend"] = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
     if args.only in (None, "trl"):
-        results["TRL GRPOTrainer"] = trl_step_seconds(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
+        results["TRL GRPOTrainer"] = trl_step_seconds_in_subprocess(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
         print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'])}", flush=True)
 
     rates = {}
