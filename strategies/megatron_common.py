@@ -158,6 +158,7 @@ def split_micro_batches(batch: DataProto, micro_batch_size: int, device: str, wh
     pad = -num_rows % micro_batch_size
     tensors = {k: _pad_rows(v, pad) for k, v in batch.batch.items()}
     non_tensors = {k: _pad_rows(np.asarray(v, dtype=object), pad) for k, v in batch.non_tensor_batch.items()}
+    width = max(model_width(tensors[keys.ATTENTION_MASK]), tensors[keys.RESPONSES].shape[1] + 1)
     micro_batches = []
     for start in range(0, num_rows + pad, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -166,29 +167,40 @@ def split_micro_batches(batch: DataProto, micro_batch_size: int, device: str, wh
             non_tensors={k: v[rows] for k, v in non_tensors.items()},
             meta_info=dict(batch.meta_info),
         )
-        micro_batches.append(_model_inputs(proto, device))
+        micro_batches.append(_model_inputs(proto, device, width))
     return micro_batches, num_rows
 
 
-# Sequences are left-padded to a multiple of this many tokens: CPU GEMM and softmax kernels ran a Megatron train
-# step ~20% slower at 169 tokens than at 168 or 176 (bf16, torch 2.13); GPU kernels also prefer aligned lengths.
+# The model sees each batch at a width of a multiple of this many tokens, from its first non-padding column:
+# prompts arrive left-padded to max_prompt_length, and CPU GEMM/softmax kernels ran a Megatron train step ~20%
+# slower at 169 tokens than at 168 or 176 (bf16, torch 2.13); GPU kernels also prefer aligned lengths.
 SEQUENCE_MULTIPLE = 8
 
 
-def _left_pad_columns(tensor: torch.Tensor, columns: int, value) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (columns, 0), value=value) if columns else tensor
+def model_width(attention_mask: torch.Tensor) -> int:
+    """Columns the model needs for a left-padded [b, T] batch: from the first column any row uses, rounded up to
+    SEQUENCE_MULTIPLE (one width for the whole batch: pipeline stages exchange activations of one shape)."""
+    used = attention_mask.bool().any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else attention_mask.shape[1] - 1
+    return -(-(attention_mask.shape[1] - first) // SEQUENCE_MULTIPLE) * SEQUENCE_MULTIPLE
 
 
-def _model_inputs(proto: DataProto, device: str) -> MicroBatch:
-    extra = -proto.batch[keys.INPUT_IDS].shape[1] % SEQUENCE_MULTIPLE  # masked columns before the prompt
-    input_ids = _left_pad_columns(proto.batch[keys.INPUT_IDS].to(device), extra, 0)
-    attention = _left_pad_columns(proto.batch[keys.ATTENTION_MASK].to(device).bool(), extra, False)  # [b, T]
+def _left_fit(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """The last `width` columns of `tensor`, left-padded with `value` where it has fewer."""
+    if width <= tensor.shape[1]:
+        return tensor[:, tensor.shape[1] - width:]
+    return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0), value=value)
+
+
+def _model_inputs(proto: DataProto, device: str, width: int) -> MicroBatch:
+    input_ids = _left_fit(proto.batch[keys.INPUT_IDS].to(device), width, 0)
+    attention = _left_fit(proto.batch[keys.ATTENTION_MASK].to(device).bool(), width, False)  # [b, T]
     responses = proto.batch[keys.RESPONSES].to(device)
-    total, resp_len = input_ids.shape[1], responses.shape[1]
     if keys.POSITION_IDS in proto.batch.keys():
-        position_ids = _left_pad_columns(proto.batch[keys.POSITION_IDS].to(device), extra, 0)
+        position_ids = _left_fit(proto.batch[keys.POSITION_IDS].to(device), width, 0)
     else:
         position_ids = (attention.long().cumsum(-1) - 1).clamp(min=0)
+    total, resp_len = input_ids.shape[1], responses.shape[1]
     # Megatron's RoPE uses positions 0..T-1 and ignores position_ids; with a left-padded prompt followed by
     # the response this is a per-row shift of every position, which RoPE attention is invariant to.
     causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()

@@ -80,6 +80,22 @@ def test_log_probs_match_transformers(actor, model_dir, batch_tensors, tp, pp):
     assert max_masked_diff(got, expected, batch_tensors[keys.RESPONSE_MASK]) < TOL
 
 
+def test_padding_columns_shared_by_every_row_change_nothing(actor, model_dir, batch_tensors):
+    """Prompts arrive padded to max_prompt_length: the strategy trims columns no row uses (to a multiple of
+    SEQUENCE_MULTIPLE), at TP2xPP2 where every stage must agree on the width."""
+    from roll_backend.strategies.megatron_common import SEQUENCE_MULTIPLE, model_width
+
+    extra = SEQUENCE_MULTIPLE + 3
+    padded = dict(batch_tensors)
+    for key in (keys.PROMPTS, keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS):
+        padded[key] = torch.nn.functional.pad(batch_tensors[key], (extra, 0))
+    width = batch_tensors[keys.INPUT_IDS].shape[1]
+    assert model_width(padded[keys.ATTENTION_MASK]) == model_width(batch_tensors[keys.ATTENTION_MASK]) == -(-width // SEQUENCE_MULTIPLE) * SEQUENCE_MULTIPLE
+    expected, _ = hf_response_log_probs(model_dir, batch_tensors)
+    got = _log_probs(actor(2, 2), padded)
+    assert max_masked_diff(got, expected, batch_tensors[keys.RESPONSE_MASK]) < TOL
+
+
 def test_train_losses_equal_across_layouts_and_fall(actor, batch_tensors, results):
     tp1 = _train(actor(1, 1), batch_tensors, NUM_STEPS)
     tp2pp2 = _train(actor(2, 2), batch_tensors, NUM_STEPS)
