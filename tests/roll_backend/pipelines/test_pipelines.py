@@ -93,3 +93,22 @@ def test_ppo_run_with_critic_and_gae(ray_session, base_config, prompt_file, mode
         for key in ("critic/loss", "actor/pg_loss", "actor/kl_coef", "timing/values", "timing/critic_train", "timing/log_probs"):
             assert math.isfinite(record[key]), (key, record)
     assert history[1]["actor/kl_coef"] != history[0]["actor/kl_coef"]  # the adaptive controller moved
+
+
+def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """Megatron actor and reference in bf16 (fp32 main weights in the optimizer) and vLLM in bf16: the weights
+    the engine receives score like the trainer's to within bf16 rounding, well inside the 16-bit probe limit."""
+    from roll_backend.config.schema import HALF_PRECISION_LOGPROB_GAP
+
+    config = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "bf16", "max_steps=2", "algorithm.ppo_mini_batch_size=16",
+        "actor_train.strategy.params_dtype=bfloat16", "reference.strategy.params_dtype=bfloat16",
+        "actor_infer.strategy.dtype=bfloat16"))
+    assert config.logprob_gap_limit() == HALF_PRECISION_LOGPROB_GAP
+    history = run_pipeline(config)
+    assert [h["step"] for h in history] == [1, 2]
+    for record in history:
+        for key in (*STEP_KEYS, "weight_sync/logprob_gap"):
+            assert math.isfinite(record[key]), (key, record)
+        assert 0 < record["weight_sync/logprob_gap"] < HALF_PRECISION_LOGPROB_GAP / 3
+    assert abs(history[0]["actor/reference_kl"]) < 0.05  # step 1: bf16 rollout and bf16 reference hold the same weights
