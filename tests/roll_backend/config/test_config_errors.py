@@ -286,9 +286,3 @@ def test_vllm_on_cpu_refuses_small_attention_heads(base):
         "actor_infer: the model's attention head size is 16, and vLLM on CPU needs at least 32; "
         "use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size=128)"
     )
-
-
-def test_vllm_rollout_refuses_tied_embeddings(base):
-    [problem] = problems_of(base + ["build_tiny_model.tie_word_embeddings=true"])
-    assert problem.startswith("actor_infer: the model ties its input and output embeddings")
-    assert "use a model with untied embeddings" in problem
