@@ -1,9 +1,11 @@
 """DataProto: the batch every controller <-> worker call carries (tensor columns, non-tensor columns, meta_info).
 
 Names and signatures follow verl's DataProto so code written against it ports unchanged. Departures: chunk()
-takes sizes that don't divide evenly, concat() merges meta_info["metrics"], errors are ValueError/KeyError with
-the fix instead of assert, and a pickled batch travels as numpy buffers, so Ray hands it to every reader
-zero-copy and read-only (see `make_writable`).
+takes lengths that chunks does not divide (verl asserts len % chunks == 0; here the sizes differ by at most one),
+concat() also accepts meta_info["metrics"] as a dict of per-metric lists besides verl's list of per-worker dicts,
+errors say what to change and are `DataProtoError` (a ValueError that is also an AssertionError, so verl's
+`except AssertionError` still catches them), and a pickled batch travels as numpy buffers, so Ray hands it to
+every reader zero-copy and read-only (see `make_writable`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from roll_backend import protocol_disk
-from roll_backend.protocol_merge import (
+from roll_backend.protocol import disk as protocol_disk
+from roll_backend.protocol.errors import DataProtoError
+from roll_backend.protocol.merge import (
     cat_column,
     check_same_columns,
     common_entries,
@@ -26,7 +29,7 @@ from roll_backend.protocol_merge import (
     short_repr,
     values_equal,
 )
-from roll_backend.protocol_shared import (
+from roll_backend.protocol.shared import (
     SharedReadOnlyTensor,
     SharedTensorWriteError,
     tensor_from_numpy,
@@ -56,7 +59,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """`data` without its last `pad_size` rows (a view), undoing `pad_dataproto_to_divisor`."""
     if not 0 <= pad_size <= len(data):
-        raise ValueError(
+        raise DataProtoError(
             f"unpad: pad_size={pad_size} must lie in [0, {len(data)}] (the DataProto's length); pass the "
             "pad_size that pad_dataproto_to_divisor returned."
         )
@@ -103,7 +106,7 @@ class DataProto:
         exist so verl call sites port unchanged.
         """
         if num_batch_dims != 1:
-            raise ValueError(
+            raise DataProtoError(
                 f"num_batch_dims={num_batch_dims}: DataProto supports exactly one batch dim; reshape "
                 "tensors to [B, ...] (fold extra batch dims into B) first."
             )
@@ -111,12 +114,12 @@ class DataProto:
         first_key = next(iter(tensors), None)
         for key, value in tensors.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                raise ValueError(
+                raise DataProtoError(
                     f"tensors[{key!r}] must be a torch.Tensor with a batch dim, got {_describe(value)}; "
                     "put numpy arrays and lists in non_tensors, scalars in meta_info."
                 )
             if value.shape[0] != tensors[first_key].shape[0]:
-                raise ValueError(
+                raise DataProtoError(
                     f"tensors[{key!r}] has {value.shape[0]} rows but tensors[{first_key!r}] has "
                     f"{tensors[first_key].shape[0]}; all columns must share batch dim 0."
                 )
@@ -135,18 +138,18 @@ class DataProto:
         """Raise ValueError unless every column is well-typed and shares batch dim 0; lists become object columns."""
         if self.batch is not None:
             if not isinstance(self.batch, TensorDict) or len(self.batch.batch_size) != 1:
-                raise ValueError(
+                raise DataProtoError(
                     f"DataProto.batch must be a TensorDict with one batch dim or None, got "
                     f"{_describe(self.batch)}; build it with DataProto.from_dict(tensors=...)."
                 )
             for key, value in self.batch.items():
                 if not isinstance(value, torch.Tensor):
-                    raise ValueError(
+                    raise DataProtoError(
                         f"batch[{key!r}] is {_describe(value)}; batch holds tensors only (put other "
                         "columns in non_tensor_batch)."
                     )
         if not isinstance(self.non_tensor_batch, dict) or not isinstance(self.meta_info, dict):
-            raise ValueError(
+            raise DataProtoError(
                 f"non_tensor_batch and meta_info must be dicts, got {_describe(self.non_tensor_batch)} "
                 f"and {_describe(self.meta_info)}."
             )
@@ -155,13 +158,13 @@ class DataProto:
         rows, source = self._rows_and_source()
         for key, value in self.non_tensor_batch.items():
             if value.shape[0] != rows:
-                raise ValueError(
+                raise DataProtoError(
                     f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {rows}; all "
                     "columns must share batch dim 0 (slice, repeat or pad the column to match)."
                 )
         both = sorted(set(self.non_tensor_batch) & set(self._batch_keys()))
         if both:
-            raise ValueError(f"columns {both} are in both batch and non_tensor_batch; keep each name in one of them.")
+            raise DataProtoError(f"columns {both} are in both batch and non_tensor_batch; keep each name in one of them.")
 
     def _rows_and_source(self) -> tuple[int, str]:
         if self.batch is not None:
@@ -228,7 +231,7 @@ class DataProto:
         rows = len(self) if self._has_columns() else _leading_len(value)
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 or value.shape[0] != rows:
-                raise ValueError(
+                raise DataProtoError(
                     f"column {key!r} has shape {tuple(value.shape)} but the DataProto has {rows} rows; "
                     "a column needs one entry per row along dim 0."
                 )
@@ -238,7 +241,7 @@ class DataProto:
             return
         column = _as_non_tensor_column(key, value)
         if column.shape[0] != rows:
-            raise ValueError(
+            raise DataProtoError(
                 f"column {key!r} has {column.shape[0]} rows but the DataProto has {rows}; "
                 "a column needs one entry per row."
             )
@@ -262,12 +265,12 @@ class DataProto:
         rows = len(self)
         index = np.asarray(idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else idxs)
         if index.ndim != 1:
-            raise ValueError(
+            raise DataProtoError(
                 f"row index must be 1-D, got shape {index.shape}; pass a flat list/array of rows or a mask."
             )
         if index.dtype == bool:
             if index.shape[0] != rows:
-                raise ValueError(
+                raise DataProtoError(
                     f"bool mask has {index.shape[0]} entries but the DataProto has {rows} rows; "
                     "a mask needs one entry per row."
                 )
@@ -275,7 +278,7 @@ class DataProto:
         if index.size == 0:
             return np.zeros(0, dtype=np.int64)
         if index.dtype.kind not in "iu":
-            raise ValueError(f"row index must hold ints or bools, got dtype {index.dtype}.")
+            raise DataProtoError(f"row index must hold ints or bools, got dtype {index.dtype}.")
         index = index.astype(np.int64)
         if index.min() < -rows or index.max() >= rows:
             raise IndexError(f"row index out of range for {rows} rows (min {index.min()}, max {index.max()}).")
@@ -331,7 +334,7 @@ class DataProto:
         """Rename columns (tensor or non-tensor) in place; returns self."""
         old_keys, new_keys = _key_list(old_keys or []), _key_list(new_keys or [])
         if len(old_keys) != len(new_keys):
-            raise ValueError(
+            raise DataProtoError(
                 f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}; "
                 "pass one new name per old name."
             )
@@ -342,7 +345,7 @@ class DataProto:
                     f"non-tensor keys: {list(self.non_tensor_batch)}"
                 )
             if new in self and new != old:
-                raise ValueError(f"rename: column {new!r} already exists; pop it first or choose another name.")
+                raise DataProtoError(f"rename: column {new!r} already exists; pop it first or choose another name.")
             if old in self.non_tensor_batch:
                 self.non_tensor_batch = {new if k == old else k: v for k, v in self.non_tensor_batch.items()}
             else:
@@ -353,12 +356,12 @@ class DataProto:
         """Add other's columns and meta_info to self, in place; returns self. A key both hold must hold equal values
         (NaN equals NaN); on a conflict self is left unchanged."""
         if self._has_columns() and other._has_columns() and len(self) != len(other):
-            raise ValueError(
+            raise DataProtoError(
                 f"union: self has {len(self)} rows but other has {len(other)}; union joins same-row columns."
             )
         for where, key, mine, theirs in common_entries(self, other):
             if not values_equal(mine, theirs):
-                raise ValueError(
+                raise DataProtoError(
                     f"union: {where}[{key!r}] differs ({short_repr(mine)} vs {short_repr(theirs)}); rename or pop one."
                 )
         for key, value in [*(other.batch.items() if other.batch is not None else ()), *other.non_tensor_batch.items()]:
@@ -371,10 +374,12 @@ class DataProto:
     def chunk(self, chunks: int) -> list[DataProto]:
         """Split into exactly `chunks` views with sizes differing by at most 1, larger ones first (np.array_split).
 
-        Unlike verl, which asserts len % chunks == 0, any length works; chunks past the rows are empty.
+        Unlike verl, which asserts len % chunks == 0, any length works: 10 rows in 4 chunks give 3, 3, 2, 2, and
+        chunks past the rows are empty. Code that relied on verl's assert to catch a bad split must check
+        `len(data) % chunks` itself (or pad first with `pad_dataproto_to_divisor`, as the dispatcher does).
         """
         if not isinstance(chunks, (int, np.integer)) or chunks < 1:
-            raise ValueError(f"chunk needs a positive int number of chunks, got {chunks!r}.")
+            raise DataProtoError(f"chunk needs a positive int number of chunks, got {chunks!r}.")
         base, extra = divmod(len(self), int(chunks))
         bounds = np.cumsum([0] + [base + 1] * extra + [base] * (int(chunks) - extra))
         return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(int(chunks))]
@@ -383,15 +388,17 @@ class DataProto:
         """Views of `split_size` rows each, the last one shorter when the length doesn't divide (torch.split);
         an empty DataProto gives one empty part."""
         if not isinstance(split_size, (int, np.integer)) or split_size < 1:
-            raise ValueError(f"split needs a positive int split_size, got {split_size!r}.")
+            raise DataProtoError(f"split needs a positive int split_size, got {split_size!r}.")
         return [self.slice(start, start + int(split_size)) for start in range(0, max(len(self), 1), int(split_size))]
 
     @staticmethod
     def concat(data: list[DataProto]) -> DataProto:
-        """Join along the rows. Parts need the same columns; meta_info["metrics"] lists are extended per metric,
-        every other meta key must agree (a key missing from some parts is taken from those that have it)."""
+        """Join along the rows. Parts need the same columns; every meta key but "metrics" must agree (a key
+        missing from some parts is taken from those that have it). meta_info["metrics"] merges into one dict of
+        metric name -> list: a part's dict of values or lists extends those lists, and verl's per-worker form (a
+        list of dicts, or one dict of scalars) appends each worker's value, as verl's concat does."""
         if not data:
-            raise ValueError(
+            raise DataProtoError(
                 "DataProto.concat got an empty list; pass at least one DataProto (an empty batch is data[:0])."
             )
         first = data[0]
@@ -413,7 +420,7 @@ class DataProto:
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row `repeat_times` times: [a, a, b, b] when interleave, else the whole batch tiled [a, b, a, b]."""
         if not isinstance(repeat_times, (int, np.integer)) or repeat_times < 0:
-            raise ValueError(f"repeat needs a non-negative int repeat_times, got {repeat_times!r}.")
+            raise DataProtoError(f"repeat needs a non-negative int repeat_times, got {repeat_times!r}.")
         n = int(repeat_times)
         if interleave:
             return self._map_rows(
@@ -439,11 +446,11 @@ class DataProto:
             values = values.detach().cpu()
             values = values.numpy() if values.dtype != torch.bfloat16 else values.float().numpy()
         if values.ndim != 1:
-            raise ValueError(f"group_by needs a 1-D column (one key per row); {key!r} has shape {values.shape}.")
+            raise DataProtoError(f"group_by needs a 1-D column (one key per row); {key!r} has shape {values.shape}.")
         try:
             uniques, first_row, group_of_row = np.unique(values, return_index=True, return_inverse=True)
         except TypeError as err:
-            raise ValueError(
+            raise DataProtoError(
                 f"group_by: the values of {key!r} cannot be sorted ({err}); convert them to str first."
             ) from err
         appearance = np.argsort(first_row, kind="stable")  # group ids in order of first appearance
@@ -465,11 +472,11 @@ class DataProto:
         options = dict(dataloader_kwargs or {})
         shuffle, drop_last = bool(options.pop("shuffle", False)), bool(options.pop("drop_last", False))
         if options:
-            raise ValueError(
+            raise DataProtoError(
                 f"make_iterator supports dataloader_kwargs 'shuffle' and 'drop_last', got also {sorted(options)}."
             )
         if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
-            raise ValueError(f"make_iterator needs a positive int mini_batch_size, got {mini_batch_size!r}.")
+            raise DataProtoError(f"make_iterator needs a positive int mini_batch_size, got {mini_batch_size!r}.")
         generator = None if seed is None else torch.Generator().manual_seed(seed)
 
         def batches():
@@ -548,7 +555,7 @@ class DataProto:
         return f"{name}(len={len(self)}, batch={tensors}, non_tensor_batch={arrays}, meta_info keys={meta_keys})"
 
     def save_to_disk(self, filepath) -> None:
-        """Write one file (see protocol_disk): tensors as safetensors, no pickle anywhere."""
+        """Write one file (see roll_backend/protocol/disk.py): tensors as safetensors, no pickle anywhere."""
         batch = None if self.batch is None else dict(self.batch.items())
         protocol_disk.save_parts(
             filepath, batch, None if self.batch is None else len(self), self.non_tensor_batch, self.meta_info
@@ -574,7 +581,7 @@ class DataProto:
 
     def __setstate__(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(
+            raise DataProtoError(
                 f"pickled DataProto has state version {state.get('version')!r}, this code reads "
                 f"{_STATE_VERSION}; sender and receiver must run the same roll_backend."
             )
@@ -594,7 +601,7 @@ def _as_non_tensor_column(key: str, value) -> np.ndarray:
         return np.fromiter(value, dtype=object, count=len(value))  # 1-D even when the rows are lists
     if isinstance(value, np.ndarray) and value.ndim >= 1:
         return value
-    raise ValueError(
+    raise DataProtoError(
         f"non_tensor_batch[{key!r}] must be a numpy array with a batch dim or a list (one entry per "
         f"row), got {_describe(value)}; tensors go in batch, per-batch scalars in meta_info."
     )
@@ -613,7 +620,7 @@ def _key_list(keys) -> list[str]:
 
 def _pad_size(rows: int, size_divisor: int) -> int:
     if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
-        raise ValueError(f"pad: size_divisor must be a positive int, got {size_divisor!r}.")
+        raise DataProtoError(f"pad: size_divisor must be a positive int, got {size_divisor!r}.")
     if rows == 0:
         return 0
     return -rows % int(size_divisor)

@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from roll_backend.protocol.errors import DataProtoError, NotADataProtoFileError
+
 FORMAT_NAME = "roll_backend.DataProto"
 FORMAT_VERSION = 1
 _LAYOUT = "dataproto.json"
@@ -56,7 +58,7 @@ def save_parts(
             layout["non_tensor"][key] = {"kind": "npy", "member": f"non_tensor/{i}.npy"}
             members[f"non_tensor/{i}.npy"] = buffer.getvalue()
         else:
-            raise ValueError(
+            raise DataProtoError(
                 f"cannot save non_tensor_batch[{key!r}] of dtype {array.dtype}: only numeric, fixed-width str "
                 "and object columns are saved; convert it to one of those."
             )
@@ -68,10 +70,10 @@ def save_parts(
 
 def load_parts(path) -> tuple[dict[str, torch.Tensor] | None, int | None, dict[str, np.ndarray], dict]:
     """Read what `save_parts` wrote: (batch tensors or None, batch size, non-tensor columns, meta_info)."""
-    with zipfile.ZipFile(path) as archive:
+    with _open_archive(path) as archive:
         layout = json.loads(archive.read(_LAYOUT))
         if layout.get("format") != FORMAT_NAME or layout.get("version") != FORMAT_VERSION:
-            raise ValueError(
+            raise NotADataProtoFileError(
                 f"{path} is not a {FORMAT_NAME} v{FORMAT_VERSION} file (found format={layout.get('format')!r}, "
                 f"version={layout.get('version')!r}); save it again with DataProto.save_to_disk."
             )
@@ -86,6 +88,32 @@ def load_parts(path) -> tuple[dict[str, torch.Tensor] | None, int | None, dict[s
             else:
                 non_tensor[key] = _object_array(spec["values"]).reshape(spec["shape"])
     return batch, layout["batch_size"], non_tensor, _decode(layout["meta_info"])
+
+
+def _open_archive(path) -> zipfile.ZipFile:
+    """The file as our zip, or NotADataProtoFileError naming what it seems to be (verl pickles, torch.save zips)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        with open(path, "rb") as file:
+            head = file.read(2)
+        looks_like = "a pickle (verl's DataProto.save_to_disk writes those)" if head[:1] == b"\x80" else "not a zip file"
+        raise NotADataProtoFileError(_not_ours(path, looks_like)) from None
+    if _LAYOUT not in archive.namelist():
+        names = archive.namelist()
+        torch_save = any(name.endswith("data.pkl") for name in names)
+        archive.close()
+        looks_like = "a torch.save file" if torch_save else f"a zip without {_LAYOUT} (members: {names[:5]})"
+        raise NotADataProtoFileError(_not_ours(path, looks_like))
+    return archive
+
+
+def _not_ours(path, looks_like: str) -> str:
+    return (
+        f"{path} is not a roll-backend DataProto file: it is {looks_like}. DataProto.load_from_disk reads only files "
+        "written by DataProto.save_to_disk, and never unpickles; load a foreign file with the tool that wrote it "
+        "(after checking you trust it) and build the DataProto with DataProto.from_dict."
+    )
 
 
 def _private_contiguous(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,7 +143,7 @@ def _encode(value, where: str):
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufUO":
         flat = [_encode(v, where) for v in value.ravel()] if value.dtype.kind == "O" else value.ravel().tolist()
         return {"__ndarray__": {"dtype": value.dtype.str, "shape": list(value.shape), "values": flat}}
-    raise ValueError(
+    raise DataProtoError(
         f"cannot save {where}: a value of type {type(value).__name__} has no exact JSON form, and DataProto files "
         "never pickle. Convert it to str/int/float/bool/None, lists, tuples, str-keyed dicts or numeric numpy arrays."
     )

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from roll_backend.keys import META_METRICS
+from roll_backend.protocol.errors import DataProtoError
 
 
 def _batch_keys(data) -> list[str]:
@@ -21,7 +22,7 @@ def check_same_columns(first, part, index: int) -> None:
         ("non_tensor_batch", list(first.non_tensor_batch), list(part.non_tensor_batch)),
     ):
         if set(mine) != set(theirs):
-            raise ValueError(
+            raise DataProtoError(
                 f"concat: part {index} has {where} keys {sorted(theirs)} but part 0 has {sorted(mine)} "
                 f"(missing {sorted(set(mine) - set(theirs))}, extra {sorted(set(theirs) - set(mine))}); "
                 "select the common columns before concatenating."
@@ -44,7 +45,7 @@ def cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
     for i, tensor in enumerate(tensors[1:], start=1):
         if tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:]:
-            raise ValueError(
+            raise DataProtoError(
                 f"concat: batch[{key!r}] is {first.dtype} {tuple(first.shape[1:])} per row in part 0 but "
                 f"{tensor.dtype} {tuple(tensor.shape[1:])} in part {i}; pad or cast the parts to match."
             )
@@ -52,27 +53,43 @@ def cat_column(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def merge_meta(metas: list[dict]) -> dict:
-    """One meta_info from the parts': metrics lists extended per metric name, every other key equal in all parts."""
+    """One meta_info from the parts': metrics merged per metric name (see `merge_metrics`), every other key
+    equal in all parts."""
     merged: dict = {}
     for i, meta in enumerate(metas):
         for key, value in meta.items():
             if key == META_METRICS and value is not None:
-                if not isinstance(value, dict):
-                    raise ValueError(
-                        f"concat: meta_info[{META_METRICS!r}] of part {i} must be a dict of metric name -> "
-                        f"value or list, got {type(value).__name__}."
-                    )
-                metrics = merged.setdefault(META_METRICS, {})
-                for name, values in value.items():
-                    metrics.setdefault(name, []).extend(values if isinstance(values, list) else [values])
+                merge_metrics(merged.setdefault(META_METRICS, {}), value, i)
             elif key not in merged:
                 merged[key] = value
             elif not values_equal(merged[key], value):
-                raise ValueError(
+                raise DataProtoError(
                     f"concat: meta_info[{key!r}] differs between parts ({short_repr(merged[key])} in an earlier part, "
                     f"{short_repr(value)} in part {i}); make it equal or carry per-part values in meta_info['metrics']."
                 )
     return merged
+
+
+def merge_metrics(into: dict[str, list], metrics, part: int) -> None:
+    """Add part `part`'s meta_info["metrics"] to `into` (metric name -> list).
+
+    A dict extends each metric's list by the part's list (or value). A list of dicts is verl's per-worker form:
+    like verl's concat, each worker's value is appended as one entry, so {"loss": [a, b]} from worker 0 and
+    worker 1 of `[{"loss": a}, {"loss": b}]` come out the same.
+    """
+    if isinstance(metrics, dict):
+        for name, values in metrics.items():
+            into.setdefault(name, []).extend(values if isinstance(values, list) else [values])
+        return
+    if isinstance(metrics, list) and all(isinstance(worker, dict) for worker in metrics):
+        for worker in metrics:
+            for name, value in worker.items():
+                into.setdefault(name, []).append(value)
+        return
+    raise DataProtoError(
+        f"concat: meta_info[{META_METRICS!r}] of part {part} must be a dict of metric name -> value or list, or "
+        f"a list of such dicts (one per worker, as verl), got {short_repr(metrics)}."
+    )
 
 
 def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
