@@ -35,13 +35,20 @@ class CliError(Exception):
 
 
 def _load(config_path: str, overrides: list[str]):
+    """The typed, validated config with its prompt data checked: every problem found here, before Ray starts."""
     from roll_backend.config.loader import load_config
     from roll_backend.config.typed import ConfigError
+    from roll_backend.pipelines.data import DataError, check_data
 
     try:
-        return load_config(config_path, overrides)
+        config = load_config(config_path, overrides)
     except ConfigError as exc:
         raise CliError(f"{config_path}: {exc}") from exc
+    try:
+        check_data(config)
+    except DataError as exc:
+        raise CliError(f"{config_path}: invalid data: {exc}") from exc
+    return config
 
 
 # ---- validate -------------------------------------------------------------------------------------------
@@ -56,8 +63,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # ---- run ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
+    from roll_backend.distributed.orphans import kill_children_with_this_process
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.pipelines import run_pipeline  # before Ray starts: a broken install fails at once
+    from roll_backend.pipelines import run_with_restarts  # before Ray starts: a broken install fails at once
+
+    kill_children_with_this_process(own_group=False)  # a SIGKILLed driver takes Ray's processes with it
 
     address = os.environ.get("RAY_ADDRESS")  # set by Ray inside a job: join that cluster
     if address:
@@ -67,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import ray
 
     try:
-        metrics = run_pipeline(config)
+        metrics = run_with_restarts(config)
     finally:
         ray.shutdown()
     last = metrics[-1] if metrics else {}
@@ -90,6 +100,22 @@ def job_runtime_env(working_dir: Path) -> dict:
 
     # RAY_ADDRESS is set by Ray for the job's entrypoint; the rest must be in place before the job's Ray starts.
     return {"working_dir": str(working_dir), "excludes": list(JOB_EXCLUDES), "env_vars": dict(RAY_ENV_DEFAULTS)}
+
+
+NO_AGENT = "No available agent to submit job"  # the Jobs API's answer when no node's dashboard agent responds
+
+
+def no_agent_message(address: str) -> str:
+    return (
+        f"the cluster at {address} accepted the request but has no dashboard agent to run the job (Ray's "
+        f"'{NO_AGENT}'). Either the cluster was started moments ago (wait ~10 s and submit again), or its agent "
+        "could not bind its ports, typically because another Ray on the same machine already holds the "
+        "defaults (52365 and others). Restart the cluster with free ports for the agent: `ray stop` it (or end "
+        "its process group), then `ray start --head ... --dashboard-agent-listen-port=P1 "
+        "--dashboard-agent-grpc-port=P2 --metrics-export-port=P3 --runtime-env-agent-port=P4` with unused ports; "
+        "examples/submit_to_cluster.sh --start-cluster picks them for you. The agent's own log is "
+        "<temp-dir>/session_latest/logs/dashboard_agent.log on the head."
+    )
 
 
 def _config_inside(config_path: str, working_dir: Path) -> str:
@@ -115,11 +141,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(args.address)
-    job_id = client.submit_job(
-        entrypoint=job_entrypoint(config_rel, args.overrides),
-        runtime_env=job_runtime_env(working_dir),
-        metadata={"exp_name": config.exp_name, "config": config_rel},
-    )
+    try:
+        job_id = client.submit_job(
+            entrypoint=job_entrypoint(config_rel, args.overrides),
+            runtime_env=job_runtime_env(working_dir),
+            metadata={"exp_name": config.exp_name, "config": config_rel},
+        )
+    except RuntimeError as exc:
+        if NO_AGENT in str(exc):
+            raise CliError(no_agent_message(args.address)) from exc
+        raise
     print(f"submitted job {job_id} to {args.address}", file=sys.stderr, flush=True)
     if args.no_wait:
         print(job_id)

@@ -100,7 +100,10 @@ def config_from_dict(data: dict) -> PipelineConfig:
     config = build(PipelineConfig, data, "", top_problems)
     # A role that failed to build shows up again as "required"; its own problems already say why.
     problems.extend(p for p in top_problems if not any(p.startswith(f"{r}:") for r in broken_roles))
-    if config is not None and not problems:
+    # Unknown keys are dropped and do not stop the tree from building: the cross-field rules still run, so a
+    # typo and a bad layout come back in one report. A role that did not build would look absent to them.
+    roles_built = all(data.get(role) is not None for role in broken_roles)
+    if config is not None and roles_built:
         problems.extend(validate(config))
     if problems:
         raise ConfigError(problems)

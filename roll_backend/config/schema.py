@@ -2,7 +2,7 @@
 
 The YAML shape follows ROLL/verl: a role block holds its model path, its resources and a `strategy` section
 whose `name` picks the backend (strategies.registry) and whose other keys are that backend's typed config
-plus the parallel layout (tp, pp, cp, vpp). Any key can be overridden as `actor_train.strategy.tp=2`.
+plus the parallel layout (tp, pp, cp, vpp, ep, etp). Any key can be overridden as `actor_train.strategy.tp=2`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.rewards.user_functions import RewardFunctionSpec
 
-LAYOUT_KEYS = ("tp", "pp", "cp", "vpp")
+LAYOUT_KEYS = ("tp", "pp", "cp", "vpp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -28,121 +29,200 @@ class StrategySection:
 class RoleConfig:
     """One role: model, resources, and strategy. `colocate_with` names a role whose placement group it shares."""
 
-    model_path: str
+    model_path: str  # Hugging Face model folder this role loads (usually ${model_path})
     strategy: StrategySection
-    world_size: int = 1
-    num_cpus_per_rank: float = 0.5
-    num_gpus_per_rank: float = 0.0
-    colocate_with: str | None = None
+    world_size: int = 1  # ranks (Ray actors) of this role; a multiple of tp*pp*cp
+    num_cpus_per_rank: float = 0.5  # CPU share each rank reserves in its placement-group bundle
+    num_gpus_per_rank: float = 0.0  # GPUs per rank (0: CPU with gloo; 1 on a GPU cluster)
+    colocate_with: str | None = None  # another role's name: share its placement group, rank by rank
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Rule-based rewards (name -> weight, see roll_backend.rewards) run over `world_size` actors."""
+    """Rule-based rewards run over `world_size` actors, each scoring its share of the batch: built-in names
+    (name -> weight, see roll_backend.rewards.registry) plus user functions, summed with their weights."""
 
-    rewards: dict[str, float] = field(default_factory=lambda: {"math_verify": 1.0})
-    world_size: int = 1
-    num_cpus_per_rank: float = 0.25
+    rewards: dict[str, float] | None = None  # reward name -> weight (roll_backend/rewards); None: {"math_verify": 1.0} without `functions`
+    # Each {path: my_rewards.py (or a module name), name: compute_score, weight: 1.0, batched: false}.
+    functions: list[RewardFunctionSpec] = field(default_factory=list)
+    on_function_error: str = "raise"  # "zero": a row whose function raised/returned a non-number/timed out scores 0
+    function_timeout_s: float = 60.0  # per call of a user function (per row, or per batch when batched)
+    world_size: int = 1  # reward actors; the batch is split between them
+    num_cpus_per_rank: float = 0.25  # CPU share each reward actor reserves
+
+    def builtin_weights(self) -> dict[str, float]:
+        from roll_backend.rewards.registry import builtin_weights
+
+        return builtin_weights(self.rewards, bool(self.functions))
 
 
 @dataclass(frozen=True)
 class KLControlConfig:
     """KL coefficient when KL is in the reward: fixed, or adaptive towards `target_kl` over `horizon` steps."""
 
-    type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    type: str = "fixed"  # "fixed" or "adaptive"
+    kl_coef: float = 0.001  # the (initial) coefficient of the KL penalty in the reward
+    target_kl: float = 0.1  # adaptive: the KL the coefficient steers towards
+    horizon: int = 10000  # adaptive: steps over which the coefficient adapts
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout-mismatch correction from rollout_log_probs and old_log_probs (algorithms.rollout_correction);
+    off while both `is_level` and `rejection` are null."""
+
+    is_level: str | None = None  # truncated importance sampling: "token" | "sequence" | None
+    is_cap: float = 2.0  # C: weights above it are truncated to it
+    rejection: str | None = None  # mask out of the policy loss: "sequence" (geometric mean) | "token" | None
+    rejection_threshold: float = 2.0  # C_rs: keep ratios inside [1/C_rs, C_rs]
+
+    @property
+    def enabled(self) -> bool:
+        return self.is_level is not None or self.rejection is not None
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantages, the policy loss and clipping, KL (as a loss or in the reward), aggregation, PPO epochs."""
 
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "grpo"  # grpo, rloo, reinforce_plus_plus, gae (needs a critic), ...
     norm_adv_by_std: bool = True  # False: Dr.GRPO
-    gamma: float = 1.0
-    lam: float = 1.0
-    policy_loss: str = "ppo"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
-    use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
-    kl_estimator: str = "low_var_kl"
-    use_kl_in_reward: bool = False
+    gamma: float = 1.0  # discount factor of returns (GAE / REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    policy_loss: str = "ppo"  # the policy-gradient loss (roll_backend.algorithms.POLICY_LOSS_NAMES)
+    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher when larger)
+    dual_clip_c: float = 3.0  # dual-clip PPO bound on negative advantages
+    loss_agg_mode: str = "token-mean"  # how token losses average: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...
+    entropy_coef: float = 0.0  # weight of the entropy bonus in the actor loss
+    use_kl_loss: bool = True  # add KL(actor || reference) to the actor loss (needs a reference role)
+    kl_loss_coef: float = 0.001  # weight of the KL loss
+    kl_estimator: str = "low_var_kl"  # KL estimator: k1, k2, low_var_kl (k3), ...
+    use_kl_in_reward: bool = False  # subtract a KL penalty from the reward instead (needs a reference role)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    reward_clip: float | None = None
+    reward_clip: float | None = None  # clip scores to [-reward_clip, reward_clip]; null: no clipping
     reward_norm: str | None = None  # "batch" | "group" | None
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each step's batch
     ppo_mini_batch_size: int | None = None  # responses per optimizer step; None: the whole step's batch
-    value_clip: float = 0.5
+    value_clip: float = 0.5  # critic: clip of the value update (PPO value clipping)
     dynamic_sampling: bool = False  # drop prompt groups whose rewards are all equal (DAPO)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)
 class SyntheticDataConfig:
     """A generated prompt set (see roll_backend.pipelines.data): the demo's task, no files needed."""
 
-    task: str = "copy_digit"
-    num_prompts: int = 512
-    seed: int = 0
+    task: str = "copy_digit"  # the generated task (roll_backend/pipelines/synthetic_tasks.py)
+    num_prompts: int = 512  # prompts generated
+    seed: int = 0  # seed of the generated prompts
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Prompts: a JSONL or parquet file, or a synthetic task. Rows need a prompt and an answer column."""
 
-    train_path: str | None = None
+    train_path: str | None = None  # prompt file: .jsonl, .json or .parquet, one row per prompt
     synthetic: SyntheticDataConfig | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    apply_chat_template: bool = True
+    prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
+    answer_key: str = "answer"  # column holding the reference answer the reward compares with
+    apply_chat_template: bool = True  # wrap text prompts as one user message for the tokenizer's chat template
     max_prompt_length: int = 256  # longer prompts (in tokens) are filtered out
-    shuffle: bool = True
+    shuffle: bool = True  # a new order every epoch (deterministic from the run's seed)
+    # Rows that are not JSON objects or whose prompt/answer is missing or null: False stops the run naming them
+    # (file:line); True skips them, logs the count and reports it as the metric data/skipped_rows.
+    skip_invalid_rows: bool = False
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Save every `save_steps` (0: never) under output_dir/checkpoints; `resume`: "auto" picks the latest."""
 
-    save_steps: int = 0
-    keep_last: int = 2
+    save_steps: int = 0  # save every this many steps (0: never)
+    keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: str | None = None  # None | "auto" | a checkpoint folder
 
 
 @dataclass(frozen=True)
+class PhaseTimeouts:
+    """Seconds each phase may take, all its group calls together, before its ranks count as hung (the group is
+    then broken and, with max_restarts, the run restarts). Generous for real models; lower them for small ones."""
+
+    startup: float = 3600.0  # start every group and load the models
+    generate: float = 3600.0  # the rollout's generation of one step's batch
+    reward: float = 1800.0  # reward functions / reward model over one step's batch
+    log_probs: float = 3600.0  # reference / old log-probs / critic values
+    train: float = 7200.0  # actor and critic updates of one step
+    weight_sync: float = 1800.0  # trainer -> rollout weights and the probe
+    checkpoint: float = 3600.0  # saving or loading a checkpoint
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Automatic restart and deadlines. A dead rank, a missed phase deadline or a lost node restarts the run from
+    the latest complete checkpoint, at most `max_restarts` times; config, data and user-code errors never do.
+    `inject`: fault injection for tests, `action:role:rank:phase:step` (see distributed/faults.py)."""
+
+    max_restarts: int = 0  # automatic restarts from the latest checkpoint before the run stops (needs checkpoint.save_steps)
+    timeouts: PhaseTimeouts = field(default_factory=PhaseTimeouts)
+    settle_s: float = 10.0  # after a rank raised, how long the others of the call get before the group is broken
+    inject: str | None = None  # tests only: ACTION:ROLE:RANK:PHASE:STEP, e.g. kill:actor_train:1:train:3
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress_bar: bool = True
+    """Where step metrics go besides the returned history."""
+
+    jsonl: bool = True  # write output_dir/metrics.jsonl
+    tensorboard: bool = True  # write TensorBoard events under output_dir
+    progress_bar: bool = True  # show a progress bar on the console
+
+
+@dataclass(frozen=True)
+class AsyncGenerationConfig:
+    """One-step off-policy: the rollout group generates step k+1's batch while the actor trains on step k
+    (pipelines.async_loop). Needs actor_infer on resources disjoint from actor_train's."""
+
+    enabled: bool = False  # true: generate the next batch while the actor trains (one-step off-policy)
+    max_staleness: int = 1  # the run fails if a batch's policy version lags the trainer's by more
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    """Model-FLOPs utilisation (`perf/<phase>_mfu`): against `peak_tflops` per rank (a GPU's datasheet value), or
+    against a GEMM peak each rank measures at start-up in its compute dtype for `probe_seconds` per shape."""
+
+    peak_tflops: float | None = None  # a rank's peak TFLOP/s (e.g. the GPU's datasheet bf16 value); None: measure it
+    measure_peak: bool = True  # False and no peak_tflops: report perf/<phase>_tflops only
+    probe_seconds: float = 0.2  # how long the start-up GEMM probe runs per matrix shape
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     """A whole run. `pipeline` picks the control loop: grpo (no critic) or ppo (critic + GAE)."""
 
-    pipeline: str
-    model_path: str
+    pipeline: str  # "grpo" (no critic) or "ppo" (critic + GAE)
+    model_path: str  # the model folder (config.json, weights, tokenizer) the roles start from
     actor_train: RoleConfig
     actor_infer: RoleConfig
-    exp_name: str = "run"
-    seed: int = 42
-    output_dir: str = "runs/run"
-    max_steps: int = 10
+    exp_name: str = "run"  # the run's name in logs and metrics
+    seed: int = 42  # seed of the data order, sampling and initialisation
+    output_dir: str = "runs/run"  # where metrics, the resolved config and checkpoints go
+    max_steps: int = 10  # RL steps to run (>= 1)
     rollout_batch_size: int = 8  # prompts per step
     num_return_sequences_in_group: int = 4  # samples per prompt (n)
-    response_length: int = 64
+    response_length: int = 64  # most tokens a response may have
     build_tiny_model: dict[str, Any] | None = None  # TinyModelSpec fields: write a tiny model to model_path first
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     reward: RewardConfig = field(default_factory=RewardConfig)
+    async_generation: AsyncGenerationConfig = field(default_factory=AsyncGenerationConfig)
     weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None
@@ -153,7 +233,7 @@ class PipelineConfig:
         and 3e-2 when either uses a 16-bit dtype (bf16 kernels differ between engines by ~1e-3 to 1e-2 per token)."""
         if self.weight_sync_max_logprob_gap is not None:
             return self.weight_sync_max_logprob_gap
-        dtypes = {_compute_dtype(self.actor_train), _compute_dtype(self.actor_infer)}
+        dtypes = {compute_dtype(self.actor_train), compute_dtype(self.actor_infer)}
         return FULL_PRECISION_LOGPROB_GAP if dtypes == {"float32"} else HALF_PRECISION_LOGPROB_GAP
 
 
@@ -161,7 +241,7 @@ FULL_PRECISION_LOGPROB_GAP = 1e-3
 HALF_PRECISION_LOGPROB_GAP = 3e-2
 
 
-def _compute_dtype(role: RoleConfig) -> str:
+def compute_dtype(role: RoleConfig) -> str:
     """A role's compute dtype: Megatron's params_dtype or vLLM's dtype."""
     config = role.strategy.config
     return str(getattr(config, "params_dtype", None) or getattr(config, "dtype", "float32"))

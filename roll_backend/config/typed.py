@@ -118,4 +118,6 @@ def to_dict(obj) -> Any:
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
+    if callable(obj):  # a Python callable given in code (e.g. a reward function): named, not serialised
+        return f"<python callable {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}>"
     return obj

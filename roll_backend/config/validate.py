@@ -14,22 +14,90 @@ PIPELINES = ("grpo", "ppo")
 VLLM_CPU_MIN_HEAD_DIM = 32
 
 
-def _model_shape(config: PipelineConfig, model_path: str) -> tuple[int, int, int | None] | None:
-    """(attention heads, kv heads, head dim or None) of the role's model, from its config.json or the tiny-model spec."""
+def _model_fields(config: PipelineConfig, model_path: str) -> dict | None:
+    """The role's model's Hugging Face config fields: its config.json, or those of the tiny model to be built."""
     config_file = Path(model_path) / "config.json"
     if config_file.is_file():
-        hf = json.loads(config_file.read_text())
-        heads = hf.get("num_attention_heads")
-        if not heads:
-            return None
-        head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if "hidden_size" in hf else None)
-        return heads, hf.get("num_key_value_heads", heads), head_dim
+        try:
+            return json.loads(config_file.read_text())
+        except json.JSONDecodeError:
+            return None  # _check_model_path reports it
     if config.build_tiny_model is not None and model_path == config.model_path:
         from roll_backend.models.tiny import TinyModelSpec
 
         spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in TinyModelSpec.__dataclass_fields__})
-        return spec.num_attention_heads, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads
+        fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+        return {f: getattr(spec, f) for f in fields if getattr(spec, f, None) is not None}
     return None
+
+
+def _model_shape(fields: dict | None) -> tuple[int, int, int | None] | None:
+    """(attention heads, kv heads, head dim or None) from a model's config fields."""
+    heads = (fields or {}).get("num_attention_heads")
+    if not heads:
+        return None
+    head_dim = fields.get("head_dim") or (fields["hidden_size"] // heads if "hidden_size" in fields else None)
+    return heads, fields.get("num_key_value_heads", heads), head_dim
+
+
+# A model folder's tokenizer: any of the files transformers' AutoTokenizer reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_model_path(config: PipelineConfig, what: str, model_path: str, problems: list[str]) -> None:
+    """`model_path` must be a local folder with a model config and a tokenizer, unless build_tiny_model writes it."""
+    if not model_path or (config.build_tiny_model is not None and model_path == config.model_path):
+        return  # empty: the strategies' own checks say so
+    folder = Path(model_path)
+    tiny_hint = " (or set build_tiny_model to write a tiny random model there)" if what == "model_path" else ""
+    if not folder.is_dir():
+        problems.append(
+            f"{what}={model_path!r} does not exist; point it at a local Hugging Face model folder (config.json, "
+            f"weights, tokenizer): download one first, e.g. `huggingface-cli download NAME --local-dir DIR`{tiny_hint}"
+        )
+        return
+    if not (folder / "config.json").is_file():
+        problems.append(f"{what}={model_path!r} has no config.json; point it at a Hugging Face model folder")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(
+            f"{what}={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
+            "tokenizer there (tokenizer.save_pretrained)"
+        )
+def _num_layers(config: PipelineConfig, model_path: str) -> int | None:
+    """Decoder layers of the role's model, from its config.json or the tiny-model spec."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text()).get("num_hidden_layers")
+    if config.build_tiny_model is not None and model_path == config.model_path:
+        from roll_backend.models.tiny import TinyModelSpec
+
+        return config.build_tiny_model.get("num_hidden_layers", TinyModelSpec.num_hidden_layers)
+    return None
+
+
+def _check_megatron_layout(config: PipelineConfig, name: str, role: RoleConfig, problems: list[str]) -> None:
+    """Pipeline splits Megatron cannot build (CP and vpp themselves need nothing from the config)."""
+    from roll_backend.strategies.megatron_config import default_stage_split, stage_split_problem
+
+    layout, strategy = role.strategy.layout, role.strategy.config
+    if layout.vpp is not None and getattr(strategy, "max_tokens_per_microbatch", None) is not None:
+        problems.append(f"{name}.strategy: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
+                        f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size")
+    first, last = getattr(strategy, "first_stage_layers", None), getattr(strategy, "last_stage_layers", None)
+    num_layers = _num_layers(config, role.model_path)
+    if num_layers is None:
+        if layout.vpp is not None and (layout.vpp < 2 or layout.pp < 2):
+            problems.append(f"{name}.strategy.vpp={layout.vpp} needs pp >= 2 and vpp >= 2; set vpp=null or raise pp")
+        return
+    try:
+        if first is None and last is None:
+            default_stage_split(num_layers, layout.pp, layout.vpp)
+            return
+        problem = stage_split_problem(num_layers, layout.pp, layout.vpp, first, last)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        problems.append(f"{name}.strategy (pp={layout.pp}, vpp={layout.vpp}): {problem}")
 
 
 def _divisors(n: int) -> str:
@@ -46,7 +114,8 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
             f"{name}: tp*pp*cp = {layout.tp}*{layout.pp}*{layout.cp} = {mp} does not divide {name}.world_size="
             f"{role.world_size}; set world_size to a multiple of {mp} or shrink the layout"
         )
-    shape = _model_shape(config, role.model_path)
+    fields = _model_fields(config, role.model_path)
+    shape = _model_shape(fields)
     if shape is not None:
         for what, count in zip(("num_attention_heads", "num_key_value_heads"), shape[:2]):
             if count % layout.tp:
@@ -62,9 +131,55 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
         tp_size = role.strategy.config.tensor_parallel_size
         if tp_size != layout.tp:
             problems.append(f"{name}.strategy.tensor_parallel_size={tp_size} differs from {name}.strategy.tp={layout.tp}; make them equal")
-    if layout.vpp is not None or layout.cp > 1:
-        if role.strategy.name.startswith("megatron"):
-            problems.append(f"{name}.strategy: vpp and cp > 1 are not supported by the Megatron strategies yet; remove them")
+    if role.strategy.name.startswith("megatron"):
+        _check_megatron_layout(config, name, role, problems)
+    elif layout.vpp is not None or layout.cp > 1:
+        problems.append(f"{name}.strategy: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
+                        f"or interleave stages; set cp=1 and vpp=null")
+    if getattr(role.strategy.config, "value_head_init", "fresh") == "score_head":
+        _check_score_head(name, role, problems)
+    problems.extend(f"{name}.strategy: {problem}" for problem in layout.expert_problems(role.world_size))
+    _check_experts(config, name, role, problems)
+
+
+def _check_score_head(name: str, role: RoleConfig, problems: list[str]) -> None:
+    """value_head_init=score_head: only a value head (the critic) can take it, from a checkpoint that has one."""
+    from roll_backend.models.hf_megatron_convert import score_head_problem
+
+    if name != "critic":
+        problems.append(f"{name}.strategy.value_head_init=score_head: only the critic has a value head; remove it here")
+        return
+    model_path = role.strategy.config.model_path
+    if Path(model_path).is_dir():
+        problem = score_head_problem(model_path)
+        if problem:
+            problems.append(f"critic.strategy.value_head_init=score_head: {problem}")
+
+
+def _check_experts(config: PipelineConfig, name: str, role: RoleConfig, problems: list[str]) -> None:
+    """ep/etp against the model's experts (from its config.json), as megatron-core requires."""
+    layout = role.strategy.layout
+    if layout.ep == 1 and layout.etp is None:
+        return
+    if role.strategy.name.startswith("vllm"):
+        problems.append(f"{name}.strategy: ep/etp apply to Megatron strategies; remove them from the vLLM role")
+        return
+    config_file = Path(role.model_path) / "config.json"
+    if config_file.is_file():
+        hf = json.loads(config_file.read_text())
+        model_type = hf.get("model_type")
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # transformers 5 saves Qwen3-MoE's as the latter
+    elif config.build_tiny_model is not None and role.model_path == config.model_path:
+        from roll_backend.models.tiny import TinyModelSpec
+
+        spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in TinyModelSpec.__dataclass_fields__})
+        model_type, experts = spec.family, spec.num_experts if spec.family.endswith("_moe") else 0
+    else:
+        return
+    if not experts:
+        problems.append(f"{name}.strategy.ep={layout.ep}: the model ({model_type}) has no experts; set ep=1 and drop etp")
+    elif experts % layout.ep:
+        problems.append(f"{name}.strategy.ep={layout.ep} does not divide num_experts={experts}; choose one of {_divisors(experts)}")
 
 
 def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
@@ -86,7 +201,7 @@ def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
             continue
         dp = role.world_size // (role.strategy.layout.tp * role.strategy.layout.pp * role.strategy.layout.cp)
         micro = role.strategy.config.micro_batch_size
-        if mini % (dp * micro):
+        if getattr(role.strategy.config, "max_tokens_per_microbatch", None) is None and mini % (dp * micro):
             problems.append(
                 f"{name}: a mini-batch of {mini} responses cannot be split into micro-batches of "
                 f"{name}.strategy.micro_batch_size={micro} on each of {dp} data-parallel ranks; make "
@@ -117,18 +232,106 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
         problems.append("KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off")
     if algo.ppo_epochs < 1:
         problems.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
+    correction = algo.rollout_correction
+    for field_name, value, known in (("is_level", correction.is_level, alg.IS_LEVELS),
+                                      ("rejection", correction.rejection, alg.REJECTION_LEVELS)):
+        if value is not None and value not in known:
+            problems.append(f"algorithm.rollout_correction.{field_name}={value!r}; choose one of {', '.join(known)} or null")
+    if correction.is_level is not None and not correction.is_cap >= 1.0:
+        problems.append(f"algorithm.rollout_correction.is_cap={correction.is_cap} must be >= 1 (IS weights are truncated at it; 2.0 is usual)")
+    if correction.rejection is not None and not correction.rejection_threshold > 1.0:
+        problems.append(f"algorithm.rollout_correction.rejection_threshold={correction.rejection_threshold} must be > 1 "
+                        "(ratios inside [1/C, C] are kept; 2.0 is usual)")
+
+
+def _check_async(config: PipelineConfig, problems: list[str]) -> None:
+    """One-step off-policy needs the rollout on its own resources: colocated, generation and training would share
+    the devices they are meant to overlap on."""
+    async_cfg = config.async_generation
+    if not async_cfg.enabled:
+        return
+    if async_cfg.max_staleness < 1:
+        problems.append(f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "
+                        "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training")
+    infer, train = config.actor_infer, config.actor_train
+    if infer.colocate_with is not None or train.colocate_with == "actor_infer":
+        problems.append("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
+                        f"colocate_with (actor_infer.colocate_with={infer.colocate_with!r}, actor_train.colocate_with="
+                        f"{train.colocate_with!r}) or turn async_generation off")
+
+
+def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
+    from dataclasses import fields
+
+    from roll_backend.distributed.faults import FAULTS_OFF, FaultSpec
+
+    ft = config.fault_tolerance
+    if ft.max_restarts < 0:
+        problems.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0 (0: no automatic restart)")
+    if ft.max_restarts and not config.checkpoint.save_steps:
+        problems.append(f"fault_tolerance.max_restarts={ft.max_restarts} restarts from checkpoints, but checkpoint.save_steps=0 "
+                        f"saves none; set checkpoint.save_steps (a restart would otherwise start over from step 1)")
+    for phase in fields(ft.timeouts):
+        seconds = getattr(ft.timeouts, phase.name)
+        if not seconds > 0:
+            problems.append(f"fault_tolerance.timeouts.{phase.name}={seconds} must be > 0 seconds")
+    if ft.inject not in (None, FAULTS_OFF):
+        try:
+            fault = FaultSpec.parse(ft.inject)
+        except ValueError as exc:
+            problems.append(f"fault_tolerance.inject: {exc}")
+            return
+        roles = {name: getattr(config, name) for name in ("actor_train", "actor_infer", "reference", "critic")}
+        sizes = {name: role.world_size for name, role in roles.items() if role is not None} | {"reward": config.reward.world_size}
+        if fault.role not in sizes:
+            problems.append(f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of {', '.join(sizes)}")
+        elif fault.rank >= sizes[fault.role]:
+            problems.append(f"fault_tolerance.inject={ft.inject!r}: {fault.role} has ranks 0..{sizes[fault.role] - 1}")
+
+
+def _check_reward(config: PipelineConfig, problems: list[str]) -> None:
+    from roll_backend.rewards.registry import REWARDS
+    from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, check_spec
+
+    reward = config.reward
+    for name in reward.builtin_weights():
+        if name not in REWARDS:
+            problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
+    if not reward.builtin_weights() and not reward.functions:
+        problems.append("reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}) or add reward.functions")
+    for index, spec in enumerate(reward.functions):
+        problems.extend(check_spec(spec, f"reward.functions[{index}]"))
+    if reward.on_function_error not in ON_ERROR_CHOICES:
+        problems.append(f"reward.on_function_error={reward.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}")
+    if not reward.function_timeout_s > 0:
+        problems.append(f"reward.function_timeout_s={reward.function_timeout_s} must be > 0")
+    if reward.world_size < 1:
+        problems.append(f"reward.world_size={reward.world_size} must be >= 1")
+
+
+def _check_perf(config: PipelineConfig, problems: list[str]) -> None:
+    perf = config.perf
+    if perf.peak_tflops is not None and not perf.peak_tflops > 0:
+        problems.append(f"perf.peak_tflops={perf.peak_tflops} must be > 0 (TFLOP/s of one rank's device) or null to measure it")
+    if perf.probe_seconds <= 0:
+        problems.append(f"perf.probe_seconds={perf.probe_seconds} must be > 0")
 
 
 def validate(config: PipelineConfig) -> list[str]:
     """Every cross-field problem of `config` (empty when it can run)."""
     problems: list[str] = []
+    if config.max_steps < 1:
+        problems.append(f"max_steps={config.max_steps} must be >= 1 (the number of RL steps to run); set e.g. max_steps=10")
     if config.pipeline not in PIPELINES:
         problems.append(f"pipeline={config.pipeline!r} is unknown; choose one of {', '.join(PIPELINES)}")
     if config.pipeline == "ppo" and config.critic is None:
         problems.append("pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)")
     roles = {name: getattr(config, name) for name in ("actor_train", "actor_infer", "reference", "critic")}
+    _check_model_path(config, "model_path", config.model_path, problems)
     for name, role in roles.items():
         if role is not None:
+            if role.model_path != config.model_path:
+                _check_model_path(config, f"{name}.model_path", role.model_path, problems)
             _check_role(config, name, role, problems)
             if role.colocate_with is not None:
                 other = roles.get(role.colocate_with)
@@ -145,11 +348,10 @@ def validate(config: PipelineConfig) -> list[str]:
     if config.checkpoint.save_steps and config.actor_train.strategy.config.optimizer.use_distributed_optimizer:
         if config.actor_train.num_gpus_per_rank == 0:
             problems.append("checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot save its state there; set actor_train.strategy.optimizer.use_distributed_optimizer=false")
-    from roll_backend.rewards.registry import REWARDS
-
-    for name in config.reward.rewards:
-        if name not in REWARDS:
-            problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
+    _check_reward(config, problems)
     _check_algorithm(config, problems)
+    _check_async(config, problems)
     _check_batches(config, problems)
+    _check_fault_tolerance(config, problems)
+    _check_perf(config, problems)
     return problems

@@ -14,13 +14,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from roll_backend import keys
-from roll_backend.config.schema import DataConfig
+from roll_backend.config.schema import DataConfig, PipelineConfig
+from roll_backend.pipelines.data_rows import DataError, Rows, dropped_characters, read_rows, rows_error
 from roll_backend.pipelines.synthetic_tasks import generate_task
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Columns read the way verl's reward manager reads them: the row's data source, and an `extra_info` dict.
+DATA_SOURCE_COLUMN, EXTRA_INFO_COLUMN = "data_source", "extra_info"
 
 
 class PromptDataset:
@@ -33,12 +35,15 @@ class PromptDataset:
     def __init__(self, config: DataConfig, tokenizer, seed: int):
         self.config = config
         self.seed = seed
-        rows = _load_rows(config)
+        loaded = _load_rows(config)
+        rows = loaded.rows
+        self.skipped_rows = loaded.skipped  # bad rows skipped under data.skip_invalid_rows
+        _check_encodable(tokenizer, [row[config.prompt_key] for row in rows], loaded.locations)
         prompts = [_as_prompt(row[config.prompt_key], config.apply_chat_template) for row in rows]
         lengths = [len(_encode(tokenizer, prompt)) for prompt in prompts]
         kept = [index for index, length in enumerate(lengths) if length <= config.max_prompt_length]
         if not kept:
-            raise ValueError(
+            raise DataError(
                 f"all {len(rows)} prompts are longer than data.max_prompt_length={config.max_prompt_length} tokens "
                 f"(shortest: {min(lengths)} tokens{' with the chat template' if config.apply_chat_template else ''}); "
                 f"raise data.max_prompt_length to at least {min(lengths)}."
@@ -50,9 +55,16 @@ class PromptDataset:
             )
         self.prompts = _object_column([prompts[index] for index in kept])  # [N] str or list of messages
         self.answers = _object_column([str(rows[index][config.answer_key]) for index in kept])  # [N] str
+        default_source = config.synthetic.task if config.train_path is None and config.synthetic else ""
+        self.data_sources = _object_column([str(rows[index].get(DATA_SOURCE_COLUMN, default_source)) for index in kept])
+        self.extra_infos = _object_column([_extra_info(rows[index], config) for index in kept])  # [N] dict
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def metrics(self) -> dict[str, float]:
+        """What the step metrics report about the data: the bad rows skipped under data.skip_invalid_rows."""
+        return {"data/skipped_rows": self.skipped_rows} if self.skipped_rows else {}
 
     def indices_at(self, step: int, batch_size: int) -> np.ndarray:
         """Row indices of step `step`'s batch: positions [step*B, (step+1)*B) of the epoch-by-epoch stream."""
@@ -64,10 +76,11 @@ class PromptDataset:
         return np.array([self._epoch_order(int(epoch))[offset] for epoch, offset in zip(epochs, offsets)], dtype=np.int64)
 
     def batch_at(self, step: int, batch_size: int) -> DataProto:
-        """The prompts of step `step`: non-tensor PROMPT_TEXT and ANSWER, [batch_size] each."""
+        """The prompts of step `step`: non-tensor PROMPT_TEXT, ANSWER, DATA_SOURCE and EXTRA_INFO, [batch_size] each."""
         indices = self.indices_at(step, batch_size)
         return DataProto.from_dict(
-            non_tensors={keys.PROMPT_TEXT: self.prompts[indices], keys.ANSWER: self.answers[indices]},
+            non_tensors={keys.PROMPT_TEXT: self.prompts[indices], keys.ANSWER: self.answers[indices],
+                         keys.DATA_SOURCE: self.data_sources[indices], keys.EXTRA_INFO: self.extra_infos[indices]},
             meta_info={"step": step},
         )
 
@@ -78,35 +91,76 @@ class PromptDataset:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self))
 
 
-def _load_rows(config: DataConfig) -> list[dict[str, Any]]:
-    """Rows with the prompt and answer columns, from `train_path` or the synthetic task."""
+def _load_rows(config: DataConfig) -> Rows:
+    """Checked rows with the prompt and answer columns, from `train_path` or the synthetic task."""
     if config.train_path is not None:
-        return _read_file(config.train_path, config.prompt_key, config.answer_key)
+        return read_rows(config.train_path, config.prompt_key, config.answer_key, config.skip_invalid_rows)
     if config.synthetic is not None:
         synthetic = config.synthetic
-        return generate_task(synthetic.task, synthetic.num_prompts, synthetic.seed)
-    raise ValueError("no prompts: set data.train_path (JSONL or parquet) or data.synthetic.")
+        try:
+            rows = generate_task(synthetic.task, synthetic.num_prompts, synthetic.seed)
+        except ValueError as exc:  # an unknown task name: a data problem like the others
+            raise DataError(f"data.synthetic: {exc}") from None
+        return Rows(rows, [f"data.synthetic task {synthetic.task!r} row {i + 1}" for i in range(len(rows))])
+    raise DataError("no prompts: set data.train_path (JSONL or parquet) or data.synthetic.")
 
 
-def _read_file(path: str, prompt_key: str, answer_key: str) -> list[dict[str, Any]]:
-    import datasets
+def _check_encodable(tokenizer, prompts: list, locations: list[str]) -> None:
+    """DataError naming the rows whose prompt text has characters the tokenizer would drop."""
+    texts = [_plain_text(prompt) for prompt in prompts]
+    dropped = set(dropped_characters(tokenizer, texts))
+    if not dropped:
+        return
+    problems = []
+    for location, text in zip(locations, texts):
+        lost = sorted(set(text) & dropped)
+        if lost:
+            kept = "".join(char for char in text if char not in dropped)
+            problems.append(f"{location}: {', '.join(map(repr, lost))} in {text!r} (would train as {kept!r})")
+    raise rows_error(
+        f"{len(problems)} prompts have characters the tokenizer has no token for ({', '.join(map(repr, sorted(dropped)))})",
+        problems,
+        "A char tokenizer knows only build_tiny_model.char_alphabet and its chat template's characters: add the "
+        "characters to char_alphabet (and delete the model built at model_path so it is rebuilt), or remove them "
+        "from the data.",
+    )
 
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"data.train_path={path!r} does not exist; point it at a JSONL or parquet file.")
-    file_format = FILE_FORMATS.get(file.suffix.lower())
-    if file_format is None:
-        raise ValueError(f"data.train_path={path!r} has suffix {file.suffix!r}; use one of {', '.join(FILE_FORMATS)}.")
-    table = datasets.load_dataset(file_format, data_files=str(file), split="train")
-    missing = [key for key in (prompt_key, answer_key) if key not in table.column_names]
-    if missing:
-        raise ValueError(
-            f"{path}: no column {', '.join(repr(key) for key in missing)}; columns present: {table.column_names}. "
-            f"Set data.prompt_key / data.answer_key to the right names."
-        )
-    if len(table) == 0:
-        raise ValueError(f"{path} has no rows.")
-    return table.select_columns([prompt_key, answer_key]).to_list()
+
+def _plain_text(prompt) -> str:
+    """A prompt's text: the string, or the messages' contents joined."""
+    if isinstance(prompt, list):
+        return "\n".join(str(message.get("content", "")) for message in prompt if isinstance(message, dict))
+    return str(prompt)
+
+
+def driver_tokenizer(config: PipelineConfig):
+    """The tokenizer the run will use, without writing anything: the model folder's, else the one
+    `build_tiny_model` would write there (None when there is neither: the config check reports that)."""
+    if (Path(config.model_path) / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.model_path)
+    if config.build_tiny_model is not None:
+        from roll_backend.models.tiny import TinyModelSpec, tokenizer_for
+
+        spec = TinyModelSpec(**{"seed": config.seed, **config.build_tiny_model})
+        return tokenizer_for(spec)
+    return None
+
+
+def check_data(config: PipelineConfig) -> PromptDataset | None:
+    """Load and check the run's prompts on the driver, before Ray or any actor starts (raises DataError)."""
+    tokenizer = driver_tokenizer(config)
+    return None if tokenizer is None else PromptDataset(config.data, tokenizer, config.seed)
+
+
+def _extra_info(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:
+    """What a reward function gets as `extra_info`: the row's other columns, then its own `extra_info` dict (as verl)."""
+    skip = {config.prompt_key, config.answer_key, DATA_SOURCE_COLUMN, EXTRA_INFO_COLUMN}
+    info = {key: value for key, value in row.items() if key not in skip}
+    if isinstance(row.get(EXTRA_INFO_COLUMN), dict):
+        info |= row[EXTRA_INFO_COLUMN]
+    return info
 
 
 def _as_prompt(text: Any, apply_chat_template: bool) -> str | list[dict[str, str]]:

@@ -87,6 +87,15 @@ def test_strategy_config_checks_report_the_value(base):
     assert "actor_train.strategy" in problem and "micro_batch_size=0 must be >= 1" in problem
 
 
+def test_mtp_settings_are_checked_before_ray(base):
+    [problem] = problems_of(base + ["actor_train.strategy.mtp_num_layers=-1"])
+    assert "actor_train.strategy" in problem and "mtp_num_layers=-1 must be an integer >= 0" in problem
+    [problem] = problems_of(base + ["actor_train.strategy.mtp_num_layers=1", "actor_train.strategy.mtp_loss_scaling_factor=-0.5"])
+    assert "mtp_loss_scaling_factor=-0.5 must be a finite number > 0 with MTP" in problem and "mtp_num_layers=0" in problem
+    # without MTP the factor is unused and not checked
+    load_config(CONFIG, base + ["actor_train.strategy.mtp_loss_scaling_factor=-0.5"])
+
+
 # ---- parallel layouts ---------------------------------------------------------------------------------
 def test_model_parallel_size_must_divide_world_size(base):
     [problem] = problems_of(base + ["actor_train.strategy.tp=2", "actor_train.world_size=3"])
@@ -107,6 +116,7 @@ def test_heads_come_from_the_model_folder_when_it_exists(base, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 6}')
+    (model / "tokenizer.json").write_text("{}")
     assert problems_of(base + [f"reference.model_path={model}", "reference.strategy.tp=4", "reference.world_size=4"]) == [
         "reference.strategy.tp=4 does not divide num_attention_heads=6; choose one of 1, 2, 3, 6",
         "reference.strategy.tp=4 does not divide num_key_value_heads=6; choose one of 1, 2, 3, 6",
@@ -118,9 +128,33 @@ def test_vllm_tensor_parallel_size_must_match_tp(base):
     assert problem == "actor_infer.strategy.tensor_parallel_size=2 differs from actor_infer.strategy.tp=1; make them equal"
 
 
-def test_cp_is_refused_by_megatron_strategies(base):
-    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.cp=2", "actor_train.world_size=2"])
-    assert problem == "actor_train.strategy: vpp and cp > 1 are not supported by the Megatron strategies yet; remove them"
+def test_cp_vpp_and_uneven_splits_load_for_megatron(base):
+    config = load_config(CONFIG, base + [
+        "actor_train.strategy.tp=1", "actor_train.strategy.cp=2", "actor_train.strategy.pp=2", "actor_train.strategy.vpp=2",
+        "actor_train.world_size=4", "build_tiny_model.num_hidden_layers=4",
+        "reference.strategy.pp=2", "reference.world_size=2", "reference.strategy.cp=1"])
+    assert config.actor_train.strategy.layout.cp == 2 and config.actor_train.strategy.layout.vpp == 2
+    uneven = load_config(CONFIG, base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.world_size=2",
+                                         "build_tiny_model.num_hidden_layers=3"])
+    assert uneven.actor_train.strategy.layout.pp == 2
+
+
+def test_impossible_pipeline_splits_are_refused(base):
+    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.strategy.vpp=2",
+                                    "actor_train.world_size=2", "build_tiny_model.num_hidden_layers=3"])
+    assert problem == ("actor_train.strategy (pp=2, vpp=2): num_hidden_layers=3 cannot be split over pp=2 stages with vpp=2: "
+                       "every stage needs at least 2 layer(s); lower pp or vpp")
+    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.world_size=2",
+                                    "build_tiny_model.num_hidden_layers=3", "actor_train.strategy.first_stage_layers=2",
+                                    "actor_train.strategy.last_stage_layers=2"])
+    assert problem == ("actor_train.strategy (pp=2, vpp=None): first_stage_layers=2 + last_stage_layers=2 = 4 differs "
+                       "from num_hidden_layers=3 at pp=2")
+
+
+def test_cp_is_refused_by_vllm(base):
+    [problem] = problems_of(base + ["actor_infer.strategy.cp=2", "actor_infer.world_size=2"])
+    assert problem == ("actor_infer.strategy: cp=2, vpp=None: only the Megatron strategies split sequences or interleave "
+                       "stages; set cp=1 and vpp=null")
 
 
 # ---- batch sizes --------------------------------------------------------------------------------------
@@ -286,3 +320,47 @@ def test_vllm_on_cpu_refuses_small_attention_heads(base):
         "actor_infer: the model's attention head size is 16, and vLLM on CPU needs at least 32; "
         "use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size=128)"
     )
+
+
+# ---- rollout correction and asynchronous generation ------------------------------------------------------
+def test_rollout_correction_is_off_by_default_and_typed(base):
+    config = load_config(CONFIG, base)
+    assert not config.algorithm.rollout_correction.enabled and not config.async_generation.enabled
+    config = load_config(CONFIG, base + ["algorithm.rollout_correction.is_level=sequence", "algorithm.rollout_correction.is_cap=3"])
+    assert config.algorithm.rollout_correction.enabled and config.algorithm.rollout_correction.is_cap == 3.0
+
+
+def test_rollout_correction_bad_values(base):
+    problems = problems_of(base + ["algorithm.rollout_correction.is_level=tok", "algorithm.rollout_correction.rejection=sequence",
+                                   "algorithm.rollout_correction.rejection_threshold=0.5"])
+    assert problems == [
+        "algorithm.rollout_correction.is_level='tok'; choose one of token, sequence or null",
+        "algorithm.rollout_correction.rejection_threshold=0.5 must be > 1 (ratios inside [1/C, C] are kept; 2.0 is usual)",
+    ]
+
+
+def test_async_generation_refuses_a_colocated_rollout(base):
+    [problem] = problems_of(base + ["async_generation.enabled=true", "actor_infer.colocate_with=reference"])
+    assert problem.startswith("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove colocate_with")
+    assert "actor_infer.colocate_with='reference'" in problem
+
+
+def test_async_generation_needs_a_positive_staleness(base):
+    [problem] = problems_of(base + ["async_generation.enabled=true", "async_generation.max_staleness=0"])
+    assert problem.startswith("async_generation.max_staleness=0: asynchronous generation is one step behind at least")
+
+
+def test_value_head_init_score_head_needs_the_critic_and_a_reward_model(base, tmp_path):
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
+
+    policy = build_tiny_model(tmp_path / "policy", TinyModelSpec())
+    reward_model = build_tiny_reward_model(tmp_path / "reward_model", TinyModelSpec())
+    ppo = ["pipeline=ppo", "algorithm.adv_estimator=gae"]
+    critic = "critic={{model_path: {}, strategy: {{name: megatron_train, value_head_init: {}}}}}"
+    problems = problems_of([*base, *ppo, critic.format(policy, "score_head"), "actor_train.strategy.value_head_init=score_head"])
+    assert any(p.startswith("critic.strategy.value_head_init=score_head: ") and "has no 'score.weight'" in p
+               and "use value_head_init=fresh" in p for p in problems), problems
+    assert any(p.startswith("actor_train.strategy.value_head_init=score_head: only the critic") for p in problems), problems
+    assert "value_head_init='trained'; choose one of fresh, score_head" in " ".join(problems_of([*base, *ppo, critic.format(policy, "trained")]))
+    config = load_config(CONFIG, [*base, *ppo, critic.format(reward_model, "score_head")])
+    assert config.critic.strategy.config.value_head_init == "score_head"

@@ -9,6 +9,7 @@ from roll_backend import keys
 from roll_backend.config.schema import DataConfig, SyntheticDataConfig
 from roll_backend.models.tiny import build_char_tokenizer
 from roll_backend.pipelines.data import PromptDataset
+from roll_backend.pipelines.data_rows import DataError
 from roll_backend.pipelines.synthetic_tasks import COPY_DIGIT_ALPHABET, generate_task
 
 
@@ -32,6 +33,18 @@ def test_jsonl_rows_become_chat_messages(tmp_path, tokenizer):
     assert len(data) == 10 and len(batch) == 3
     assert list(batch.non_tensor_batch[keys.PROMPT_TEXT]) == [[{"role": "user", "content": f"what is {i}"}] for i in range(3)]
     assert list(batch.non_tensor_batch[keys.ANSWER]) == ["0", "1", "2"]
+
+
+def test_other_columns_reach_reward_functions_as_verl_passes_them(tmp_path, tokenizer):
+    rows = [{"question": "what is 1", "solution": "1", "data_source": "gsm8k", "level": 3, "extra_info": {"index": 7}},
+            {"question": "what is 2", "solution": "2", "data_source": "math", "level": 5, "extra_info": {"index": 8}}]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    data = PromptDataset(DataConfig(train_path=path, prompt_key="question", answer_key="solution", shuffle=False), tokenizer, seed=0)
+    batch = data.batch_at(0, 2)
+    assert list(batch.non_tensor_batch[keys.DATA_SOURCE]) == ["gsm8k", "math"]
+    assert list(batch.non_tensor_batch[keys.EXTRA_INFO]) == [{"level": 3, "index": 7}, {"level": 5, "index": 8}]
+    synthetic = PromptDataset(DataConfig(synthetic=SyntheticDataConfig(num_prompts=4)), build_char_tokenizer(COPY_DIGIT_ALPHABET), seed=0)
+    assert set(synthetic.batch_at(0, 4).non_tensor_batch[keys.DATA_SOURCE]) == {"copy_digit"}
 
 
 def test_parquet_loads_the_same_rows(tmp_path, tokenizer):
@@ -91,7 +104,7 @@ def test_synthetic_copy_digit(tokenizer):
 
 
 def test_missing_file_is_a_clear_error(tmp_path, tokenizer):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist"):
         PromptDataset(DataConfig(train_path=str(tmp_path / "nope.jsonl")), tokenizer, seed=0)
 
 

@@ -1,0 +1,16 @@
+"""Errors the whole package shares. `NotRestartableError`: raise it (or a subclass) for a problem that an automatic
+restart cannot fix (bad config or data, a user function raising, a failed weight-sync probe); the restart
+supervisor (pipelines/recovery.py) then stops the run with its message instead of restarting."""
+
+from __future__ import annotations
+
+
+class NotRestartableError(RuntimeError):
+    """A run-stopping error: restarting from the last checkpoint would hit it again.
+
+    Raised on the driver or inside a rank (the rank's wrapper keeps the class, so the driver still sees it)."""
+
+
+class UserCodeError(NotRestartableError):
+    """Code the user brought (a reward function) raised, returned something that is not a reward, or ran past its
+    deadline. The message names the function, the row and the problem; the driver sees this type."""
