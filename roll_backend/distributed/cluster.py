@@ -6,17 +6,26 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from roll_backend.distributed.deadlines import Deadline, call_deadline, earliest
 from roll_backend.distributed.dispatch import DispatchError, MethodDispatch, method_dispatch
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.distributed.placement import (  # noqa: F401  (create_placement_group: part of this module's API)
+    RankPlacement,
+    create_placement_group,
+    reserve_rank_bundles,
+    shared_rank_bundles,
+)
 from roll_backend.distributed.ray_env import cpu_rank_env
-from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker import RankError, Worker
+from roll_backend.errors import NotRestartableError, UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -33,49 +42,89 @@ class RankResources:
         return self.num_gpus > 0
 
 
-def create_placement_group(num_bundles: int, cpus_per_bundle: float, gpus_per_bundle: float = 0.0, timeout_s: float = 120.0) -> PlacementGroup:
-    """Reserve `num_bundles` bundles (one per rank). Roles that share a group are colocated rank by rank."""
-    bundle = {"CPU": cpus_per_bundle} | ({"GPU": gpus_per_bundle} if gpus_per_bundle else {})
-    group = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(group)
-        raise DispatchError(
-            f"could not reserve {num_bundles} bundles of {bundle} within {timeout_s:.0f}s; "
-            f"the cluster has {ray.available_resources()} free. Lower the role's world size or resources."
-        )
-    return group
+class RankDiedError(DispatchError):
+    """A rank's actor (or its node) went away during a call."""
+
+
+class GroupTimeoutError(DispatchError):
+    """Ranks did not answer a call within its deadline."""
+
+
+class RankRaisedError(DispatchError):
+    """A rank raised; `restartable` is False when its exception was a NotRestartableError (user code, data)."""
+
+    def __init__(self, message: str, restartable: bool = True):
+        super().__init__(message)
+        self.restartable = restartable
+
+
+class GroupBrokenError(DispatchError):
+    """A call on a group that an earlier failure broke; `first_failure` is that failure."""
+
+    def __init__(self, message: str, first_failure: DispatchError):
+        super().__init__(message)
+        self.first_failure = first_failure
+        self.restartable = getattr(first_failure, "restartable", True)
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI_ESCAPE.sub("", text)
+
+
+def rank_failure_line(role: str, method_name: str, where: str, error: "ray.exceptions.RayTaskError") -> str:
+    """One readable line for a rank's exception: role, method, the rank's coordinates, the rank's own exception
+    type and message; no Ray banner or colour codes (the full remote traceback stays on the DispatchError's
+    __cause__ and in the driver's log)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, RankError):
+        type_name, message = cause.type_name, cause.message
+    elif cause is not None and not isinstance(cause, ray.exceptions.RayError):
+        type_name, message = type(cause).__name__, str(cause)
+    else:  # the cause could not be rebuilt on the driver: Ray's own summary is all there is
+        type_name, message = type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else ""
+    message = " ".join(strip_ansi(message).split())  # one line, whatever the rank's message held
+    return f"{role}.{method_name} failed on {where}: {type_name}: {message}"
 
 
 class GroupFuture:
-    """The pending result of a non-blocking group call; `get()` collects it, `wait_all` waits on many."""
+    """The pending result of a non-blocking group call; `get()` collects it, `wait_all` waits on many.
+    The call's deadline (its `timeout_s` or the enclosing deadline scope's) counts from when it was sent."""
 
-    def __init__(self, cluster: "Cluster", method_name: str, refs: list, collect):
+    def __init__(self, cluster: "Cluster", method_name: str, refs: list, collect, deadline: Deadline | None = None):
         self._cluster, self._method_name, self.refs, self._collect = cluster, method_name, refs, collect
+        self.deadline = deadline
 
     def get(self, timeout_s: float | None = None):
-        return self._collect(self._cluster._gather(self._method_name, self.refs, timeout_s))
+        """The collected result; `timeout_s` is one limit for all ranks together, counted from now."""
+        return self._get_by(earliest(self.deadline, Deadline.after(timeout_s, f"{timeout_s}s from get()")))
+
+    def _get_by(self, deadline: Deadline | None):
+        return self._collect(self._cluster._gather(self._method_name, self.refs, deadline))
 
 
 def wait_all(futures: Sequence[GroupFuture], timeout_s: float | None = None) -> list:
-    """Wait for several non-blocking group calls (of one or more clusters) and collect each."""
-    ray.wait([ref for future in futures for ref in future.refs], num_returns=sum(len(f.refs) for f in futures), timeout=timeout_s)
-    return [future.get(timeout_s) for future in futures]
+    """Collect several non-blocking group calls (of one or more clusters) within one shared deadline."""
+    shared = Deadline.after(timeout_s, f"{timeout_s}s from wait_all()")
+    return [future._get_by(earliest(future.deadline, shared)) for future in futures]
 
 
 class GroupMethod:
     """A worker method as seen from the driver: calling it splits, sends and collects per its mode;
-    `submit` always returns a GroupFuture (whatever `blocking` the method was registered with)."""
+    `submit` always returns a GroupFuture (whatever `blocking` the method was registered with).
+    Both take `timeout_s`: one deadline for the whole call (every rank), on top of any deadline scope."""
 
     def __init__(self, cluster: "Cluster", name: str, spec: MethodDispatch, method):
         self._cluster, self._name, self.spec = cluster, name, spec
         functools.update_wrapper(self, method)
 
-    def submit(self, *args, **kwargs) -> GroupFuture:
-        return self._cluster._submit(self._name, self.spec, *args, **kwargs)
+    def submit(self, *args, timeout_s: float | None = None, **kwargs) -> GroupFuture:
+        return self._cluster._submit(self._name, self.spec, args, kwargs, call_deadline(timeout_s))
 
-    def __call__(self, *args, **kwargs):
-        future = self.submit(*args, **kwargs)
+    def __call__(self, *args, timeout_s: float | None = None, **kwargs):
+        future = self.submit(*args, timeout_s=timeout_s, **kwargs)
         return future.get() if self.spec.blocking else future
 
 
@@ -83,7 +132,14 @@ class Cluster:
     """An actor group for one role. Each `@register`-ed method of `worker_cls` becomes a method here.
 
     `placement_group`: share one with another role to colocate them (rank r of each role on bundle r);
-    by default the cluster reserves its own.
+    by default the cluster reserves its own, one per TP x CP block so such a block never spans two nodes.
+
+    Health: once a rank died, missed a call's deadline, or raised while other ranks of the call were still
+    busy (possibly waiting for it in a collective), the group is broken: its actors are killed (gloo cannot be
+    aborted reliably; killing frees the waiting ranks) and every later call fails at once, naming that first
+    failure. Build a new Cluster to go on. `settle_s`: how long the other ranks of a call get to finish after
+    one rank raised before the group counts as broken.
+    `fault`: fault injection for tests (distributed/faults.py); None reads ROLL_BACKEND_INJECT_FAULT.
     """
 
     def __init__(
@@ -96,13 +152,18 @@ class Cluster:
         placement_group: PlacementGroup | None = None,
         worker_config: Any = None,
         start_timeout_s: float = 300.0,
+        settle_s: float = 10.0,
+        fault: str | None = None,
     ):
         layout.dp_size(world_size)  # an impossible layout fails before any actor starts
         self.role, self.world_size, self.layout = role, world_size, layout
-        self._owns_placement_group = placement_group is None
-        self.placement_group = placement_group or create_placement_group(world_size, resources.num_cpus, resources.num_gpus)
-        if self.placement_group.bundle_count < world_size:
-            raise DispatchError(f"{role}: placement group has {self.placement_group.bundle_count} bundles, world_size={world_size} needs one per rank")
+        self.settle_s = settle_s
+        self.broken: DispatchError | None = None
+        self.coords: list[RankCoords] = []
+        block = layout.tp * layout.cp
+        self._bundles: RankPlacement = (
+            reserve_rank_bundles(world_size, block, resources.num_cpus, resources.num_gpus) if placement_group is None
+            else shared_rank_bundles(placement_group, world_size, block, role))
         actor_cls = ray.remote(worker_cls)
         rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray
         self.workers = [
@@ -110,14 +171,15 @@ class Cluster:
                 num_cpus=resources.num_cpus,
                 num_gpus=resources.num_gpus,
                 runtime_env={"env_vars": rank_env} if rank_env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
-            ).remote(role, rank, world_size, layout, resources.use_gpu, worker_config)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(*self._bundles.bundles[rank]),
+            ).remote(role, rank, world_size, layout, resources.use_gpu, worker_config, fault)
             for rank in range(world_size)
         ]
         try:
-            master_addr, master_port = self._gather("rendezvous_address", [self.workers[0].rendezvous_address.remote()], start_timeout_s)[0]
-            self.coords: list[RankCoords] = self._gather(
-                "init_distributed", [w.init_distributed.remote(master_addr, master_port) for w in self.workers], start_timeout_s
+            started = earliest(call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)"))
+            master_addr, master_port = self._gather("rendezvous_address", [self.workers[0].rendezvous_address.remote()], started)[0]
+            self.coords = self._gather(
+                "init_distributed", [w.init_distributed.remote(master_addr, master_port) for w in self.workers], started
             )
         except Exception:
             self.shutdown()
@@ -130,7 +192,8 @@ class Cluster:
             if spec is not None:
                 setattr(self, name, GroupMethod(self, name, spec, method))
 
-    def _submit(self, method_name: str, spec: MethodDispatch, *args, **kwargs) -> GroupFuture:
+    def _submit(self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict, deadline: Deadline | None) -> GroupFuture:
+        self._check_usable(method_name)
         try:
             split = spec.mode.split(self.coords, args, kwargs)
         except DispatchError:
@@ -142,36 +205,82 @@ class Cluster:
             for worker, (rank_args, rank_kwargs) in zip(self.workers, split.per_rank)
         ]
         collect = functools.partial(spec.mode.collect, self.coords, context=split.context)
-        return GroupFuture(self, method_name, refs, collect)
+        return GroupFuture(self, method_name, refs, collect, deadline)
 
-    def _gather(self, method_name: str, refs: list, timeout_s: float | None = None) -> list:
-        """Results of every rank; the first error (or dead actor) fails the call at once, with its rank."""
+    def _check_usable(self, method_name: str) -> None:
+        if self.broken is not None:
+            raise GroupBrokenError(
+                f"{self.role}.{method_name}: the group is broken since an earlier call failed ({self.broken}); "
+                f"its ranks were stopped. Shut it down and build it again", self.broken)
+
+    def _ranks(self, ranks: Sequence[int]) -> str:
+        """Ranks with their parallel coordinates when known: `[rank 1/4, dp=0 tp=1 pp=0 cp=0]`."""
+        def one(rank: int) -> str:
+            return f"[{self.coords[rank].describe() if rank < len(self.coords) else f'rank {rank}/{self.world_size}'}]"
+        return " ".join(one(rank) for rank in ranks)
+
+    def _gather(self, method_name: str, refs: list, deadline: Deadline | None = None) -> list:
+        """Results of every rank. A dead rank, a missed deadline or a rank's exception fails the call at once
+        with the ranks involved; the first two (and an exception that leaves others busy) break the group."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            wait_s = None if deadline is None else deadline.remaining()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
-                raise DispatchError(f"{self.role}.{method_name}: no result from ranks {[rank_of[r] for r in pending]} within {timeout_s}s")
+                self._break(GroupTimeoutError(
+                    f"{self.role}.{method_name}: no answer from {self._ranks(sorted(rank_of[r] for r in pending))} "
+                    f"within {deadline.describe()}"))
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayTaskError as exc:
-                raise DispatchError(f"{self.role}.{method_name} failed on rank {rank_of[ready[0]]}: {exc}") from exc
+                if isinstance(exc.cause, UserCodeError):  # the user's code failed, not the group: say only that
+                    raise UserCodeError(f"{self.role}.{method_name}: {exc.cause}") from exc
+                rank = rank_of[ready[0]]
+                logger.error("%s.%s failed on rank %d; the rank's traceback:\n%s", self.role, method_name, rank, strip_ansi(str(exc)))
+                coords = getattr(self, "coords", None)  # unset while init_distributed itself runs
+                where = coords[rank].describe() if coords else f"rank {rank}/{len(refs)}"
+                failure = RankRaisedError(rank_failure_line(self.role, method_name, where, exc),
+                                          restartable=not isinstance(exc, NotRestartableError))
+                if pending and not self._others_finish(pending, deadline):
+                    self._break(failure, cause=exc)
+                raise failure from exc
             except ray.exceptions.RayActorError as exc:
-                raise DispatchError(
-                    f"{self.role}.{method_name}: the actor of rank {rank_of[ready[0]]} died ({type(exc).__name__}); "
-                    f"shut the group down and build it again"
-                ) from exc
+                self._break(RankDiedError(
+                    f"{self.role}.{method_name}: the actor of {self._ranks([rank_of[ready[0]]])} died "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"), cause=exc)
         return ray.get(refs)
+
+    def _others_finish(self, pending: list, deadline: Deadline | None) -> bool:
+        """After one rank raised: do the others of the call finish (return or raise) within `settle_s`?
+        If not, they are likely waiting for the failed rank in a collective."""
+        settle_s = self.settle_s if deadline is None else min(self.settle_s, deadline.remaining())
+        _, still_pending = ray.wait(pending, num_returns=len(pending), timeout=settle_s)
+        return not still_pending
+
+    def _break(self, failure: DispatchError, cause: BaseException | None = None):
+        """Mark the group broken, stop its ranks, raise `failure`."""
+        self.broken = failure
+        logger.error("%s group broken: %s; stopping its %d ranks", self.role, failure, len(self.workers))
+        self._kill_workers()
+        raise failure from cause
 
     def execute_all(self, method_name: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Call a plain (unregistered) Worker method on every rank with the same arguments."""
-        return self._gather(method_name, [getattr(w, method_name).remote(*args, **kwargs) for w in self.workers], timeout_s)
+        self._check_usable(method_name)
+        deadline = call_deadline(timeout_s)
+        return self._gather(method_name, [getattr(w, method_name).remote(*args, **kwargs) for w in self.workers], deadline)
+
+    def _kill_workers(self) -> None:
+        for worker in getattr(self, "workers", []):
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as exc:  # an actor of a removed node may be unreachable: nothing left to stop
+                logger.warning("%s: could not kill an actor: %s", self.role, exc)
+        self.workers = []
 
     def shutdown(self) -> None:
-        """Kill every rank's actor and release the placement group if this cluster reserved it."""
-        for worker in getattr(self, "workers", []):
-            ray.kill(worker, no_restart=True)
-        self.workers = []
-        if self._owns_placement_group and getattr(self, "placement_group", None) is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+        """Kill every rank's actor and release the placement groups this cluster reserved."""
+        self._kill_workers()
+        if getattr(self, "_bundles", None) is not None:
+            self._bundles.release()

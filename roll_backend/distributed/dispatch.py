@@ -19,7 +19,9 @@ from roll_backend.protocol import DataProto, pad_dataproto_to_divisor, unpad_dat
 
 
 class DispatchError(RuntimeError):
-    """A group call failed: bad arguments for the mode, or an error on a rank (its coordinates included)."""
+    """A group call failed: bad arguments for the mode, or an error on a rank. For a rank's error the message is
+    one line, "ROLE.METHOD failed on rank R/W, dp= tp= pp= cp=: TYPE: MESSAGE", and the remote traceback is
+    the exception's __cause__ (and in the driver's log)."""
 
 
 @dataclass(frozen=True)

@@ -10,29 +10,52 @@ from typing import Any
 
 from roll_backend.distributed import parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_dataproto, check_columns, column_names
-from roll_backend.distributed.dispatch import DispatchMode
+from roll_backend.distributed.dispatch import Dispatch, DispatchMode, register
+from roll_backend.distributed.faults import FaultTrigger, fault_for_rank
+from roll_backend.distributed.orphans import kill_children_with_this_process
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.errors import NotRestartableError, UserCodeError
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
 
 class RankError(RuntimeError):
-    """An exception raised inside a rank, re-raised with the rank's role and coordinates in front."""
+    """An exception raised inside a rank, re-raised with the rank's role and coordinates in front.
+
+    Keeps the parts apart (where, the original exception's type name and message) so the driver can write
+    one readable line without parsing Ray's text; they survive pickling across Ray.
+    """
+
+    def __init__(self, where: str, type_name: str, message: str):
+        super().__init__(f"[{where}] {type_name}: {message}")
+        self.where, self.type_name, self.message = where, type_name, message
+
+    def __reduce__(self):
+        return type(self), (self.where, self.type_name, self.message)
+
+
+class NotRestartableRankError(RankError, NotRestartableError):
+    """A rank raised a NotRestartableError (e.g. a user reward function failed): the run stops, no restart."""
 
 
 class Worker:
     """Base class of role actors (actor, critic, reference, reward, rollout)."""
 
-    def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None):
+    def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None,
+                 fault: str | None = None):
         self.role = role
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
         self.config = config
+        self._watchdog = kill_children_with_this_process()  # before anything here starts a child process
         self.device = parallel.pick_device(use_gpu)
         self.coords: RankCoords | None = None
         self.last_broadcast_seconds = 0.0  # the in-actor broadcast of the last DP_MP_DISPATCH_FIRST call
+        # Fault injection (tests only): `fault` from the run config, else the environment variable (faults.py).
+        spec = fault_for_rank(fault, role, rank)
+        self._fault = FaultTrigger(spec) if spec is not None else None
 
     # ---- set-up, called by the Cluster ---------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -51,6 +74,19 @@ class Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def process_group_pids(self) -> list[int]:
+        """The processes of this rank's process group: itself, its watchdog, its children (for orphan tests)."""
+        import psutil
+
+        pgid = os.getpgid(0)
+        return sorted(p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid)
+    @register(Dispatch.ONE_TO_ALL)
+    def measure_gemm_tflops(self, dtype: str, shapes: list[tuple[int, int, int]], seconds: float) -> float:
+        """This rank's matmul TFLOP/s in `dtype` on its device (with its own thread count): the MFU peak."""
+        from roll_backend.perf.peak import measure_gemm_tflops
+
+        return measure_gemm_tflops(dtype, self.device, shapes, seconds)
+
     # ---- what a role may override ---------------------------------------------------------------------
     def stage_columns(self, method_name: str) -> StageColumns | None:
         """Columns each pipeline stage needs for `method_name`; checked on every rank after the broadcast."""
@@ -58,21 +94,33 @@ class Worker:
 
     # ---- running a registered method ------------------------------------------------------------------
     @property
-    def rank_tag(self) -> str:
+    def rank_where(self) -> str:
+        """The role and this rank's coordinates, e.g. "actor rank 2/4, dp=0 tp=0 pp=1 cp=0"."""
         where = self.coords.describe() if self.coords else f"rank {self.rank}/{self.world_size}"
-        return f"[{self.role} {where}]"
+        return f"{self.role} {where}"
+
+    @property
+    def rank_tag(self) -> str:
+        return f"[{self.rank_where}]"
 
     def run_registered(self, method, mode: DispatchMode, args: tuple, kwargs: dict):
         try:
+            if self._fault is not None:
+                self._fault.before_call(method.__name__, self.rank_tag)
             with parallel.device_call_context(self.device):
                 if mode.broadcast_in_actor:
                     started = time.perf_counter()
                     args, kwargs = self._receive_batches(method.__name__, args, kwargs)
                     self.last_broadcast_seconds = time.perf_counter() - started
                 return method(self, *args, **kwargs)
+        except UserCodeError as exc:
+            # Keeps its type through Ray, so the driver (and recovery) can tell user code from a broken rank.
+            raise UserCodeError(f"{self.rank_tag} {exc}") from exc
         except Exception as exc:
-            # Ray attaches the remote traceback of this exception and of its cause.
-            raise RankError(f"{self.rank_tag} {type(exc).__name__}: {exc}") from exc
+            # Ray attaches the remote traceback of this exception and of its cause; the class tells the driver
+            # whether a restart could help.
+            error_cls = NotRestartableRankError if isinstance(exc, NotRestartableError) else RankError
+            raise error_cls(self.rank_where, type(exc).__name__, str(exc)) from exc
 
     def _receive_batches(self, method_name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The in-actor broadcast: every DataProto argument goes over TPxCP (on pp0), then over PP."""
@@ -99,3 +147,10 @@ class Worker:
             last = i == len(hops) - 1
             batch = broadcast_dataproto(batch, group, dist.get_global_rank(group, 0), required if last else None, self.rank_tag)
         return batch
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:  # exited meanwhile
+        return None

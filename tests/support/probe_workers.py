@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import ray
@@ -85,6 +86,12 @@ class ProbeWorker(Worker):
             raise ValueError(f"deliberate failure on pp={pp}")
         return self.rank
 
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on_rank(self, rank: int, message: str) -> int:
+        if self.rank == rank:
+            raise RuntimeError(message)
+        return self.rank
+
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def block_in_collective(self, victim_rank: int) -> None:
         """The victim waits on an event nobody sets (the test kills it); the others wait in a barrier."""
@@ -96,4 +103,29 @@ class ProbeWorker(Worker):
     def placement(self) -> dict:
         """The placement group this actor's resources come from, and how much it holds."""
         context = ray.get_runtime_context()
-        return {"group": context.get_placement_group_id(), "resources": context.get_assigned_resources()}
+        return {"group": context.get_placement_group_id(), "resources": context.get_assigned_resources(),
+                "node": context.get_node_id()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def answer_after(self, seconds_per_rank: float) -> int:
+        """Rank r answers after (r + 1) * seconds_per_rank: a slow group, for deadlines."""
+        threading.Event().wait(timeout=(self.rank + 1) * seconds_per_rank)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def raise_before_collective(self, victim_rank: int) -> None:
+        """The victim raises; the others then wait for it in a barrier that never completes."""
+        if self.rank == victim_rank:
+            raise ValueError(f"deliberate failure before a collective on rank {victim_rank}")
+        dist.barrier()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def start_child_processes(self) -> list[int]:
+        """A spawn child and multiprocessing's resource tracker, like torch/vLLM start; returns the group's pids."""
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._lock = context.Lock()  # a semaphore: starts the resource tracker
+        self._child = context.Process(target=time.sleep, args=(3600,), daemon=False)
+        self._child.start()
+        return self.process_group_pids()

@@ -60,10 +60,20 @@ def test_exception_on_pp1_reports_that_rank(make_group):
     with pytest.raises(DispatchError) as info:
         group.fail_on_pp(1)
     message = str(info.value)
-    assert "deliberate failure on pp=1" in message
-    assert "[test rank 2/4, dp=0 tp=0 pp=1 cp=0]" in message or "[test rank 3/4, dp=0 tp=1 pp=1 cp=0]" in message
-    assert 'probe_workers.py", line' in message  # the remote traceback comes along
+    # One readable line: role, method, the failing rank's coordinates, the rank's own exception type and message.
+    assert message in (
+        "test.fail_on_pp failed on rank 2/4, dp=0 tp=0 pp=1 cp=0: ValueError: deliberate failure on pp=1",
+        "test.fail_on_pp failed on rank 3/4, dp=0 tp=1 pp=1 cp=0: ValueError: deliberate failure on pp=1",
+    )
+    assert "\x1b[" not in message and "ray::" not in message  # no colour codes, no Ray banner
+    assert 'probe_workers.py", line' in str(info.value.__cause__)  # the remote traceback stays as the cause
     assert group.fail_on_pp(7) == [0, 1, 2, 3]  # the group is still usable
+    # A coloured, multi-line message from the rank still gives one plain line.
+    with pytest.raises(DispatchError) as info:
+        group.fail_on_rank(0, "\x1b[31mout of memory\x1b[0m\n  while building stage 0")
+    assert str(info.value) == (
+        "test.fail_on_rank failed on rank 0/4, dp=0 tp=0 pp=0 cp=0: RuntimeError: out of memory while building stage 0"
+    )
 
 
 def test_dp_compute_at_tp2_dp2_splits_by_dp_and_collects_in_order(make_group):

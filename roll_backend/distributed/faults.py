@@ -1,0 +1,81 @@
+"""Fault injection for recovery tests, off by default: kill, hang or raise in one rank of one role at the k-th
+call of a phase's method. Given as `fault_tolerance.inject` in the run config or in the ROLL_BACKEND_INJECT_FAULT
+environment variable, both as `action:role:rank:phase:step`, e.g. `kill:actor_train:1:train:3`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+FAULT_ENV = "ROLL_BACKEND_INJECT_FAULT"
+FAULTS_OFF = "off"  # passed to a group explicitly: ignore the environment variable too (a restarted run)
+ACTIONS = ("kill", "hang", "raise")
+# The worker methods each phase runs; "step k" is the k-th call of one of them on that rank since it started
+# (one call per step for generate/reward/weight_sync, and for train when a step is one mini-batch).
+PHASE_METHODS = {
+    "generate": ("generate",),
+    "reward": ("compute_rewards",),
+    "log_probs": ("compute_log_probs", "compute_values"),
+    "train": ("train_step",),
+    "weight_sync": ("load_weight_buckets",),
+    "checkpoint": ("save_checkpoint",),
+}
+
+
+class InjectedFault(RuntimeError):
+    """The `raise` action of fault injection."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    action: str
+    role: str
+    rank: int
+    phase: str
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec":
+        """`action:role:rank:phase:step`; raises ValueError saying which part is wrong."""
+        parts = text.split(":")
+        example = "e.g. kill:actor_train:1:train:3"
+        if len(parts) != 5:
+            raise ValueError(f"fault injection {text!r} needs 5 parts action:role:rank:phase:step ({example})")
+        action, role, rank, phase, step = parts
+        if action not in ACTIONS:
+            raise ValueError(f"fault injection {text!r}: action {action!r} is not one of {', '.join(ACTIONS)}")
+        if phase not in PHASE_METHODS:
+            raise ValueError(f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(PHASE_METHODS)}")
+        if not (rank.isdigit() and step.isdigit() and int(step) >= 1):
+            raise ValueError(f"fault injection {text!r}: rank and step must be whole numbers, step >= 1 ({example})")
+        return cls(action, role, int(rank), phase, int(step))
+
+
+def fault_for_rank(setting: str | None, role: str, rank: int) -> FaultSpec | None:
+    """The fault this rank must inject: from `setting` (FAULTS_OFF disables), else from the environment."""
+    text = os.environ.get(FAULT_ENV) if setting is None else setting
+    if not text or text == FAULTS_OFF:
+        return None
+    spec = FaultSpec.parse(text)
+    return spec if (spec.role, spec.rank) == (role, rank) else None
+
+
+class FaultTrigger:
+    """Counts a rank's calls of the fault's phase methods and acts at the k-th."""
+
+    def __init__(self, spec: FaultSpec):
+        self.spec, self.calls = spec, 0
+
+    def before_call(self, method_name: str, rank_tag: str) -> None:
+        if method_name not in PHASE_METHODS[self.spec.phase]:
+            return
+        self.calls += 1
+        if self.calls != self.spec.step:
+            return
+        if self.spec.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.spec.action == "hang":
+            threading.Event().wait()  # never set: the rank stops answering, like a stuck collective
+        raise InjectedFault(f"{rank_tag} injected fault in {self.spec.phase} at call {self.calls} ({FAULT_ENV} / fault_tolerance.inject)")

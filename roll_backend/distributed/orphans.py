@@ -1,0 +1,63 @@
+"""No orphans: a process's children die with it, however it ends (SIGKILL included). Used by every rank (for
+multiprocessing's resource tracker and the spawn/fork children of torch, Megatron or vLLM) and by the CLI driver
+(for Ray's own node processes: the dashboard and runtime-env agents outlive a SIGKILLed driver otherwise).
+
+How: a tiny watchdog child notes the process's descendants every POLL_S seconds; once the process is gone (the
+watchdog's parent changes) it kills them, and with `own_group` the whole process group the process leads (so
+children started after the last look go too)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0  # bounds how long descendants outlive the process
+WATCHDOG = """
+import os, signal, sys, time
+import psutil
+parent, own_group, me = int(sys.argv[1]), sys.argv[2] == "1", os.getpid()
+seen = {}
+def note_descendants():
+    try:
+        for child in psutil.Process(parent).children(recursive=True):
+            if child.pid != me:
+                seen[child.pid] = child.create_time()
+    except psutil.Error:
+        pass
+while os.getppid() == parent:
+    note_descendants()
+    time.sleep(%s)
+for pid, started in seen.items():
+    try:
+        child = psutil.Process(pid)
+        if child.create_time() != started:
+            continue  # the pid was reused
+        if os.getpgid(pid) == pid and pid != parent:
+            os.killpg(pid, signal.SIGKILL)  # a group leader (a rank, a Ray process): its whole group
+        else:
+            child.kill()
+    except (psutil.Error, OSError):
+        pass
+if own_group and os.getpgid(0) == parent:
+    os.killpg(parent, signal.SIGKILL)
+""" % POLL_S
+
+
+def kill_children_with_this_process(own_group: bool = True) -> subprocess.Popen | None:
+    """Start the watchdog for this process (Linux/macOS); returns it, or None where it cannot work.
+    `own_group`: first make this process a process-group leader (ranks; not the driver, whose group may hold
+    the user's shell pipeline) and kill that group too."""
+    if not hasattr(os, "setpgid"):
+        return None
+    if own_group:
+        try:
+            if os.getpgid(0) != os.getpid():
+                os.setpgid(0, 0)
+        except OSError as exc:  # e.g. a session leader already: its children are still noted and killed
+            logger.warning("cannot give pid %d its own process group (%s)", os.getpid(), exc)
+    return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), "1" if own_group else "0"],
+                            stdin=subprocess.DEVNULL, close_fds=True)
