@@ -1,4 +1,4 @@
-"""`MegatronInferStrategy`: forward-only megatron-core (TP/PP) for reference log-probs and critic values."""
+"""`MegatronInferStrategy`: forward-only megatron-core (TP/PP/CP, interleaved PP) for reference log-probs and critic values."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class MegatronInferStrategy(InferStrategy):
         self.model = None
 
     def initialize(self) -> None:
-        self.model, self.arch, self.hf_config = common.build_model_chunk(self.config, self.layout, self.device, self.config.test_swap_gate_up)
+        # One model chunk per virtual pipeline stage (a single one without vpp).
+        self.model, self.arch, self.hf_config = common.build_model_chunks(self.config, self.layout, self.device, self.config.test_swap_gate_up)
         self.capture = common.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
 
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:

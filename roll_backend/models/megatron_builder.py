@@ -1,7 +1,8 @@
-"""Build a megatron-core GPTModel (one pipeline stage) from a Hugging Face Qwen2/Llama-family config.
+"""Build a megatron-core GPTModel (one pipeline stage) from a Hugging Face Qwen2/Qwen3/Llama-family config.
 
-Covers GQA, RoPE, SwiGLU, RMSNorm, optional qkv bias, tied or untied embeddings, multi-token prediction
-(MTP) layers and a scalar value head for critics. Call after Megatron's parallel state is initialised.
+Covers GQA, RoPE, SwiGLU, RMSNorm, optional qkv bias, Qwen3's q/k RMSNorm, tied or untied embeddings,
+mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: see models/moe.py), multi-token prediction (MTP) layers and a
+scalar value head for critics. Call after Megatron's parallel state is initialised.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from roll_backend.models import moe as moe_lib
+from roll_backend.models.moe import MoEArch
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k, before RoPE
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class HFArch:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qk_norm: bool = False
+    moe: MoEArch | None = None  # routed experts in every layer (None: dense MLPs)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "HFArch":
@@ -48,7 +55,7 @@ class HFArch:
             raise ValueError(f"rope_type={rope_params['rope_type']!r} is not supported; only the default RoPE is.")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        qkv_bias = True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = True if model_type == "qwen2" else bool(getattr(hf_config, "qkv_bias", getattr(hf_config, "attention_bias", False)))
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -63,21 +70,28 @@ class HFArch:
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=hf_config.max_position_embeddings,
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            moe=MoEArch.from_hf_config(hf_config),
         )
 
     def padded_vocab_size(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of TP (VocabParallelEmbedding splits it evenly)."""
         return -(-self.vocab_size // tp) * tp
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        problems = []
+    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None, vpp: int | None = None,
+                     first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+        from roll_backend.strategies.megatron_config import stage_split_problem
+
+        # ep/etp only shape MoE layers: a dense model in an expert-parallel group ignores them.
+        problems = self.moe.layout_problems(tp, ep, tp if etp is None else etp) if self.moe else []
         if self.num_kv_heads % tp:
             divisors = [d for d in range(1, self.num_kv_heads + 1) if self.num_kv_heads % d == 0]
             problems.append(f"tp={tp} does not divide num_key_value_heads={self.num_kv_heads}; choose one of {divisors}")
-        if self.ffn_hidden_size % tp:
+        if self.ffn_hidden_size % tp and self.moe is None:
             problems.append(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
-        if self.num_layers % pp:
-            problems.append(f"pp={pp} does not divide num_hidden_layers={self.num_layers}")
+        split_problem = stage_split_problem(self.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
+        if split_problem:
+            problems.append(split_problem)
         if problems:
             raise ValueError("; ".join(problems) + ".")
 
@@ -88,6 +102,13 @@ class ModelBuildOptions:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (MoE models)
+    etp: int | None = None  # expert tensor parallel; None = tp, as in megatron-core
+    device: str = "cpu"  # picks the MoE token dispatcher
+    cp: int = 1
+    vpp: int | None = None  # virtual pipeline stages (model chunks) per rank
+    first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage (uneven splits)
+    last_stage_layers: int | None = None  # Megatron's num_layers_in_last_pipeline_stage
     params_dtype: torch.dtype = torch.float32
     use_cpu_initialization: bool = True
     mtp_num_layers: int = 0
@@ -103,7 +124,12 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
     from megatron.core.transformer import TransformerConfig
 
     fp = options.params_dtype
-    return TransformerConfig(
+    moe_kwargs = {}
+    if arch.moe is not None:
+        moe_lib.allow_router_without_transformer_engine()
+        etp = options.tp if options.etp is None else options.etp
+        moe_kwargs = moe_lib.transformer_config_kwargs(arch.moe, options.tp, options.ep, etp, options.device)
+    kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -121,6 +147,13 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
         init_method_std=options.init_method_std,
         tensor_model_parallel_size=options.tp,
         pipeline_model_parallel_size=options.pp,
+        virtual_pipeline_model_parallel_size=options.vpp,
+        num_layers_in_first_pipeline_stage=options.first_stage_layers,
+        num_layers_in_last_pipeline_stage=options.last_stage_layers,
+        context_parallel_size=options.cp,
+        # Batched p2p with interleaved stages gives silently wrong gradients on gloo (STACK.md); separate
+        # send/recv is exact everywhere.
+        batch_p2p_comm=options.vpp is None,
         sequence_parallel=False,  # torch norms refuse it on CPU; keep one code path
         params_dtype=fp,
         pipeline_dtype=fp,
@@ -140,7 +173,10 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
         recompute_granularity="full" if options.recompute_activations else None,
         recompute_method="uniform" if options.recompute_activations else None,
         recompute_num_layers=1 if options.recompute_activations else None,
+        qk_layernorm=arch.qk_norm,
     )
+    kwargs.update(moe_kwargs)
+    return TransformerConfig(**kwargs)
 
 
 class ValueHead(torch.nn.Module):
@@ -170,6 +206,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Under sequence parallelism each TP rank normalises its slice of the sequence: finalize_model_grads sums
+        # the weight's gradient over TP for parameters marked like this (as Megatron's own norms mark theirs).
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = hidden_states.float()
@@ -178,18 +217,27 @@ class RMSNorm(torch.nn.Module):
 
 
 def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None):
-    """The decoder's spec: TransformerEngine's layers, or Megatron's local layers with `RMSNorm` as every norm."""
+    """The decoder's spec: TransformerEngine's layers (TE does CP itself), or Megatron's local layers with
+    `RMSNorm` as every norm and, under CP, the CP-capable core attention of strategies/megatron_cp.py."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    layer = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(**moe)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:
+        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    if config.context_parallel_size > 1:
+        from roll_backend.strategies.megatron_cp import context_parallel_attention_class
+
+        layer.submodules.self_attention.submodules.core_attention = context_parallel_attention_class()
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage), layer_norm=RMSNorm)
 
 
@@ -199,9 +247,12 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    arch.check_layout(options.tp, options.pp)
+    arch.check_layout(options.tp, options.pp, options.ep, options.etp, options.vpp, options.first_stage_layers,
+                      options.last_stage_layers)
     if options.value_head and options.mtp_num_layers:
         raise ValueError("a critic (value_head=True) cannot use MTP; set mtp_num_layers=0.")
+    if options.value_head and arch.moe is not None and options.tp > 1:
+        raise ValueError(f"a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); got tp={options.tp}.")
     config = transformer_config(arch, options)
     spec = layer_spec(config, options.use_transformer_engine, vp_stage)
     pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -223,6 +274,12 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
         mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
+    if options.mtp_num_layers:
+        from roll_backend.models.mtp import drop_unused_output_weight
+
+        drop_unused_output_weight(model)
     if options.value_head and post_process:
         model.output_layer = ValueHead(arch.hidden_size, options.params_dtype, options.init_method_std)
+    if arch.moe is not None:
+        moe_lib.mark_expert_params(model)
     return model

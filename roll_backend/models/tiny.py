@@ -1,4 +1,5 @@
-"""Build a tiny random Qwen2-style model and a locally trained tokenizer: no model hub needed."""
+"""Build a tiny random Qwen-family model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) and a locally trained tokenizer:
+no model hub needed."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ CHAT_TEMPLATE = (
 )
 
 
+MODEL_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny Qwen2-style model (GQA, RoPE, SwiGLU, RMSNorm, qkv bias)."""
+    """Shape of a tiny Qwen-family model (GQA, RoPE, SwiGLU, RMSNorm).
+
+    `family`: "qwen2" (qkv bias), "qwen3" (q/k RMSNorm, no bias), "qwen2_moe" (qkv bias, routed experts plus a
+    gated shared expert), "qwen3_moe" (q/k RMSNorm, top-k routing with `norm_topk_prob`, no shared expert).
+    The expert fields apply to the MoE families only.
+    """
 
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -40,6 +49,17 @@ class TinyModelSpec:
     # token often enough for RL to find it (the demo's choice).
     tokenizer: str = "bpe"
     char_alphabet: str = DEFAULT_CHAR_ALPHABET
+    family: str = "qwen2"
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 64  # qwen2_moe only
+    router_aux_loss_coef: float = 0.01
+
+    def __post_init__(self):
+        if self.family not in MODEL_FAMILIES:
+            raise ValueError(f"TinyModelSpec.family={self.family!r} is unknown; choose one of {', '.join(MODEL_FAMILIES)}.")
 
 
 def default_corpus() -> list[str]:
@@ -133,13 +153,11 @@ def tokenizer_for(spec: TinyModelSpec, corpus: list[str] | None = None):
     raise ValueError(f"TinyModelSpec.tokenizer={spec.tokenizer!r} is unknown; choose 'bpe' or 'char'.")
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None) -> Path:
-    """Write a random-init Qwen2ForCausalLM (float32, safetensors) and its tokenizer to `out_dir`."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _hf_config(spec: TinyModelSpec, tokenizer):
+    """The transformers config of `spec` for its family (float32, default RoPE)."""
+    from transformers import AutoConfig
 
-    out_dir = Path(out_dir)
-    tokenizer = tokenizer_for(spec, corpus)
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -155,11 +173,62 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if spec.family != "qwen2":
+        common["head_dim"] = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    if spec.family.endswith("_moe"):
+        common.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            router_aux_loss_coef=spec.router_aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=spec.family == "qwen3_moe",
+        )
+    if spec.family == "qwen2_moe":
+        common["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    return AutoConfig.for_model(spec.family, **common)
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None) -> Path:
+    """Write a random-init model of `spec.family` (float32, safetensors) and its tokenizer to `out_dir`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    tokenizer = tokenizer_for(spec, corpus)
+    config = _hf_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
     )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_reward_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), model_type: str = "qwen2") -> Path:
+    """Write a random-init Qwen2ForSequenceClassification or LlamaForSequenceClassification with one label (a
+    scalar reward: the shape of a trained reward model, score head included) and its tokenizer to `out_dir`."""
+    import dataclasses
+
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    if model_type not in ("qwen2", "llama"):
+        raise ValueError(f"model_type={model_type!r}; choose qwen2 or llama")
+    tokenizer = tokenizer_for(spec)
+    config = _hf_config(dataclasses.replace(spec, family="qwen2"), tokenizer)
+    if model_type == "llama":  # the same shape without qkv bias
+        shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps",
+                  "bos_token_id", "eos_token_id", "pad_token_id")
+        config = LlamaConfig(**{key: getattr(config, key) for key in shared}, torch_dtype="float32")
+    config.num_labels = 1
+    torch.manual_seed(spec.seed)
+    model = AutoModelForSequenceClassification.from_config(config).to(torch.float32)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # scores of order 1, not the init's ~0.02
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

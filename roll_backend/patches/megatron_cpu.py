@@ -29,7 +29,7 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites `device="cuda"` to cpu, makes `.cuda()` a no-op, and reports CPU float tensors as cuda types.
+    """Rewrites `device="cuda"` to cpu, drops `pin_memory=True`, makes `.cuda()` a no-op, and reports CPU float tensors as cuda types.
 
     Megatron hard-codes `device="cuda"` (schedules' token counts, the causal mask, grad clipping) and checks
     `param.type() == "torch.cuda.FloatTensor"` (distributed optimizer, grad clipping).
@@ -39,6 +39,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # RoPE's CP slicing pins its index tensor; CPU torch has no pinned allocator
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

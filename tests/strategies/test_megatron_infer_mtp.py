@@ -88,3 +88,28 @@ def test_critic_values_and_train_step(make_group, model_dir, batch_tensors):
     tensors = dict(batch_tensors, **{keys.VALUES: values, keys.RETURNS: torch.ones_like(values)})
     losses = [group.train_step(DataProto.from_dict(tensors=tensors))[0]["vf_loss"] for _ in range(3)]
     assert losses[-1] < losses[0], losses
+
+
+def test_token_budget_with_mtp_at_pp2_and_packing_with_the_value_head(make_group, model_dir, batch_tensors):
+    """The groups above again (same keys): budget micro-batches under MTP at PP2 (variable shapes between stages)
+    give the fixed micro-batches' log-probs and a finite MTP loss; the critic's values agree in all three modes."""
+    from roll_backend.strategies.micro_batching import META_MAX_TOKENS_PER_MICROBATCH, META_SEQUENCE_PACKING
+
+    budget = {META_MAX_TOKENS_PER_MICROBATCH: 16}
+    mask = batch_tensors[keys.RESPONSE_MASK]
+    config = ActorConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, mtp_num_layers=1,
+                                                      optimizer=OptimizerSettings(lr=1e-3)))
+    actor = _started(make_group(ActorWorker, 2, ParallelLayout(pp=2), role="actor_mtp", worker_config=config))
+    fixed = actor.compute_log_probs(DataProto.from_dict(tensors=batch_tensors)).batch[keys.LOG_PROBS]
+    grouped = actor.compute_log_probs(DataProto.from_dict(tensors=batch_tensors, meta_info=budget)).batch[keys.LOG_PROBS]
+    assert max_masked_diff(grouped, fixed, mask) < TOL
+    metrics = actor.train_step(DataProto.from_dict(tensors=batch_tensors, meta_info=budget))[0]
+    assert math.isfinite(metrics["mtp_loss"]) and metrics["mtp_loss"] > 0
+
+    config = CriticConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
+                                                       optimizer=OptimizerSettings(lr=1e-2)))
+    critic = _started(make_group(CriticWorker, 2, ParallelLayout(tp=2), role="critic", worker_config=config))
+    values = critic.compute_values(DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
+    for meta in (budget, {**budget, META_SEQUENCE_PACKING: True}):
+        got = critic.compute_values(DataProto.from_dict(tensors=batch_tensors, meta_info=meta)).batch[keys.VALUES]
+        assert max_masked_diff(got, values, mask) < TOL, meta
