@@ -1,30 +1,49 @@
-"""The reward role for rule-based rewards: scores response text against the reference answer, in parallel over ranks."""
+"""The reward role for rule-based rewards: built-in names and user functions, weighted and summed, each rank
+scoring its share of the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from roll_backend import keys
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.rewards.registry import get_reward_fn
+from roll_backend.rewards.registry import builtin_weights, get_reward_fn
+from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, FunctionScorer, RewardFunctionSpec, RewardRows
 
 
 @dataclass(frozen=True)
 class RewardWorkerConfig:
-    """The `reward` role section: reward names (from roll_backend.rewards.registry) and their weights."""
+    """Built-in reward names (roll_backend.rewards.registry) and user functions, each with its weight.
 
-    rewards: Mapping[str, float] = field(default_factory=lambda: {"math_verify": 1.0})
+    `on_function_error`: "raise" stops the run at a user function that raises, returns a non-number or misses
+    `function_timeout_s`; "zero" scores such rows 0 and counts them in `reward/<label>/error_count`.
+    """
+
+    rewards: Mapping[str, float] | None = None  # None: {"math_verify": 1.0} without functions, else none
+    functions: Sequence[RewardFunctionSpec] = ()
+    on_function_error: str = "raise"
+    function_timeout_s: float = 60.0
 
     def __post_init__(self):
-        if not self.rewards:
-            raise ValueError("reward.rewards is empty; name at least one reward, e.g. {'math_verify': 1.0}.")
+        object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions)))
+        if not self.rewards and not self.functions:
+            raise ValueError("no rewards: name a built-in in reward.rewards (e.g. {'math_verify': 1.0}) or add reward.functions.")
         for name in self.rewards:
             get_reward_fn(name)  # an unknown name fails here, before any actor starts
+        if self.on_function_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"reward.on_function_error={self.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}")
+        if not self.function_timeout_s > 0:
+            raise ValueError(f"reward.function_timeout_s={self.function_timeout_s} must be > 0")
+        labels = [spec.label for spec in self.functions]
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        if repeated:
+            raise ValueError(f"reward.functions: {repeated} appear more than once; each function's metrics need their own name")
 
 
 def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -49,6 +68,9 @@ class RewardWorker(Worker):
             self.config = RewardWorkerConfig()
         if not isinstance(self.config, RewardWorkerConfig):
             raise TypeError(f"RewardWorker takes a RewardWorkerConfig as worker_config, got {type(self.config).__name__}")
+        # User code is loaded on the first call (in this process), so its import errors travel like its other errors.
+        self.scorers = [FunctionScorer(spec, self.config.on_function_error, self.config.function_timeout_s)
+                        for spec in self.config.functions]
 
     @register(Dispatch.DP_MP_COMPUTE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
@@ -63,13 +85,54 @@ class RewardWorker(Worker):
             name: torch.tensor([get_reward_fn(name)(str(t), str(a)) for t, a in zip(texts, answers)], dtype=torch.float32)
             for name in self.config.rewards
         }
-        scores = sum(weight * per_reward[name] for name, weight in self.config.rewards.items())  # [B]
         metrics = {f"reward/{name}_mean": _mean(values) for name, values in per_reward.items()}
+        scores = sum((weight * per_reward[name] for name, weight in self.config.rewards.items()), torch.zeros(len(batch)))
+        if self.scorers:
+            real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
+            rows = reward_rows(batch, real)
+            for scorer in self.scorers:
+                result = scorer.score(rows)
+                values = torch.zeros(len(batch))
+                values[real] = torch.from_numpy(result.scores)
+                scores = scores + scorer.spec.weight * values
+                label = scorer.spec.label
+                metrics[f"reward/{label}/mean"] = _mean(values[real])
+                metrics |= {f"reward/{label}/{key}": float(np.mean(vals)) for key, vals in result.extras.items()}
+                metrics[f"reward/{label}/error_count"] = float(result.error_count)
         metrics["reward/score_mean"] = _mean(scores)
         return DataProto.from_dict(
             tensors={keys.TOKEN_LEVEL_SCORES: last_token_scores(scores, batch.batch[keys.RESPONSE_MASK])},
             meta_info={keys.META_METRICS: metrics},
         )
+
+
+def _real_rows(batch: DataProto) -> np.ndarray:
+    """Indices of the rows that are not dispatch padding."""
+    if keys.DISPATCH_PADDING in batch.batch.keys():
+        return np.flatnonzero(~batch.batch[keys.DISPATCH_PADDING].numpy().astype(bool))
+    return np.arange(len(batch))
+
+
+def reward_rows(batch: DataProto, indices: np.ndarray) -> RewardRows:
+    """What user functions see of the given rows: prompt (for messages), response text, answer, data_source and
+    extra_info (verl's), from the batch's non-tensor columns."""
+    columns = batch.non_tensor_batch
+    picked = lambda name, default: [columns[name][i] if name in columns else default for i in indices]  # noqa: E731
+    prompts = [_prompt_text(p) for p in picked(keys.PROMPT_TEXT, "")]
+    return RewardRows(
+        prompts=prompts,
+        responses=[str(t) for t in picked(keys.RESPONSE_TEXT, "")],
+        answers=[str(a) for a in picked(keys.ANSWER, "")],
+        data_sources=[str(s) for s in picked(keys.DATA_SOURCE, "")],
+        extra_infos=[dict(e) if isinstance(e, dict) else {} for e in picked(keys.EXTRA_INFO, None)],
+    )
+
+
+def _prompt_text(prompt) -> str:
+    """Chat messages -> the last message's content; text stays text."""
+    if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return str(prompt)
 
 
 def _mean(values: torch.Tensor) -> float:

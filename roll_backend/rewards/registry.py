@@ -17,6 +17,16 @@ REWARDS: Mapping[str, RewardFn] = {
 }
 
 
+DEFAULT_REWARDS = {"math_verify": 1.0}
+
+
+def builtin_weights(rewards: Mapping[str, float] | None, has_functions: bool) -> dict[str, float]:
+    """The built-in rewards a reward section asks for: as given, else math_verify alone unless user functions are set."""
+    if rewards is not None:
+        return dict(rewards)
+    return {} if has_functions else dict(DEFAULT_REWARDS)
+
+
 def get_reward_fn(name: str) -> RewardFn:
     try:
         return REWARDS[name]

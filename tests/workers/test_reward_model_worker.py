@@ -1,5 +1,6 @@
-"""RewardModelWorker (Megatron forward-only with a value head, TP2 on Ray): one score per sequence, read at the
-last response token, placed there in TOKEN_LEVEL_SCORES, and unaffected by padding."""
+"""RewardModelWorker (Megatron forward-only with a value head on Ray): a trained Hugging Face reward model
+(Qwen2/LlamaForSequenceClassification) scores as transformers does at TP1, TP2 and PP2; one score per sequence,
+read at the last response token, placed there in TOKEN_LEVEL_SCORES, and unaffected by padding."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
-from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron_config import MegatronInferConfig
 from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker, last_token_values
@@ -17,12 +18,23 @@ PROMPT_LEN, RESPONSE_LEN = 6, 5
 
 
 @pytest.fixture(scope="module")
-def reward_model(make_group, tmp_path_factory):
-    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("reward_model"), TinyModelSpec()))
-    config = RewardModelConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, value_head=True))
-    group = make_group(RewardModelWorker, 2, ParallelLayout(tp=2), role="reward_model", worker_config=config)
+def reward_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny Qwen2 and Llama *ForSequenceClassification checkpoints standing in for trained reward models."""
+    root = tmp_path_factory.mktemp("reward_models")
+    return {kind: str(build_tiny_reward_model(root / kind, TinyModelSpec(seed=3), model_type=kind)) for kind in ("qwen2", "llama")}
+
+
+def start_reward_model(make_group, model_dir: str, layout: ParallelLayout):
+    config = RewardModelConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
+                                                            value_head_init="score_head"))
+    group = make_group(RewardModelWorker, layout.tp * layout.pp, layout, role="reward_model", worker_config=config)
     group.init_model()
     return group
+
+
+@pytest.fixture(scope="module")
+def reward_model(make_group, reward_model_dirs):
+    return start_reward_model(make_group, reward_model_dirs["qwen2"], ParallelLayout(tp=2))
 
 
 def layout_rows(rows: list[tuple[list[int], list[int]]], prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN, pad_id=0) -> DataProto:
@@ -41,6 +53,21 @@ def layout_rows(rows: list[tuple[list[int], list[int]]], prompt_len=PROMPT_LEN, 
 
 
 ROWS = [([5, 6, 7], [8, 9, 10, 2]), ([11, 12, 13, 14, 15, 16], [17]), ([20], [21, 22, 23, 24, 25]), ([30, 31], [32, 33])]
+
+
+@pytest.mark.parametrize("kind,layout", [("qwen2", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(tp=1)),
+                                         ("qwen2", ParallelLayout(pp=2)), ("llama", ParallelLayout(tp=1))],
+                         ids=["qwen2-tp2", "qwen2-tp1", "qwen2-pp2", "llama-tp1"])
+def test_trained_reward_model_scores_equal_transformers(make_group, reward_model_dirs, kind, layout):
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_model_dirs[kind], dtype=torch.float32).eval()
+    with torch.no_grad():  # one unpadded sequence at a time: transformers reads its last (non-pad) token
+        expected = torch.tensor([float(hf(torch.tensor([prompt + response])).logits[0, 0]) for prompt, response in ROWS])
+    group = start_reward_model(make_group, reward_model_dirs[kind], layout)
+    scores = group.compute_rewards(layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
+    assert expected.std() > 0.05  # the score head is not ~0: a missing head load would show
+    assert torch.allclose(scores, expected, atol=1e-5, rtol=0), (scores, expected)
 
 
 def test_last_token_values_reads_the_last_masked_position():

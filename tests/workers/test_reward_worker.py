@@ -61,3 +61,101 @@ def test_weighted_rewards_and_unknown_name(make_group):
     assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor([c[2] for c in CASES]) + boxed)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         RewardWorkerConfig({"nope": 1.0})
+
+
+# ---- user functions on a 2-rank group ------------------------------------------------------------------------
+
+USER_REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "boom":
+        raise RuntimeError("cannot parse " + solution_str)
+    return {"score": float(solution_str.strip() == ground_truth), "level": extra_info.get("level", -1.0)}
+
+def starts_with_digit(data_sources, solution_strs, ground_truths, extra_infos):
+    return [0.5 if s[:1].isdigit() else 0.0 for s in solution_strs]
+
+def divide(data_source, solution_str, ground_truth, extra_info=None):
+    return 1 / int(solution_str)
+
+def slow(data_source, solution_str, ground_truth, extra_info=None):
+    import time
+    time.sleep(0 if solution_str != "1" else 60)
+    return 1.0
+'''
+
+
+def text_batch(responses: list[str], answers: list[str]) -> DataProto:
+    n = len(responses)
+    return DataProto.from_dict(
+        tensors={keys.RESPONSE_MASK: torch.ones(n, 3, dtype=torch.long)},
+        non_tensors={
+            keys.PROMPT_TEXT: np.array([f"copy {a}" for a in answers], dtype=object),
+            keys.RESPONSE_TEXT: np.array(responses, dtype=object),
+            keys.ANSWER: np.array(answers, dtype=object),
+            keys.DATA_SOURCE: np.array(["copy_digit"] * n, dtype=object),
+            keys.EXTRA_INFO: np.array([{"level": float(i)} for i in range(n)], dtype=object),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def user_rewards_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("user_rewards") / "user_rewards.py"
+    path.write_text(USER_REWARDS)
+    return str(path)
+
+
+def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, user_rewards_file):
+    from types import SimpleNamespace
+
+    from roll_backend.errors import UserCodeError
+    from roll_backend.pipelines.steps import score
+    from roll_backend.rewards.user_functions import RewardFunctionSpec
+
+    def answer_length(data_source, solution_str, ground_truth, extra_info=None):  # pickled by value to the workers
+        return float(len(ground_truth)) if data_source == "copy_digit" else -100.0
+
+    config = RewardWorkerConfig(rewards={"exact_match": 2.0}, functions=(
+        RewardFunctionSpec(path=user_rewards_file, name="compute_score", weight=1.0),
+        RewardFunctionSpec(path=user_rewards_file, name="starts_with_digit", weight=1.0, batched=True),
+        RewardFunctionSpec(fn=answer_length, weight=0.25),
+    ))
+    group = make_group(RewardWorker, 2, role="reward", worker_config=config)
+    responses, answers = ["7", "3 ", "x", "12", "5"], ["7", "3", "4", "1", "55"]  # 5 rows: one dispatch padding row
+    batch = text_batch(responses, answers)
+    metrics = score(SimpleNamespace(reward=group), batch)
+    exact = [1.0, 1.0, 0.0, 0.0, 0.0]
+    expected = [2 * e + e + (0.5 if r[0].isdigit() else 0.0) + 0.25 * len(a) for e, r, a in zip(exact, responses, answers)]
+    assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(expected))
+    assert metrics["reward/user_rewards.compute_score/error_count"] == 0.0
+    # extra_info reached the function; metrics are each rank's mean, averaged (rows 0-2 | rows 3-4).
+    assert metrics["reward/user_rewards.compute_score/level"] == pytest.approx((1.0 + 3.5) / 2)
+    assert metrics["reward/answer_length/mean"] == pytest.approx((1.0 + 1.5) / 2)
+
+    with pytest.raises(UserCodeError) as info:  # a raising user function stops the call, with its row
+        group.compute_rewards(text_batch(["7", "boom", "3"], ["7", "8", "3"]))
+    message = str(info.value)
+    assert "reward.compute_rewards: [reward rank" in message
+    assert "user_rewards.compute_score raised RuntimeError: cannot parse boom on row 1 (prompt 'copy 8', response 'boom')" in message
+    # The group is not broken by a user's error: the next call works.
+    assert group.compute_rewards(text_batch(["7"], ["7"])).batch[keys.TOKEN_LEVEL_SCORES].sum() == pytest.approx(3.5 + 0.25)
+
+
+def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user_rewards_file):
+    from types import SimpleNamespace
+
+    from roll_backend.pipelines.steps import score
+    from roll_backend.rewards.user_functions import RewardFunctionSpec
+
+    config = RewardWorkerConfig(rewards={}, on_function_error="zero", function_timeout_s=1.0, functions=(
+        RewardFunctionSpec(path=user_rewards_file, name="divide"),
+        RewardFunctionSpec(path=user_rewards_file, name="slow"),
+    ))
+    group = make_group(RewardWorker, 2, role="reward", worker_config=config)
+    batch = text_batch(["1", "0", "4", "0", "1", "2"], ["0"] * 6)
+    metrics = score(SimpleNamespace(reward=group), batch)
+    divide = [1.0, 0.0, 0.25, 0.0, 1.0, 0.5]
+    slow = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # "1" sleeps past the deadline: scored 0
+    assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(divide) + torch.tensor(slow))
+    assert metrics["reward/user_rewards.divide/error_count"] == 2.0  # summed over both ranks
+    assert metrics["reward/user_rewards.slow/error_count"] == 2.0
