@@ -43,6 +43,12 @@ from roll_backend.algorithms.rewards_postprocess import (
     normalize_rewards,
     postprocess_rewards,
 )
+from roll_backend.algorithms.rollout_correction import (
+    IS_LEVELS,
+    REJECTION_LEVELS,
+    RolloutCorrection,
+    rollout_correction,
+)
 from roll_backend.algorithms.stats import (
     GroupStats,
     as_group_ids,
@@ -106,6 +112,11 @@ __all__ = [
     "PolicyLossOutput",
     "POLICY_LOSSES",
     "POLICY_LOSS_NAMES",
+    # rollout-mismatch correction
+    "rollout_correction",
+    "RolloutCorrection",
+    "IS_LEVELS",
+    "REJECTION_LEVELS",
     # KL controllers
     "FixedKLController",
     "AdaptiveKLController",

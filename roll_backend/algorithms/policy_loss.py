@@ -29,6 +29,7 @@ def ppo_policy_loss(
     clip_high: float | None = None,
     clip_c: float = 3.0,
     agg_mode: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clipped PPO surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020) ->
@@ -38,7 +39,8 @@ def ppo_policy_loss(
     [1 - clip_low, 1 + clip_high] (DAPO; clip_high defaults to clip_low), log-ratio clamped to
     [-20, 20], and for adv < 0 the loss is capped at -adv * clip_c (clip_c > 1). clipfrac counts
     tokens where the clipped term is strictly larger; approx_kl is the masked mean of -log-ratio
-    (clamped). `agg_kwargs` (dp_size, batch_num_tokens, ...) go to `agg_loss`.
+    (clamped). `token_weights` [B, T] (detached; rollout correction) multiply each token's loss before
+    aggregation. `agg_kwargs` (dp_size, batch_num_tokens, ...) go to `agg_loss`.
     """
     if clip_high is None:
         clip_high = clip_low
@@ -54,6 +56,7 @@ def ppo_policy_loss(
     loss_dual_cap = -adv * clip_c
     # torch.min / torch.where as the reference trainer writes them: ties share the gradient equally.
     token_loss = torch.where(adv < 0, torch.min(loss_dual_cap, loss_ppo), loss_ppo)
+    token_loss = _weighted(token_loss, token_weights, mask)
 
     loss = agg_loss(token_loss, mask, agg_mode, **agg_kwargs)
     clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), mask)
@@ -70,6 +73,7 @@ def gspo_policy_loss(
     clip_low: float = 3e-4,
     clip_high: float | None = 4e-4,
     agg_mode: str = "seq-mean-token-mean",
+    token_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO clipped surrogate with a sequence-level ratio (Zheng et al. 2025) -> (loss, clipfrac, approx_kl), 0-d.
@@ -78,6 +82,7 @@ def gspo_policy_loss(
     log-ratio of the row, with the per-token gradient of the GSPO-token variant (d r / d logp[b,t] = r).
     Departs from the paper: log-ratio clamped at 10 (gradient 0 beyond); no dual clip; any agg_mode
     (the paper's seq-mean-token-mean is the default). approx_kl uses the unclamped log-ratio.
+    `token_weights` [B, T] (detached; rollout correction) multiply each token's loss before aggregation.
     """
     if clip_high is None:
         clip_high = clip_low
@@ -91,12 +96,19 @@ def gspo_policy_loss(
     ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    token_loss = torch.maximum(loss_unclipped, loss_clipped)
+    token_loss = _weighted(torch.maximum(loss_unclipped, loss_clipped), token_weights, mask)
 
     loss = agg_loss(token_loss, mask, agg_mode, **agg_kwargs)
     clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), mask)
     approx_kl = masked_mean(-log_ratio, mask)
     return loss, clipfrac, approx_kl
+
+
+def _weighted(token_loss: torch.Tensor, token_weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """token_loss * token_weights (detached), the weights zeroed outside the mask; unchanged without weights."""
+    if token_weights is None:
+        return token_loss
+    return token_loss * zero_outside_mask(token_weights.detach(), mask)
 
 
 class PolicyLossOutput(NamedTuple):

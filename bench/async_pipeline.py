@@ -1,0 +1,109 @@
+"""Synchronous vs one-step off-policy GRPO: generated tokens/s with the same role placement in both modes.
+
+The model and batch of bench/grpo_step.py (its FULL scale; --quick for a smoke test), run by the product loop:
+`rl_step` for synchronous steps, `OneStepOffPolicyLoop` for asynchronous ones. Rollout ranks and trainer ranks
+(actor and reference) are pinned to disjoint CPU cores in both modes, as roles own their GPUs on a cluster: the
+synchronous loop leaves one side idle while the other works, the asynchronous one overlaps them.
+Throughput: generated tokens of the timed steps (after warm-up) over their wall time.
+Run: .venv/bin/python bench/async_pipeline.py [--steps 3] [--warmup 1] [--dtype bfloat16|float32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from grpo_step import FULL, QUICK, prompt_rows, roll_backend_config
+
+
+def core_split() -> tuple[list[int], list[int]]:
+    """Disjoint core sets for the rollout and the trainer: the machine's usable cores halved."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"this benchmark pins rollout and trainer on disjoint cores; this process may use only {cores}")
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def pin_group(group, cores: list[int]) -> None:
+    """Pin every thread of every rank process of `group` to `cores` (threads started later inherit it)."""
+    for pid in group.execute_all("pid"):
+        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), str(pid)], check=True,
+                       stdout=subprocess.DEVNULL)
+
+
+def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: list[int]) -> tuple[float, float]:
+    """Run 1..max_steps in the config's mode; returns (generated tokens, wall seconds) of the steps after warm-up."""
+    from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
+    from roll_backend.pipelines.loop import PipelineRun, rl_step
+
+    mode = "async" if config.async_generation.enabled else "sync"
+    with PipelineRun(config) as run:
+        pin_group(run.groups.rollout, rollout_cores)
+        for trainer_group in (run.groups.actor, run.groups.reference):
+            pin_group(trainer_group, trainer_cores)
+        step_fn = OneStepOffPolicyLoop(run).step if config.async_generation.enabled else lambda s: rl_step(run, s)
+        tokens = seconds = 0.0
+        for step in run.steps():
+            start = time.perf_counter()
+            metrics = step_fn(step)
+            elapsed = time.perf_counter() - start
+            generated = metrics["response_length/mean"] * config.rollout_batch_size * config.num_return_sequences_in_group
+            waits = " ".join(f"{k.split('/')[1]}={v:.1f}" for k, v in metrics.items() if k.startswith(("async/", "timing/")))
+            print(f"{mode} step {step}{' (warm-up)' if step <= warmup else ''}: {elapsed:.1f}s [{waits}]", flush=True)
+            if step > warmup:
+                tokens, seconds = tokens + generated, seconds + elapsed
+    return tokens, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
+    args = parser.parse_args()
+    scale = QUICK if args.quick else FULL
+
+    import ray
+
+    from roll_backend.config.schema import AsyncGenerationConfig
+    from roll_backend.distributed.ray_env import init_local_ray
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="async_pipeline_"))
+    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
+    data_path = work / "prompts.jsonl"
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(scale.prompts)))
+    rollout_cores, trainer_cores = core_split()
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                if line.startswith("Model name")), platform.processor())
+    print(f"{cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; rollout on cores {rollout_cores}, trainer "
+          f"(actor + reference) on {trainer_cores}; {scale.prompts} prompts x {scale.samples} samples x "
+          f"{scale.new_tokens} new tokens per step, {args.dtype}", flush=True)
+
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as bench/grpo_step.py: ranks at the driver's priority
+    init_local_ray(num_cpus=16, env_vars={"OMP_NUM_THREADS": "1"})  # one thread per pinned rank core
+    throughput = {}
+    try:
+        for mode in ("sync", "async"):
+            config = roll_backend_config(model_dir, data_path, work / mode, scale, args.warmup + args.steps - 1, 1, args.dtype)
+            config = dataclasses.replace(config, async_generation=AsyncGenerationConfig(enabled=mode == "async"))
+            tokens, seconds = timed_steps(config, args.warmup, rollout_cores, trainer_cores)
+            throughput[mode] = tokens / seconds
+            print(f"{mode}: {throughput[mode]:.0f} generated tokens/s over {args.steps} steps", flush=True)
+    finally:
+        ray.shutdown()
+    print(f"load at the end {os.getloadavg()[0]:.1f}")
+    print(f"async one-step off-policy vs synchronous: {throughput['async'] / throughput['sync']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
