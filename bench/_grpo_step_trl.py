@@ -14,10 +14,36 @@ from pathlib import Path
 from types import SimpleNamespace
 
 RESULT_PREFIX = "TRL_STEP_SECONDS "
+PHASES_PREFIX = "TRL_PHASE_SECONDS "
 
 
-def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str) -> list[float]:
-    """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included)."""
+class PhaseClock:
+    """Wall time spent inside some of the trainer's methods, per optimizer step: GRPOTrainer's `_generate` is
+    generation, `_generate_and_score_completions` adds rewards and the reference forward, the rest of the step
+    is the policy's forward and backward."""
+
+    def __init__(self, trainer, names: tuple[str, ...]):
+        self.totals = {name: 0.0 for name in names}
+        for name in names:
+            setattr(trainer, name, self._timed(name, getattr(trainer, name)))
+
+    def _timed(self, name, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict[str, float]:
+        taken, self.totals = self.totals, {name: 0.0 for name in self.totals}
+        return taken
+
+
+def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str) -> tuple[list[float], list[dict]]:
+    """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included) and its
+    phases (generate, reference: the reference forward and rewards, train)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -30,9 +56,15 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
     class StepClock(TrainerCallback):
         def __init__(self):
             self.ends = [time.perf_counter()]
+            self.phases: list[dict[str, float]] = []
+            self.inside: PhaseClock | None = None
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(time.perf_counter())
+            inside = self.inside.take()
+            scored = inside["_generate_and_score_completions"]
+            self.phases.append({"generate": inside["_generate"], "reference": scored - inside["_generate"],
+                                "train": self.ends[-1] - self.ends[-2] - scored})
 
     completions = scale.prompts * scale.samples
     args = GRPOConfig(
@@ -64,14 +96,16 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
     print(f"TRL: {torch.get_num_threads()} torch threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
     clock = StepClock()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match_reward, args=args, train_dataset=dataset, callbacks=[clock])
+    clock.inside = PhaseClock(trainer, ("_generate", "_generate_and_score_completions"))
     clock.ends = [time.perf_counter()]
     trainer.train()
     durations = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
-    return durations[1:]  # drop the warm-up step
+    return durations[1:], clock.phases[1:]  # drop the warm-up step
 
 
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    seconds = trl_step_seconds(request["model_dir"], request["rows"], SimpleNamespace(**request["scale"]),
-                               Path(request["work_dir"]), request["steps"], request["dtype"])
+    seconds, phases = trl_step_seconds(request["model_dir"], request["rows"], SimpleNamespace(**request["scale"]),
+                                       Path(request["work_dir"]), request["steps"], request["dtype"])
+    print(PHASES_PREFIX + json.dumps(phases), flush=True)
     print(RESULT_PREFIX + json.dumps(seconds), flush=True)

@@ -76,8 +76,9 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     return config_from_dict(tree)
 
 
-def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> list[float]:
-    """A PipelineRun of 1 warm-up + `steps` rl_steps (the product's loop); returns each timed step's wall seconds."""
+def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> tuple[list[float], list[dict]]:
+    """A PipelineRun of 1 warm-up + `steps` rl_steps (the product's loop); returns each timed step's wall seconds
+    and its metrics."""
     import ray
 
     from roll_backend.distributed.ray_env import init_local_ray
@@ -92,24 +93,26 @@ def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> list
         start = time.perf_counter()
         with PipelineRun(config) as run:
             print(f"roll-backend: role groups up in {time.perf_counter() - start:.1f}s", flush=True)
-            seconds = []
+            seconds, step_metrics = [], []
             for step in run.steps():
                 start = time.perf_counter()
                 metrics = rl_step(run, step)
                 seconds.append(time.perf_counter() - start)
+                step_metrics.append(metrics)
                 phases = " ".join(f"{k.split('/')[1]}={v:.1f}" for k, v in metrics.items() if k.startswith("timing/"))
                 print(f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s [{phases}] "
                       f"response_length={metrics['response_length/mean']:.0f} "
                       f"sync_gap={metrics.get('weight_sync/logprob_gap', float('nan')):.1e}", flush=True)
     finally:
         ray.shutdown()
-    return seconds[1:]
+    return seconds[1:], step_metrics[1:]
 
 
 def trl_step_seconds_in_subprocess(model_dir: str, rows: list[dict], scale: Scale, work_dir: Path, steps: int,
-                                   dtype: str) -> list[float]:
-    """TRL's steps, run by bench/_grpo_step_trl.py in a fresh process with roll-backend's CPU-rank allocator env."""
-    from _grpo_step_trl import RESULT_PREFIX
+                                   dtype: str) -> tuple[list[float], list[dict]]:
+    """TRL's steps and their phases, run by bench/_grpo_step_trl.py in a fresh process with roll-backend's CPU-rank
+    allocator env."""
+    from _grpo_step_trl import PHASES_PREFIX, RESULT_PREFIX
 
     from roll_backend.distributed.ray_env import cpu_rank_env
 
@@ -121,8 +124,57 @@ def trl_step_seconds_in_subprocess(model_dir: str, rows: list[dict], scale: Scal
     process = subprocess.run([sys.executable, str(Path(__file__).with_name("_grpo_step_trl.py")), json.dumps(request)],
                              env=env, stdout=subprocess.PIPE, text=True, check=True)
     print("\n".join(line for line in process.stdout.splitlines() if line.startswith("TRL:")), flush=True)
-    result = [line for line in process.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(result[-1][len(RESULT_PREFIX):])
+    def result(prefix: str):
+        return json.loads([line for line in process.stdout.splitlines() if line.startswith(prefix)][-1][len(prefix):])
+
+    return result(RESULT_PREFIX), result(PHASES_PREFIX)
+
+
+def step_model_flops(model_dir: str, rows: list[dict], scale: Scale) -> dict[str, float]:
+    """Model FLOPs of one step's phases, the same on both sides: every completion is exactly `new_tokens` long
+    after its chat-templated prompt (roll_backend.perf.flops counts them)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from roll_backend.perf.flops import ModelFlops
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)) for r in rows]
+    model = ModelFlops.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    samples = [n for n in prompt_lengths for _ in range(scale.samples)]
+    sequences = [n + scale.new_tokens for n in samples]
+    groups = [i for i in range(len(prompt_lengths)) for _ in range(scale.samples)]
+    return {"generate": model.generation_flops(samples, [scale.new_tokens] * len(samples), groups),
+            "reference": model.forward_flops(sequences), "train": model.train_flops(sequences)}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_peak_tflops(model_dir: str, dtype: str) -> float:
+    """The GEMM peak of this machine (all cores, this process) in `dtype` on the model's MLP shapes."""
+    import torch
+    from transformers import AutoConfig
+
+    from roll_backend.perf.peak import gemm_shapes, measure_gemm_tflops
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return measure_gemm_tflops(dtype, "cpu", gemm_shapes(config.hidden_size, config.intermediate_size), seconds=2.0)
+
+
+def print_phases(results: dict[str, tuple[list[float], list[dict]]], flops: dict[str, float], peak: float) -> None:
+    """Seconds and MFU per phase, mean over the timed steps, both sides against the same measured peak."""
+    print(f"{'phase':<12}" + "".join(f"{name + ' s':>22}{'MFU':>7}" for name in results))
+    for phase in ("generate", "reference", "train"):
+        cells = ""
+        for seconds_per_step in (sum(p[phase] for p in phases) / len(phases) for _, phases in results.values()):
+            cells += f"{seconds_per_step:>22.2f}{flops[phase] / seconds_per_step / 1e12 / peak:>7.0%}"
+        print(f"{phase:<12}{cells}")
 
 
 def main() -> None:
@@ -144,18 +196,26 @@ def main() -> None:
     data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     print(f"model: {params / 1e6:.1f}M params; {scale.prompts} prompts x {scale.samples} samples x {scale.new_tokens} "
-          f"new tokens = {scale.generated_tokens} tokens/step; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"new tokens = {scale.generated_tokens} tokens/step; {cpu_model()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}",
+          flush=True)
+
+    peak = machine_peak_tflops(model_dir, args.dtype)
+    flops = step_model_flops(model_dir, rows, scale)
+    print(f"GEMM peak: {peak * 1e3:.0f} GFLOP/s in {args.dtype} on {os.cpu_count()} threads (this run, model's MLP shapes); "
+          f"model FLOPs per step: " + ", ".join(f"{k} {v / 1e12:.2f}T" for k, v in flops.items()), flush=True)
 
     results = {}
     if args.only in (None, "roll-backend"):
         config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype)
-        results["roll-backend"] = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
+        seconds, metrics = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
+        results["roll-backend"] = seconds, [{p: m[f"timing/{p}"] for p in flops} for m in metrics]
     if args.only in (None, "trl"):
         results["TRL GRPOTrainer"] = trl_step_seconds_in_subprocess(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
-        print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'])}", flush=True)
+        print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'][0])}", flush=True)
 
+    print_phases(results, flops, peak)
     rates = {}
-    for name, seconds in results.items():
+    for name, (seconds, _) in results.items():
         mean = sum(seconds) / len(seconds)
         rates[name] = scale.generated_tokens / mean
         print(f"{name}: {mean:.1f} s/step (steps {', '.join(f'{s:.1f}' for s in seconds)}), {rates[name]:.0f} generated tokens/s")

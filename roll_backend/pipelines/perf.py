@@ -1,0 +1,114 @@
+"""Model-FLOPs utilisation of each phase of a step: `perf/<phase>_tflops` and `perf/<phase>_mfu`.
+
+FLOPs come from each role's model config (roll_backend.perf.flops) and the step's real token counts; the peak is
+`perf.peak_tflops` per rank from the config (e.g. a GPU's datasheet value) or what each rank measured with a GEMM
+probe at start-up in its compute dtype, summed over the role's ranks (a phase runs on all of them at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from roll_backend import keys
+from roll_backend.config.schema import PipelineConfig, RoleConfig, compute_dtype
+from roll_backend.perf.flops import ModelFlops
+from roll_backend.perf.peak import gemm_shapes
+from roll_backend.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+# phase -> the role whose ranks run it
+PHASE_ROLES = {"generate": "actor_infer", "reference": "reference", "log_probs": "actor_train",
+               "values": "critic", "train": "actor_train", "critic_train": "critic"}
+
+
+@dataclass(frozen=True)
+class SequenceLengths:
+    """Real token counts of a batch's rows: prompt, response (up to and including EOS), and the whole sequence."""
+
+    prompt: np.ndarray
+    response: np.ndarray
+    uid: np.ndarray
+
+    @classmethod
+    def of(cls, batch: DataProto) -> "SequenceLengths":
+        response = batch.batch[keys.RESPONSE_MASK].sum(-1).numpy()
+        total = batch.batch[keys.ATTENTION_MASK].sum(-1).numpy()
+        uid = batch.non_tensor_batch.get(keys.UID, np.arange(len(batch)))
+        return cls(prompt=total - response, response=response, uid=np.asarray(uid))
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.prompt + self.response
+
+
+def model_flops_of(role: RoleConfig, value_head: bool = False) -> ModelFlops:
+    """The FLOP counter of a role's model (its config.json), with MTP layers and a value head as configured."""
+    from transformers import AutoConfig
+
+    counter = ModelFlops.from_hf_config(AutoConfig.from_pretrained(role.model_path),
+                                        mtp_layers=getattr(role.strategy.config, "mtp_num_layers", 0) or 0)
+    return dataclasses.replace(counter, vocab_size=1) if value_head else counter
+
+
+class PhasePerf:
+    """Per-run FLOP counters and peaks of the roles that run models; turns a step's batch and timings into metrics."""
+
+    def __init__(self, config: PipelineConfig, groups):
+        roles = {"actor_train": config.actor_train, "actor_infer": config.actor_infer,
+                 "reference": config.reference, "critic": config.critic}
+        self.config = config
+        self.counters = {name: model_flops_of(role, value_head=name == "critic")
+                         for name, role in roles.items() if role is not None}
+        self.peak_tflops = {name: self._role_peak(name, role, getattr(groups, _GROUP_OF[name]))
+                            for name, role in roles.items() if role is not None}
+
+    def _role_peak(self, name: str, role: RoleConfig, group) -> float | None:
+        """TFLOP/s of all the role's ranks together: configured per rank, or measured by each rank."""
+        perf = self.config.perf
+        if perf.peak_tflops is not None:
+            return perf.peak_tflops * role.world_size
+        if not perf.measure_peak:
+            return None
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(role.model_path)
+        shapes = gemm_shapes(hf_config.hidden_size, hf_config.intermediate_size)
+        per_rank = group.measure_gemm_tflops(compute_dtype(role), shapes, perf.probe_seconds)
+        peak = float(sum(per_rank))
+        logger.info("%s: measured GEMM peak %.3f TFLOP/s over %d ranks (%s)", name, peak, len(per_rank), compute_dtype(role))
+        return peak
+
+    def step_flops(self, generated: SequenceLengths, batch: DataProto, phases: set[str]) -> dict[str, float]:
+        """Model FLOPs of each phase that ran: generation from the sampled batch (before any filtering), the
+        others from the batch they processed."""
+        lengths = SequenceLengths.of(batch).total
+        epochs = self.config.algorithm.ppo_epochs
+        counts = {
+            "generate": lambda: self.counters["actor_infer"].generation_flops(generated.prompt, generated.response, generated.uid),
+            "reference": lambda: self.counters["reference"].forward_flops(lengths),
+            "log_probs": lambda: self.counters["actor_train"].forward_flops(lengths),
+            "values": lambda: self.counters["critic"].forward_flops(lengths),
+            "train": lambda: epochs * self.counters["actor_train"].train_flops(lengths),
+            "critic_train": lambda: epochs * self.counters["critic"].train_flops(lengths),
+        }
+        return {phase: counts[phase]() for phase in PHASE_ROLES if phase in phases}
+
+    def metrics(self, flops: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
+        out = {}
+        for phase, phase_flops in flops.items():
+            if seconds.get(phase, 0.0) <= 0:
+                continue
+            tflops = phase_flops / seconds[phase] / 1e12
+            out[f"perf/{phase}_tflops"] = tflops
+            peak = self.peak_tflops.get(PHASE_ROLES[phase])
+            if peak:
+                out[f"perf/{phase}_mfu"] = tflops / peak
+        return out
+
+
+_GROUP_OF = {"actor_train": "actor", "actor_infer": "rollout", "reference": "reference", "critic": "critic"}
