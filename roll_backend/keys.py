@@ -9,6 +9,8 @@ PROMPTS = "prompts"  # [B, T_prompt] int64, left-padded prompt ids
 PROMPT_TEXT = "prompt"  # [B] object, the prompt as text (or chat messages)
 ANSWER = "answer"  # [B] object, the reference answer a rule reward checks against
 UID = "uid"  # [B] object, equal for the n samples of one prompt
+DATA_SOURCE = "data_source"  # [B] object, the row's data source (verl's reward_fn_key), "" when the data has none
+EXTRA_INFO = "extra_info"  # [B] object, dict: the row's other columns (and its own `extra_info` dict, verl's)
 
 # Whole sequence.
 INPUT_IDS = "input_ids"  # [B, T] int64
@@ -30,6 +32,8 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, T_resp] float32, scores after
 ADVANTAGES = "advantages"  # [B, T_resp] float32
 RETURNS = "returns"  # [B, T_resp] float32
 SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (reward model)
+ROLLOUT_CORRECTION_WEIGHTS = "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
+POLICY_VERSION = "policy_version"  # [B] int64, trainer updates applied to the weights that generated the row
 
 # Added by dispatch when a batch does not divide by the DP size; removed again on collect.
 DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to make the split even
@@ -39,3 +43,4 @@ META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
 META_SAMPLING_SEED = "sampling_seed"  # int, reseeds the rollout engine's sampler before generate (resumable runs)
 META_GLOBAL_TOKEN_COUNT = "global_token_count"  # int, loss tokens across the whole DP mini-batch
+META_GLOBAL_SEQUENCE_COUNT = "global_sequence_count"  # int, sequences with a loss token across the DP mini-batch

@@ -11,6 +11,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate
+from roll_backend.distributed.balance import DP_MP_DISPATCH_FIRST_BALANCED
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -30,6 +31,7 @@ class ActorLossConfig:
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0  # > 0 needs keys.REF_LOG_PROBS in the batch
     kl_estimator: str = "low_var_kl"
+    agg_mode: str = "token-mean"  # of the policy loss; normalised by the global token / sequence counts
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,13 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
     # Without OLD_LOG_PROBS the update is on-policy (one epoch, one mini-batch): the old policy is the current
     # one, so its log-probs are these, detached (the pipeline then skips a forward pass, as verl does).
     old_log_probs = batch[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in batch.keys() else log_probs.detach()
+    # Rollout-mismatch correction (the pipeline adds the column only when it is on): detached per-token weights.
+    correction = batch[keys.ROLLOUT_CORRECTION_WEIGHTS] if keys.ROLLOUT_CORRECTION_WEIGHTS in batch.keys() else None
     policy = get_policy_loss(cfg.policy_loss)(
         old_log_probs, log_probs, batch[keys.ADVANTAGES], mask,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg_mode="token-mean",
-        dp_size=1, batch_num_tokens=global_tokens,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg_mode=cfg.agg_mode,
+        dp_size=1, batch_num_tokens=global_tokens, global_batch_size=micro_batch.meta_info.get(keys.META_GLOBAL_SEQUENCE_COUNT),
+        token_weights=correction,
     )
     loss = policy.loss
     metrics = {"pg_loss": policy.loss.detach(), "pg_clipfrac": policy.clipfrac.detach(), "ppo_kl": policy.approx_kl.detach()}
@@ -78,12 +83,12 @@ class ActorWorker(Worker):
         self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
         self.strategy.initialize()
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(DP_MP_DISPATCH_FIRST_BALANCED)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS (and ENTROPY) [B, T_resp] of the batch's responses under the current weights."""
         return self.strategy.compute_log_probs(batch)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(DP_MP_DISPATCH_FIRST_BALANCED)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
         loss_fn = functools.partial(actor_loss, self.config.loss)

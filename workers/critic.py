@@ -10,6 +10,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.algorithms.value_loss import value_loss
+from roll_backend.distributed.balance import DP_MP_DISPATCH_FIRST_BALANCED
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -50,12 +51,12 @@ class CriticWorker(Worker):
         self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
         self.strategy.initialize()
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(DP_MP_DISPATCH_FIRST_BALANCED)
     def compute_values(self, batch: DataProto) -> DataProto | None:
         """keys.VALUES [B, T_resp]."""
         return self.strategy.compute_values(batch)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(DP_MP_DISPATCH_FIRST_BALANCED)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         metrics = self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
         return metrics  # reduced over DP already; the group call returns one dict per DP rank

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from roll_backend.distributed.balance import DP_MP_DISPATCH_FIRST_BALANCED
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -26,7 +27,7 @@ class ReferenceWorker(Worker):
         self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
         self.strategy.initialize()
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(DP_MP_DISPATCH_FIRST_BALANCED)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS [B, T_resp] under the reference weights (the driver stores them as REF_LOG_PROBS)."""
         return self.strategy.compute_log_probs(batch)

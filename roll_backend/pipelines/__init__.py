@@ -1,5 +1,19 @@
-"""PPO and GRPO control loops, checkpoint/resume, metrics."""
+"""PPO and GRPO control loops, checkpoint/resume, metrics, automatic restart.
 
-from roll_backend.pipelines.loop import run_pipeline
+The loops are imported on first use, so the data and config checks (roll_backend.pipelines.data) load
+without Ray: `roll-backend validate` checks the prompts and starts nothing heavy.
+"""
 
-__all__ = ["run_pipeline"]
+__all__ = ["run_pipeline", "run_with_restarts"]
+
+
+def __getattr__(name: str):
+    if name == "run_pipeline":
+        from roll_backend.pipelines.loop import run_pipeline
+
+        return run_pipeline
+    if name == "run_with_restarts":
+        from roll_backend.pipelines.recovery import run_with_restarts
+
+        return run_with_restarts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

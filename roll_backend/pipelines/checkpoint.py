@@ -15,6 +15,7 @@ import torch
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DRIVER_STATE = "driver_state.json"
+NEXT_BATCH = "next_batch.dataproto"  # asynchronous mode: the batch generated for the step after the checkpoint
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

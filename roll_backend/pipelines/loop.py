@@ -11,8 +11,10 @@ from roll_backend.config.loader import config_to_yaml
 from roll_backend.config.schema import PipelineConfig
 from roll_backend.pipelines import checkpoint as ckpt
 from roll_backend.pipelines import steps
+from roll_backend.pipelines.perf import PhasePerf, SequenceLengths
 from roll_backend.pipelines.roles import RoleGroups, build_role_groups
-from roll_backend.pipelines.tracking import MetricsTracker, PhaseTimer
+from roll_backend.pipelines.tracking import MetricsTracker, PhaseTimer, phase_deadline
+from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +32,11 @@ def ensure_model(config: PipelineConfig) -> None:
 
 
 class PipelineRun:
-    """Everything one run holds: groups, data, KL controller, tracker; `steps()` yields the steps left to run."""
+    """Everything one run holds: groups, data, KL controller, tracker; `steps()` yields the steps left to run.
+    `run_metrics` are added to every step's row (the restart supervisor's counters); rows are appended to
+    `history` when given (the supervisor keeps one list across restarts)."""
 
-    def __init__(self, config: PipelineConfig):
+    def __init__(self, config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None):
         from transformers import AutoTokenizer
 
         from roll_backend.pipelines.data import PromptDataset
@@ -45,12 +49,21 @@ class PipelineRun:
         self.data = PromptDataset(config.data, AutoTokenizer.from_pretrained(config.model_path), config.seed)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.groups: RoleGroups = build_role_groups(config)
+        self.timeouts = config.fault_tolerance.timeouts
+        self.run_metrics = dict(run_metrics or {})
+        with phase_deadline(self.timeouts, "startup"):
+            self.groups: RoleGroups = build_role_groups(config)
         self.first_step = 1
-        self.history: list[dict] = []
+        self.history: list[dict] = history if history is not None else []
+        # Trainer updates applied so far, and the version the rollout engine holds (equal in synchronous mode).
+        self.policy_version = self.rollout_version = 0
+        # Asynchronous mode: the next step's batch, generated while this step trained; saved with checkpoints.
+        self.next_batch: DataProto | None = None
         try:
+            self.perf = PhasePerf(config, self.groups)
             if config.checkpoint.resume:
-                self._resume(config.checkpoint.resume)
+                with phase_deadline(self.timeouts, "checkpoint"):
+                    self._resume(config.checkpoint.resume)
             self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
         except BaseException:
             self.groups.shutdown()
@@ -67,11 +80,13 @@ class PipelineRun:
         return range(self.first_step, self.config.max_steps + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {**metrics, **self.run_metrics, **self.data.metrics()}
         self.history.append({"step": step, **metrics})
         self.tracker.log(step, metrics)
         save_every = self.config.checkpoint.save_steps
         if save_every and step % save_every == 0:
-            self.save_checkpoint(step)
+            with phase_deadline(self.timeouts, "checkpoint"):
+                self.save_checkpoint(step)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -79,7 +94,10 @@ class PipelineRun:
         self.groups.actor.save_checkpoint(str(staged.resolve() / "actor"))
         if self.groups.critic is not None:
             self.groups.critic.save_checkpoint(str(staged.resolve() / "critic"))
-        state = {"step": step, "kl_coef": self.kl_ctrl.value, "rng": ckpt.driver_rng_state()}
+        if self.next_batch is not None:
+            self.next_batch.save_to_disk(staged / ckpt.NEXT_BATCH)
+        state = {"step": step, "kl_coef": self.kl_ctrl.value, "rng": ckpt.driver_rng_state(),
+                 "policy_version": self.policy_version}
         return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
 
     def _resume(self, resume: str) -> None:
@@ -94,30 +112,50 @@ class PipelineRun:
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
         steps.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit())
+        self.policy_version = self.rollout_version = state.get("policy_version", state["step"])
+        if self.config.async_generation.enabled and (Path(path) / ckpt.NEXT_BATCH).is_file():
+            # The batch the rollout had generated for the next step (one version behind) resumes as it was.
+            self.next_batch = DataProto.load_from_disk(Path(path) / ckpt.NEXT_BATCH)
         self.first_step = state["step"] + 1
         logger.info("resumed from %s at step %d", path, self.first_step)
 
 
 def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     """One step of GRPO (no critic) or PPO (critic + GAE), following the data path of DESIGN.md."""
-    config, groups, algo = run.config, run.groups, run.config.algorithm
-    timer, metrics = PhaseTimer(), {}
+    config = run.config
+    timer = PhaseTimer(config.fault_tolerance.timeouts)
     with timer.phase("generate"):
-        batch = steps.generate(groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+        batch = steps.generate(run.groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+    steps.stamp_policy_version(batch, run.rollout_version)
+    generated = SequenceLengths.of(batch)
+    metrics, trained = train_on_batch(run, batch, step, timer, timer.seconds["generate"])
+    if len(trained):
+        metrics |= sync_rollout_weights(run, trained, timer)
+    return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
+
+
+def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, seconds_generating: float):
+    """Everything between generation and the weight sync: reward, log-probs, correction, advantages, updates.
+    Returns (metrics, the batch trained on), that batch empty when dynamic sampling left nothing to learn from."""
+    config, groups, algo = run.config, run.groups, run.config.algorithm
+    metrics = {}
     with timer.phase("reward"):
         metrics |= steps.score(groups, batch)
-    metrics |= steps.batch_metrics(batch, timer.seconds["generate"])
+    metrics |= steps.batch_metrics(batch, seconds_generating)
+    metrics |= steps.staleness_metrics(batch, run.policy_version)
     if algo.dynamic_sampling:
         batch, dropped = steps.drop_uniform_groups(batch)
         metrics["dynamic_sampling/dropped_responses"] = dropped
         if len(batch) == 0:
-            return metrics | timer.metrics()  # every group was uniform: nothing to learn from this step
+            return metrics, batch  # every group was uniform: nothing to learn from this step
     if groups.reference is not None:
         with timer.phase("reference"):
             steps.log_probs(groups.reference, batch, keys.REF_LOG_PROBS)
-    if not steps.is_on_policy(algo, len(batch)):
+    if steps.needs_old_log_probs(algo, len(batch)):
         with timer.phase("log_probs"):
             steps.log_probs(groups.actor, batch, keys.OLD_LOG_PROBS)
+    if algo.rollout_correction.enabled:
+        metrics |= steps.correct_rollout_mismatch(batch, algo)
     if groups.critic is not None:
         with timer.phase("values"):
             steps.values(groups.critic, batch)
@@ -127,16 +165,39 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
             metrics |= steps.train(groups.critic, batch, algo, steps.step_seed(config, step, salt=2), "critic/")
     with timer.phase("train"):
         metrics |= steps.train(groups.actor, batch, algo, steps.step_seed(config, step, salt=1), "actor/")
-    with timer.phase("weight_sync"):
-        metrics |= steps.sync_weights(groups, batch.select_idxs(list(range(min(PROBE_ROWS, len(batch))))),
-                                      config.weight_sync_bucket_bytes, config.logprob_gap_limit())
+    run.policy_version += 1
     run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
-    return metrics | timer.metrics()
+    return metrics, batch
 
 
-def run_pipeline(config: PipelineConfig) -> list[dict]:
-    """Run `config` to max_steps (Ray must be initialised); returns the per-step metrics."""
-    with PipelineRun(config) as run:
-        for step in run.steps():
-            run.log(step, rl_step(run, step))
+def sync_rollout_weights(run: PipelineRun, trained, timer: PhaseTimer) -> dict[str, float]:
+    """Trainer -> rollout engine, probed on the first rows of the batch just trained on."""
+    config = run.config
+    with timer.phase("weight_sync"):
+        metrics = steps.sync_weights(run.groups, trained.select_idxs(list(range(min(PROBE_ROWS, len(trained))))),
+                                     config.weight_sync_bucket_bytes, config.logprob_gap_limit())
+    run.rollout_version = run.policy_version
+    return metrics
+
+
+def step_perf(run: PipelineRun, generated: SequenceLengths, trained, timer: PhaseTimer) -> dict[str, float]:
+    """perf/ metrics of the step's timed phases (generation only when nothing was trained)."""
+    phases = set(timer.seconds) if len(trained) else {"generate"}
+    return run.perf.metrics(run.perf.step_flops(generated, trained, phases), timer.seconds)
+
+
+def run_pipeline(config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None) -> list[dict]:
+    """Run `config` to max_steps once (Ray must be initialised); returns the per-step metrics. With
+    `async_generation.enabled` the one-step off-policy loop (pipelines.async_loop) runs the steps;
+    recovery.run_with_restarts wraps either with automatic restarts."""
+    with PipelineRun(config, run_metrics, history) as run:
+        if config.async_generation.enabled:
+            from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
+
+            loop = OneStepOffPolicyLoop(run)
+            for step in run.steps():
+                run.log(step, loop.step(step))
+        else:
+            for step in run.steps():
+                run.log(step, rl_step(run, step))
         return run.history

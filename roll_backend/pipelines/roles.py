@@ -25,6 +25,7 @@ def _actor_loss_config(config: PipelineConfig):
         entropy_coef=algo.entropy_coef,
         kl_loss_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0,
         kl_estimator=algo.kl_estimator,
+        agg_mode=algo.loss_agg_mode,
     )
 
 
@@ -89,10 +90,13 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
             )
         return placement_groups[key]
 
+    ft = config.fault_tolerance
+    health = {"start_timeout_s": ft.timeouts.startup, "settle_s": ft.settle_s, "fault": ft.inject}
+
     def start(worker_cls, name: str, role: RoleConfig, worker_config) -> Cluster:
         resources = RankResources(num_cpus=role.num_cpus_per_rank, num_gpus=role.num_gpus_per_rank)
         return Cluster(worker_cls, name, role.world_size, role.strategy.layout, resources,
-                       placement_group=placement_for(name, role), worker_config=worker_config)
+                       placement_group=placement_for(name, role), worker_config=worker_config, **health)
 
     groups: dict[str, Cluster] = {}
     try:
@@ -112,7 +116,10 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
         groups["reward"] = Cluster(
             RewardWorker, "reward", config.reward.world_size,
             resources=RankResources(num_cpus=config.reward.num_cpus_per_rank),
-            worker_config=RewardWorkerConfig(rewards=dict(config.reward.rewards)),
+            worker_config=RewardWorkerConfig(
+                rewards=config.reward.builtin_weights(), functions=tuple(config.reward.functions),
+                on_function_error=config.reward.on_function_error, function_timeout_s=config.reward.function_timeout_s),
+            **health,
         )
         # Model loading in parallel: the groups are independent.
         pending = [groups["actor"].init_model.submit(), groups["rollout"].initialize.submit()]

@@ -13,14 +13,17 @@ from roll_backend.algorithms import (
     kl_penalized_rewards,
     masked_mean,
     postprocess_rewards,
+    rollout_correction,
 )
 from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
+from roll_backend.distributed.cluster import GroupFuture
+from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.roles import RoleGroups
 from roll_backend.protocol import DataProto
 
 
-class WeightSyncError(RuntimeError):
-    """After a weight sync the rollout engine's log-probs disagree with the trainer's."""
+class WeightSyncError(NotRestartableError):
+    """After a weight sync the rollout engine's log-probs disagree with the trainer's (a restart would not help)."""
 
 
 def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
@@ -30,8 +33,17 @@ def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
 
 def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> DataProto:
     """Prompts -> n responses each; the engine's sampler is reseeded per step so a resumed run samples alike."""
+    return collect_generated(submit_generate(groups, prompts, config, step))
+
+
+def submit_generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> GroupFuture:
+    """Start `generate` without waiting (the asynchronous loop trains meanwhile); `collect_generated` ends it."""
     prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step)
-    batch = groups.rollout.generate(prompts)
+    return groups.rollout.generate.submit(prompts)
+
+
+def collect_generated(future: GroupFuture) -> DataProto:
+    batch = future.get()
     batch.meta_info.pop(keys.META_SAMPLING_SEED, None)
     return batch
 
@@ -59,6 +71,34 @@ def is_on_policy(algo: AlgorithmConfig, batch_size: int) -> bool:
     its "old" log-probs need no forward pass of their own (the actor loss uses its current ones, detached)."""
     whole_batch = algo.ppo_mini_batch_size is None or algo.ppo_mini_batch_size >= batch_size
     return algo.ppo_epochs == 1 and whole_batch and not algo.use_kl_in_reward
+
+
+def needs_old_log_probs(algo: AlgorithmConfig, batch_size: int) -> bool:
+    """Off-policy updates need the old policy's log-probs, and so does the rollout correction (it compares them
+    with the sampler's): only then does the step pay for that forward pass."""
+    return not is_on_policy(algo, batch_size) or algo.rollout_correction.enabled
+
+
+def correct_rollout_mismatch(batch: DataProto, algo: AlgorithmConfig) -> dict[str, float]:
+    """batch[ROLLOUT_CORRECTION_WEIGHTS] from the sampler's and the trainer's log-probs; `rollout_correction/` metrics."""
+    cfg = algo.rollout_correction
+    tensors = batch.batch
+    weights, metrics = rollout_correction(
+        tensors[keys.OLD_LOG_PROBS].float(), tensors[keys.ROLLOUT_LOG_PROBS].float(), tensors[keys.RESPONSE_MASK].float(),
+        is_level=cfg.is_level, is_cap=cfg.is_cap, rejection=cfg.rejection, rejection_threshold=cfg.rejection_threshold)
+    batch[keys.ROLLOUT_CORRECTION_WEIGHTS] = weights
+    return {f"rollout_correction/{name}": float(value) for name, value in metrics.items()}
+
+
+def stamp_policy_version(batch: DataProto, version: int) -> None:
+    """Every row records the trainer version (updates applied) of the weights that generated it."""
+    batch[keys.POLICY_VERSION] = torch.full((len(batch),), version, dtype=torch.int64)
+
+
+def staleness_metrics(batch: DataProto, trainer_version: int) -> dict[str, float]:
+    """How many updates the trainer is ahead of the weights that generated each row."""
+    lag = (trainer_version - batch.batch[keys.POLICY_VERSION]).float()
+    return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
 
 
 def log_probs(group, batch: DataProto, key: str) -> None:
@@ -152,8 +192,10 @@ def batch_metrics(batch: DataProto, seconds_generating: float) -> dict[str, floa
 
 
 def _mean_metrics(metrics: dict, prefix: str) -> dict[str, float]:
+    """One number per metric from the per-rank lists: counts (`*_count`) add up, everything else is averaged."""
     out = {}
     for name, value in metrics.items():
         values = value if isinstance(value, (list, tuple)) else [value]
-        out[name if name.startswith(prefix) else prefix + name] = float(np.mean(values))
+        reduce = np.sum if name.endswith("_count") else np.mean
+        out[name if name.startswith(prefix) else prefix + name] = float(reduce(values))
     return out

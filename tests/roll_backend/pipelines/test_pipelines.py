@@ -1,9 +1,9 @@
 """GRPO and PPO end to end on real groups (Megatron actor, vLLM rollout, Megatron reference/critic, rule reward),
-and resume: a run resumed from a checkpoint repeats the uninterrupted run's next step exactly."""
+and resume: a run resumed from a checkpoint repeats the uninterrupted run's next step exactly (also with the
+actor at PP2 with an MTP layer)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -11,71 +11,52 @@ import pytest
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline
 from roll_backend.pipelines.checkpoint import latest_checkpoint
-
-PROMPTS = [{"prompt": f"copy: {d}", "answer": str(d)} for d in range(10)]
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3))  # vLLM CPU attention needs head_dim >= 32
-
-
-@pytest.fixture(scope="module")
-def base_config(tmp_path_factory):
-    """The demo config with an exact-match reward (dict overrides merge into, not replace, the demo's rewards)."""
-    from omegaconf import OmegaConf
-
-    tree = OmegaConf.load("configs/grpo_tiny_cpu.yaml")
-    tree.reward.rewards = {"exact_match": 1.0}
-    path = tmp_path_factory.mktemp("config") / "pipeline.yaml"
-    OmegaConf.save(tree, path)
-    return path
-
-
-def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
-    return [
-        f"output_dir={output_dir}", f"model_path={model_dir}", "build_tiny_model=null",
-        f"data.train_path={prompt_file}", "data.synthetic=null",
-        "rollout_batch_size=4", "num_return_sequences_in_group=4", "response_length=6",
-        "algorithm.ppo_mini_batch_size=8", "actor_train.strategy.micro_batch_size=4",
-        "reference.strategy.micro_batch_size=8", "logging.progress_bar=false", *extra,
-    ]
-
+from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
 
 
-def test_grpo_run_and_resume_repeats_the_next_step_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
+MTP_PP2 = ("actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.strategy.mtp_num_layers=1")
+
+
+def _run_then_resume(base_config, prompt_file, model_dir, tmp_path, *extra: str) -> tuple[list[dict], list[dict]]:
+    """A 3-step run saving at step 2, then a run resumed from that checkpoint: (full history, resumed history)."""
     full = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2",
+        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2", *extra,
         "algorithm.ppo_mini_batch_size=16"))  # one mini-batch, one epoch: on-policy, no old-log-prob pass
     history = run_pipeline(full)
     assert [h["step"] for h in history] == [1, 2, 3]
+    checkpoint = latest_checkpoint(tmp_path / "full")
+    assert checkpoint is not None and checkpoint.name == "step_2"
+    resumed = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}", *extra,
+        "algorithm.ppo_mini_batch_size=16"))
+    resumed_history = run_pipeline(resumed)
+    assert [h["step"] for h in resumed_history] == [3]
+    return history, resumed_history
+
+
+def test_grpo_with_mtp_at_pp2_resumes_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """The actor at PP2 with an MTP layer (the MTP stage's checkpoint is the case that used to fail)."""
+    history, resumed_history = _run_then_resume(base_config, prompt_file, model_dir, tmp_path, *MTP_PP2)
+    for record in history:
+        assert math.isfinite(record["actor/mtp_loss"]) and record["weight_sync/logprob_gap"] < 1e-4, record
+    for key in (*STEP_KEYS, "actor/mtp_loss"):
+        assert resumed_history[0][key] == pytest.approx(history[2][key], rel=1e-6, abs=1e-7), key
+
+
+def test_grpo_run_and_resume_repeats_the_next_step_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    history, resumed_history = _run_then_resume(base_config, prompt_file, model_dir, tmp_path)
     for record in history:
         for key in (*STEP_KEYS, "timing/generate", "timing/train", "timing/weight_sync", "weight_sync/logprob_gap",
                     "throughput/generated_tokens_per_s", "actor/broadcast_seconds"):
             assert math.isfinite(record[key]), (key, record)
         assert record["weight_sync/logprob_gap"] < 1e-4
         assert "timing/log_probs" not in record  # on-policy: the loss used the current log-probs, detached
-    checkpoint = latest_checkpoint(tmp_path / "full")
-    assert checkpoint is not None and checkpoint.name == "step_2"
+        for phase in ("generate", "reference", "train"):  # against the GEMM peak the ranks measured at start-up
+            assert record[f"perf/{phase}_tflops"] > 0 and record[f"perf/{phase}_mfu"] > 0, (phase, record)
     assert (tmp_path / "full" / "metrics.jsonl").read_text().count("\n") == 3
     assert any((tmp_path / "full" / "tensorboard").iterdir())
-
-    resumed = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}",
-        "algorithm.ppo_mini_batch_size=16"))
-    resumed_history = run_pipeline(resumed)
-    assert [h["step"] for h in resumed_history] == [3]
     for key in STEP_KEYS:
         assert resumed_history[0][key] == pytest.approx(history[2][key], rel=1e-6, abs=1e-7), key
 
@@ -86,12 +67,23 @@ def test_ppo_run_with_critic_and_gae(ray_session, base_config, prompt_file, mode
     config = load_config(base_config, overrides(
         prompt_file, model_dir, tmp_path / "ppo", "pipeline=ppo", "algorithm.adv_estimator=gae", critic,
         "max_steps=2", "actor_train.world_size=1", "actor_train.strategy.tp=1", "algorithm.ppo_epochs=2",
-        "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"))
+        "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        "perf.peak_tflops=0.25"))
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:
         for key in ("critic/loss", "actor/pg_loss", "actor/kl_coef", "timing/values", "timing/critic_train", "timing/log_probs"):
             assert math.isfinite(record[key]), (key, record)
+        flops = {phase: record[f"perf/{phase}_tflops"] * record[f"timing/{phase}"] for phase in
+                 ("reference", "log_probs", "values", "train", "critic_train")}
+        # actor, reference and critic share one model (the critic's output layer is hidden -> 1): the same batch
+        # costs the same forward FLOPs, and a train pass three forwards per epoch (ppo_epochs=2)
+        assert flops["reference"] == pytest.approx(flops["log_probs"], rel=1e-9)
+        assert flops["train"] == pytest.approx(2 * 3 * flops["log_probs"], rel=1e-9)
+        assert flops["critic_train"] == pytest.approx(2 * 3 * flops["values"], rel=1e-9)
+        assert flops["values"] < flops["log_probs"]
+        for phase in ("generate", "train", "critic_train"):  # perf.peak_tflops is per rank; one rank per role here
+            assert record[f"perf/{phase}_mfu"] == pytest.approx(record[f"perf/{phase}_tflops"] / 0.25, rel=1e-9)
     assert history[1]["actor/kl_coef"] != history[0]["actor/kl_coef"]  # the adaptive controller moved
 
 
@@ -112,3 +104,63 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             assert math.isfinite(record[key]), (key, record)
         assert 0 < record["weight_sync/logprob_gap"] < HALF_PRECISION_LOGPROB_GAP / 3
     assert abs(history[0]["actor/reference_kl"]) < 0.05  # step 1: bf16 rollout and bf16 reference hold the same weights
+
+
+def test_grpo_with_rollout_correction_computes_old_log_probs(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """On-policy settings skip the old-log-prob pass, except with the correction on: it compares them with the
+    sampler's. Both engines compute in float32 with the same weights, so the correction must find ~no mismatch:
+    weights of 1, nothing rejected. A wrong old pass (another temperature, stale weights, misaligned tokens) fails."""
+    config = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "corrected", "max_steps=2", "algorithm.ppo_mini_batch_size=16",
+        "algorithm.rollout_correction.is_level=token", "algorithm.rollout_correction.rejection=sequence"))
+    history = run_pipeline(config)
+    assert [h["step"] for h in history] == [1, 2]
+    for record in history:
+        assert math.isfinite(record["timing/log_probs"]) and math.isfinite(record["actor/pg_loss"])
+        assert 0 <= record["rollout_correction/kl_k3"] < 1e-6
+        assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-3)
+        assert record["rollout_correction/masked_token_fraction"] == 0.0
+        assert record["rollout_correction/masked_sequence_fraction"] == 0.0
+        assert record["async/staleness_max"] == 0.0  # synchronous: every batch comes from the trainer's weights
+
+
+def test_async_run_and_resume_repeats_the_next_step_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """One-step off-policy: from step 2 on, each batch was generated one update behind the trainer. A checkpoint
+    keeps the batch generated for the next step, so a resumed run trains on that same batch and repeats step 3."""
+    async_keys = ("async_generation.enabled=true", "algorithm.rollout_correction.is_level=sequence")
+    full = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2", *async_keys))
+    history = run_pipeline(full)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0]
+    for record in history:
+        for key in (*STEP_KEYS, "async/trainer_wait_s", "async/rollout_idle_s", "timing/generate", "weight_sync/logprob_gap"):
+            assert math.isfinite(record[key]), (key, record)
+    # Step 1 trains on the batch of the weights it holds; later batches are one update old: the mismatch is real.
+    assert history[0]["rollout_correction/kl_k3"] < 1e-6 < history[2]["rollout_correction/kl_k3"]
+    checkpoint = latest_checkpoint(tmp_path / "full")
+    assert checkpoint.name == "step_2" and (checkpoint / "next_batch.dataproto").is_file()
+
+    resumed = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}", *async_keys))
+    resumed_history = run_pipeline(resumed)
+    assert [h["step"] for h in resumed_history] == [3]
+    for key in (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean"):
+        assert resumed_history[0][key] == pytest.approx(history[2][key], rel=1e-6, abs=1e-7), key
+
+
+def test_grpo_with_token_budget_micro_batches_and_dp_balancing(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """Actor at TP1 x DP2 with a token budget (balanced by tokens over DP), reference with a budget too, two
+    mini-batches (old log-probs computed): the weight-sync probe, scored by the trainer through the balanced,
+    regrouped path and by vLLM, still agrees row by row."""
+    config = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "budget", "max_steps=1", "actor_train.strategy.tp=1",
+        "actor_train.strategy.max_tokens_per_microbatch=96", "reference.strategy.max_tokens_per_microbatch=96"))
+    history = run_pipeline(config)
+    assert [h["step"] for h in history] == [1]
+    for record in history:
+        for key in (*STEP_KEYS, "timing/log_probs"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["weight_sync/logprob_gap"] < 1e-4
+        assert 1.0 <= record["actor/dp_token_imbalance_after"] <= record["actor/dp_token_imbalance_before"]

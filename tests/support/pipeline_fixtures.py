@@ -1,0 +1,46 @@
+"""Fixtures shared by the pipeline tests: a prompt file, a tiny model, the demo config with an exact-match reward,
+and the overrides that shrink a run to a few seconds per step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROMPTS = [{"prompt": f"copy: {d}", "answer": str(d)} for d in range(10)]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3))  # vLLM CPU attention needs head_dim >= 32
+
+
+@pytest.fixture(scope="module")
+def base_config(tmp_path_factory):
+    """The demo config with an exact-match reward (dict overrides merge into, not replace, the demo's rewards)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.load("configs/grpo_tiny_cpu.yaml")
+    tree.reward.rewards = {"exact_match": 1.0}
+    path = tmp_path_factory.mktemp("config") / "pipeline.yaml"
+    OmegaConf.save(tree, path)
+    return path
+
+
+def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
+    return [
+        f"output_dir={output_dir}", f"model_path={model_dir}", "build_tiny_model=null",
+        f"data.train_path={prompt_file}", "data.synthetic=null",
+        "rollout_batch_size=4", "num_return_sequences_in_group=4", "response_length=6",
+        "algorithm.ppo_mini_batch_size=8", "actor_train.strategy.micro_batch_size=4",
+        "reference.strategy.micro_batch_size=8", "logging.progress_bar=false", *extra,
+    ]
