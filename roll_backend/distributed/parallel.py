@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,8 @@ def init_distributed(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if device == "cpu" else os.environ.get("LOCAL_RANK", "0"),
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )
+    # megatron-core 0.16 calls the collectives torch 2.13 renamed; the warning repeats every step on every rank.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
     if device == "cpu":
         from roll_backend.patches import megatron_cpu
 
