@@ -3,6 +3,7 @@ forward/backward, vocab-parallel log-probs and entropy, and gathering full HF-na
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -380,15 +381,33 @@ def run_pipeline(chunks: list, capture: HeadCapture, micro_batches: list[MicroBa
         # activations (the schedule's seq_length and micro_batch_size only size fixed-shape receives).
         for chunk in chunks:
             unwrap(chunk).config.variable_seq_lengths = True
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=list(chunks),
-        num_microbatches=len(micro_batches),
-        seq_length=first.input_ids.shape[1],
-        micro_batch_size=first.input_ids.shape[0],
-        forward_only=forward_only,
-    )
+    real = sum(micro.has_rows for micro in micro_batches)
+    with mtp_loss_averaged_over(real, len(micro_batches)) if mtp and not forward_only else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=list(chunks),
+            num_microbatches=len(micro_batches),
+            seq_length=first.input_ids.shape[1],
+            micro_batch_size=first.input_ids.shape[0],
+            forward_only=forward_only,
+        )
+
+
+@contextlib.contextmanager
+def mtp_loss_averaged_over(real_micro_batches: int, all_micro_batches: int):
+    """Megatron scales each micro-batch's MTP loss gradient by 1 / num_microbatches, which counts the all-padding
+    micro-batches the interleaved schedule needs: the MTP gradient would shrink with vpp. This rescales it to
+    1 / (micro-batches with rows), as the main loss and the reported `mtp_loss` are."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    factor = all_micro_batches / max(1, real_micro_batches)
+    original = MTPLossAutoScaler.__dict__["set_loss_scale"]
+    MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original.__func__(scale * factor))
+    try:
+        yield
+    finally:
+        MTPLossAutoScaler.set_loss_scale = original
 
 
 def is_last_stage() -> bool:

@@ -240,6 +240,15 @@ def test_submit_reports_a_failed_job_with_exit_1(ray_head, job_dir):
 
 
 def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
+    """The job also loads a user reward function by a path relative to the working dir it was uploaded with."""
+    from omegaconf import OmegaConf
+
+    (job_dir / "my_rewards.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(solution_str.strip() == ground_truth), 'chars': float(len(solution_str))}\n")
+    tree = OmegaConf.load(job_dir / "grpo.yaml")
+    tree.reward.functions = [{"path": "my_rewards.py", "name": "compute_score", "weight": 1.0}]
+    OmegaConf.save(tree, job_dir / "grpo.yaml")
     out = job_dir / "out"
     start = time.monotonic()
     done = run_cli(
@@ -253,4 +262,5 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
     assert "SUCCEEDED" in done.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [row["step"] for row in rows][-1] == 1 and "reward/mean" in rows[-1]
+    assert "reward/my_rewards.compute_score/chars" in rows[-1]  # the function ran in the job's reward workers
     print(f"one-step job round trip: {time.monotonic() - start:.1f}s")

@@ -1,5 +1,5 @@
-"""Multi-token prediction that does not depend on the layout (issue #21), on real Ray groups at PP1, PP2 and
-TP2 x PP2, each loading the tied and the untied model in turn:
+"""Multi-token prediction that does not depend on the layout (issue #21), on real Ray groups at PP1, PP2,
+TP2 x PP2 and CP2 x PP2 with interleaved stages (vpp 2), each loading the tied and the untied model in turn:
 - fresh MTP weights (drawn per name on the full shape) give the same main loss, MTP loss and post-step log-probs;
 - a checkpoint saved at one layout and loaded at the others gives the same next step (dist_checkpointing with the
   MTP stage's embedding copy and, tied, no stray output weight);
@@ -23,7 +23,8 @@ from roll_backend.strategies.megatron_config import MegatronTrainConfig, Optimiz
 from roll_backend.workers.actor import ActorConfig
 
 TOL = 1e-5
-LAYOUTS = {"pp1": ParallelLayout(), "pp2": ParallelLayout(pp=2), "tp2pp2": ParallelLayout(tp=2, pp=2)}
+LAYOUTS = {"pp1": ParallelLayout(), "pp2": ParallelLayout(pp=2), "tp2pp2": ParallelLayout(tp=2, pp=2),
+           "cp2pp2vpp2": ParallelLayout(cp=2, pp=2, vpp=2)}  # MTP in the last chunk of the last stage, on both CP ranks
 MTP_HF_NAMES = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight",
                 "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.o_proj.weight",
                 "mlp.gate_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
@@ -31,7 +32,7 @@ MTP_HF_NAMES = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def model_dir(request, tmp_path_factory) -> str:
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, tie_word_embeddings=request.param == "tied")
     return str(build_tiny_model(tmp_path_factory.mktemp(f"mtp_{request.param}"), spec))
 

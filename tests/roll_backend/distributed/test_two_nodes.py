@@ -30,6 +30,7 @@ def test_two_nodes_placement_grpo_step_and_node_loss(base_config, prompt_file, m
     spec = {"config": str(base_config), "overrides": run_overrides, "output_dir": str(output_dir)}
     done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(spec)], capture_output=True, text=True,
                           env=dict(os.environ), timeout=900)
+    (tmp_path / "check.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)  # kept by pytest: why it failed
     result_lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert result_lines, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(result_lines[-1].removeprefix("RESULT "))
