@@ -1,6 +1,6 @@
 """Token-budget micro-batches, sequence packing and DP balancing on real Megatron actor groups.
 
-At TP1 x DP2 (uneven split: 7 rows, one dispatch padding row, balanced by tokens), TP2 and PP2, one group per
+At TP1 x DP2 (uneven split: 7 rows, one dispatch padding row, balanced by tokens), TP2, PP2 and CP2, one group per
 layout: log-probs with fixed micro-batches, token-budget micro-batches and packing equal transformers' (so the
 rows come back in the input order), and one train step from the same checkpoint gives the same loss, grad norm
 and post-step log-probs in all three modes.
@@ -75,13 +75,14 @@ def _log_probs(group, tensors, mode: str, **meta) -> torch.Tensor:
     return group.compute_log_probs(_batch(tensors, mode, **meta)).batch[keys.LOG_PROBS]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (2, 1, 1), (1, 2, 1)], ids=["tp1dp2", "tp2", "pp2"])
-def test_fixed_budget_and_packed_micro_batches_agree(make_group, model_dir, batch_tensors, tmp_path, tp, pp, dp):
+@pytest.mark.parametrize("tp,pp,cp,dp", [(1, 1, 1, 2), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1)],
+                         ids=["tp1dp2", "tp2", "pp2", "cp2"])
+def test_fixed_budget_and_packed_micro_batches_agree(make_group, model_dir, batch_tensors, tmp_path, tp, pp, cp, dp):
     config = ActorConfig(
         strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-3)),
         loss=ActorLossConfig(clip_low=0.2),
     )
-    group = make_group(ActorWorker, tp * pp * dp, ParallelLayout(tp=tp, pp=pp), role="budget", worker_config=config)
+    group = make_group(ActorWorker, tp * pp * cp * dp, ParallelLayout(tp=tp, pp=pp, cp=cp), role="budget", worker_config=config)
     group.init_model()
     mask = batch_tensors[keys.RESPONSE_MASK]
 
