@@ -149,6 +149,9 @@ class PhaseTimeouts:
     then broken and, with max_restarts, the run restarts). Generous for real models; lower them for small ones."""
 
     startup: float = 3600.0  # start every group and load the models
+    # Reserving a role's CPUs/GPUs (Ray placement groups) at start and at each restart: a cluster that lost a
+    # node stops here, with a PlacementError, once the run no longer fits on what is left.
+    placement: float = 300.0
     generate: float = 3600.0  # the rollout's generation of one step's batch
     reward: float = 1800.0  # reward functions / reward model over one step's batch
     log_probs: float = 3600.0  # reference / old log-probs / critic values

@@ -138,7 +138,8 @@ class Cluster:
     busy (possibly waiting for it in a collective), the group is broken: its actors are killed (gloo cannot be
     aborted reliably; killing frees the waiting ranks) and every later call fails at once, naming that first
     failure. Build a new Cluster to go on. `settle_s`: how long the other ranks of a call get to finish after
-    one rank raised before the group counts as broken.
+    one rank raised before the group counts as broken. `placement_timeout_s`: how long reserving the ranks'
+    resources may wait (a PlacementError after it).
     `fault`: fault injection for tests (distributed/faults.py); None reads ROLL_BACKEND_INJECT_FAULT.
     """
 
@@ -152,6 +153,7 @@ class Cluster:
         placement_group: PlacementGroup | None = None,
         worker_config: Any = None,
         start_timeout_s: float = 300.0,
+        placement_timeout_s: float = 120.0,
         settle_s: float = 10.0,
         fault: str | None = None,
     ):
@@ -162,7 +164,8 @@ class Cluster:
         self.coords: list[RankCoords] = []
         block = layout.tp * layout.cp
         self._bundles: RankPlacement = (
-            reserve_rank_bundles(world_size, block, resources.num_cpus, resources.num_gpus) if placement_group is None
+            reserve_rank_bundles(world_size, block, resources.num_cpus, resources.num_gpus, placement_timeout_s)
+            if placement_group is None
             else shared_rank_bundles(placement_group, world_size, block, role))
         actor_cls = ray.remote(worker_cls)
         rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray

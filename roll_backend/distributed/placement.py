@@ -46,17 +46,17 @@ class RankPlacement:
         self.owned = []
 
 
-def reserve_rank_bundles(world_size: int, block: int, cpus: float, gpus: float) -> RankPlacement:
+def reserve_rank_bundles(world_size: int, block: int, cpus: float, gpus: float, timeout_s: float = 120.0) -> RankPlacement:
     """One STRICT_PACK placement group per model-parallel block of `block` consecutive ranks (Megatron orders
     ranks TP fastest, then CP), so a block always shares a node; blocks may land on different nodes."""
     if block <= 1 or block >= world_size:
         strategy = "STRICT_PACK" if block > 1 else "PACK"
-        group = create_placement_group(world_size, cpus, gpus, strategy=strategy)
+        group = create_placement_group(world_size, cpus, gpus, timeout_s, strategy=strategy)
         return RankPlacement([(group, rank) for rank in range(world_size)], [group])
     groups: list[PlacementGroup] = []
     try:
         for _ in range(world_size // block):
-            groups.append(create_placement_group(block, cpus, gpus, strategy="STRICT_PACK"))
+            groups.append(create_placement_group(block, cpus, gpus, timeout_s, strategy="STRICT_PACK"))
     except BaseException:
         for group in groups:
             remove_placement_group(group)

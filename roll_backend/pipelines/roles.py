@@ -86,12 +86,13 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
         if key not in placement_groups:
             members = [r for n, r in roles.items() if r is not None and (n == key or r.colocate_with == key)]
             placement_groups[key] = create_placement_group(
-                role.world_size, sum(m.num_cpus_per_rank for m in members), sum(m.num_gpus_per_rank for m in members)
-            )
+                role.world_size, sum(m.num_cpus_per_rank for m in members), sum(m.num_gpus_per_rank for m in members),
+                timeout_s=config.fault_tolerance.timeouts.placement)
         return placement_groups[key]
 
     ft = config.fault_tolerance
-    health = {"start_timeout_s": ft.timeouts.startup, "settle_s": ft.settle_s, "fault": ft.inject}
+    health = {"start_timeout_s": ft.timeouts.startup, "placement_timeout_s": ft.timeouts.placement,
+              "settle_s": ft.settle_s, "fault": ft.inject}
 
     def start(worker_cls, name: str, role: RoleConfig, worker_config) -> Cluster:
         resources = RankResources(num_cpus=role.num_cpus_per_rank, num_gpus=role.num_gpus_per_rank)

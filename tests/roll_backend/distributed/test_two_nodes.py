@@ -10,21 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "support" / "two_node_check.py"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15, unfinished: on the two-node cluster the GRPO run stopped before "
-                   "writing step 1 (cause not found before the deadline); the TP-block placement part is untested too")
 def test_two_nodes_placement_grpo_step_and_node_loss(base_config, prompt_file, model_dir, tmp_path):
     output_dir = tmp_path / "run"
     run_overrides = overrides(
         prompt_file, model_dir, output_dir, "max_steps=3", "checkpoint.save_steps=1", "algorithm.ppo_mini_batch_size=16",
         "fault_tolerance.max_restarts=1", "fault_tolerance.inject=hang:actor_infer:0:generate:2",
-        "fault_tolerance.timeouts.generate=60", "fault_tolerance.timeouts.startup=30",
+        # Model loading keeps the default start-up deadline (a loaded machine took over 30 s to start vLLM); only
+        # the wait for resources is short, so the rebuild on the one node left gives up quickly.
+        "fault_tolerance.timeouts.generate=30", "fault_tolerance.timeouts.placement=20",
         "actor_train.num_cpus_per_rank=2", "actor_infer.num_cpus_per_rank=2", "reference.num_cpus_per_rank=2",
         "reward.num_cpus_per_rank=1")
     spec = {"config": str(base_config), "overrides": run_overrides, "output_dir": str(output_dir)}
