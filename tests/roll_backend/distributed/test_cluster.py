@@ -136,3 +136,18 @@ def test_two_roles_colocated_on_one_placement_group(ray_session):
 def test_impossible_layout_fails_before_any_actor_starts(ray_session):
     with pytest.raises(ValueError, match="does not divide world_size=3"):
         Cluster(ProbeWorker, "bad", 3, ParallelLayout(tp=2))
+
+
+def test_resources_the_cluster_cannot_hold_fail_at_the_placement_deadline(ray_session):
+    from ray.util import placement_group_table
+
+    from roll_backend.distributed.placement import PlacementError
+
+    before = {pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"}
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"could not reserve 2 bundles of \{'CPU': 1000\} \(STRICT_PACK\) within 1s") as error:
+        Cluster(ProbeWorker, "too_big", 2, TP2_DP2, RankResources(num_cpus=1000), placement_timeout_s=1)
+    assert time.monotonic() - start < 10  # the placement deadline, not the 300 s start-up default
+    assert "Lower the role's world size or resources" in str(error.value)
+    # The pending reservation was withdrawn: nothing is left waiting for resources that will never come.
+    assert {pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"} == before
