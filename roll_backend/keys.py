@@ -41,6 +41,7 @@ DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to
 # meta_info keys.
 META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
+META_PREPARED = "prepared"  # dict, pipelines.loop.mark_prepared: a batch already scored and given reference log-probs
 META_SAMPLING_SEED = "sampling_seed"  # int, reseeds the rollout engine's sampler before generate (resumable runs)
 META_GLOBAL_TOKEN_COUNT = "global_token_count"  # int, loss tokens across the whole DP mini-batch
 META_GLOBAL_SEQUENCE_COUNT = "global_sequence_count"  # int, sequences with a loss token across the DP mini-batch

@@ -188,6 +188,10 @@ class AsyncGenerationConfig:
 
     enabled: bool = False  # true: generate the next batch while the actor trains (one-step off-policy)
     max_staleness: int = 1  # the run fails if a batch's policy version lags the trainer's by more
+    # Also score each batch and compute its reference log-probs as soon as it is generated, while the actor trains
+    # on the previous one (the same numbers, earlier). Put the reference on devices the actor does not use (its
+    # own, or the rollout's: colocate_with: actor_infer), or it competes with training.
+    prepare_ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,12 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
         problems.append("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
                         f"colocate_with (actor_infer.colocate_with={infer.colocate_with!r}, actor_train.colocate_with="
                         f"{train.colocate_with!r}) or turn async_generation off")
+    reference = config.reference
+    if async_cfg.prepare_ahead and reference is not None and (
+            reference.colocate_with == "actor_train" or train.colocate_with == "reference"):
+        problems.append("async_generation.prepare_ahead=true runs the reference while the actor trains, but the reference "
+                        "shares actor_train's devices; place it elsewhere (reference.colocate_with: actor_infer, or its "
+                        "own resources) or set async_generation.prepare_ahead=false")
 
 
 def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:

@@ -134,23 +134,43 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
 
 
-def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, seconds_generating: float):
-    """Everything between generation and the weight sync: reward, log-probs, correction, advantages, updates.
-    Returns (metrics, the batch trained on), that batch empty when dynamic sampling left nothing to learn from."""
-    config, groups, algo = run.config, run.groups, run.config.algorithm
+def prepare_batch(run: PipelineRun, batch: DataProto, timer: PhaseTimer, seconds_generating: float) -> tuple[dict, DataProto]:
+    """What a generated batch needs from models that do not train: reward scores, batch metrics, dynamic sampling,
+    reference log-probs. Returns (metrics, the batch kept). The asynchronous loop can run it on the next batch
+    while the actor trains (async_generation.prepare_ahead); it then stores the result with `mark_prepared`."""
+    groups, algo = run.groups, run.config.algorithm
     metrics = {}
     with timer.phase("reward"):
         metrics |= steps.score(groups, batch)
     metrics |= steps.batch_metrics(batch, seconds_generating)
-    metrics |= steps.staleness_metrics(batch, run.policy_version)
     if algo.dynamic_sampling:
         batch, dropped = steps.drop_uniform_groups(batch)
         metrics["dynamic_sampling/dropped_responses"] = dropped
-        if len(batch) == 0:
-            return metrics, batch  # every group was uniform: nothing to learn from this step
-    if groups.reference is not None:
+    if groups.reference is not None and len(batch):
         with timer.phase("reference"):
             steps.log_probs(groups.reference, batch, keys.REF_LOG_PROBS)
+    return metrics, batch
+
+
+def mark_prepared(batch: DataProto, metrics: dict[str, float], seconds: dict[str, float]) -> None:
+    """Record on the batch (kept in its meta_info, so it survives a checkpoint) that `prepare_batch` ran on it."""
+    batch.meta_info[keys.META_PREPARED] = {"metrics": dict(metrics), "seconds": dict(seconds)}
+
+
+def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, seconds_generating: float):
+    """Everything between generation and the weight sync: `prepare_batch` (unless done already), old log-probs,
+    correction, advantages, updates. Returns (metrics, the batch trained on), that batch empty when dynamic
+    sampling left nothing to learn from."""
+    config, groups, algo = run.config, run.groups, run.config.algorithm
+    prepared = batch.meta_info.pop(keys.META_PREPARED, None)
+    if prepared is None:
+        metrics, batch = prepare_batch(run, batch, timer, seconds_generating)
+    else:  # its phases ran off the trainer's path; their seconds still count for their MFU
+        metrics = dict(prepared["metrics"])
+        timer.seconds.update(prepared["seconds"])
+    if len(batch) == 0:
+        return metrics, batch  # every group was uniform: nothing to learn from this step
+    metrics |= steps.staleness_metrics(batch, run.policy_version)
     if steps.needs_old_log_probs(algo, len(batch)):
         with timer.phase("log_probs"):
             steps.log_probs(groups.actor, batch, keys.OLD_LOG_PROBS)
@@ -194,9 +214,9 @@ def run_pipeline(config: PipelineConfig, run_metrics: dict[str, float] | None = 
         if config.async_generation.enabled:
             from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
 
-            loop = OneStepOffPolicyLoop(run)
-            for step in run.steps():
-                run.log(step, loop.step(step))
+            with OneStepOffPolicyLoop(run) as loop:
+                for step in run.steps():
+                    run.log(step, loop.step(step))
         else:
             for step in run.steps():
                 run.log(step, rl_step(run, step))

@@ -345,6 +345,16 @@ def test_async_generation_refuses_a_colocated_rollout(base):
     assert "actor_infer.colocate_with='reference'" in problem
 
 
+def test_preparing_ahead_refuses_a_reference_on_the_actors_devices(base):
+    [problem] = problems_of(base + ["async_generation.enabled=true", "async_generation.prepare_ahead=true",
+                                    "reference.colocate_with=actor_train", "reference.world_size=2"])
+    assert problem.startswith("async_generation.prepare_ahead=true runs the reference while the actor trains, but the "
+                              "reference shares actor_train's devices")
+    config = load_config(CONFIG, base + ["async_generation.enabled=true", "async_generation.prepare_ahead=true",
+                                         "reference.colocate_with=actor_infer"])  # on the rollout's devices
+    assert config.async_generation.prepare_ahead
+
+
 def test_async_generation_needs_a_positive_staleness(base):
     [problem] = problems_of(base + ["async_generation.enabled=true", "async_generation.max_staleness=0"])
     assert problem.startswith("async_generation.max_staleness=0: asynchronous generation is one step behind at least")

@@ -125,29 +125,35 @@ def test_grpo_with_rollout_correction_computes_old_log_probs(ray_session, base_c
         assert record["async/staleness_max"] == 0.0  # synchronous: every batch comes from the trainer's weights
 
 
-def test_async_run_and_resume_repeats_the_next_step_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
-    """One-step off-policy: from step 2 on, each batch was generated one update behind the trainer. A checkpoint
-    keeps the batch generated for the next step, so a resumed run trains on that same batch and repeats step 3."""
+def test_async_run_and_resume_repeats_the_next_steps_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """One-step off-policy: from step 2 on, each batch was generated one update behind the trainer. The full run
+    prepares each next batch ahead (reward and reference log-probs while the actor trains), with the reference on
+    the rollout's resources; a checkpoint keeps that prepared batch. The run resumed from step 2 prepares inline:
+    it trains on the saved batch (step 3) and on one it prepares itself (step 4), and repeats both steps exactly."""
     async_keys = ("async_generation.enabled=true", "algorithm.rollout_correction.is_level=sequence")
     full = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2", *async_keys))
+        prompt_file, model_dir, tmp_path / "full", "max_steps=4", "checkpoint.save_steps=2", *async_keys,
+        "async_generation.prepare_ahead=true", "reference.colocate_with=actor_infer"))
     history = run_pipeline(full)
-    assert [h["step"] for h in history] == [1, 2, 3]
-    assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0, 1.0]
     for record in history:
-        for key in (*STEP_KEYS, "async/trainer_wait_s", "async/rollout_idle_s", "timing/generate", "weight_sync/logprob_gap"):
+        for key in (*STEP_KEYS, "async/trainer_wait_s", "async/rollout_idle_s", "timing/generate", "timing/reference",
+                    "perf/reference_mfu", "weight_sync/logprob_gap"):
             assert math.isfinite(record[key]), (key, record)
     # Step 1 trains on the batch of the weights it holds; later batches are one update old: the mismatch is real.
     assert history[0]["rollout_correction/kl_k3"] < 1e-6 < history[2]["rollout_correction/kl_k3"]
-    checkpoint = latest_checkpoint(tmp_path / "full")
-    assert checkpoint.name == "step_2" and (checkpoint / "next_batch.dataproto").is_file()
+    checkpoint = latest_checkpoint(tmp_path / "full").parent / "step_2"
+    assert (checkpoint / "next_batch.dataproto").is_file()
 
     resumed = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}", *async_keys))
+        prompt_file, model_dir, tmp_path / "resumed", "max_steps=4", f"checkpoint.resume={checkpoint}", *async_keys))
     resumed_history = run_pipeline(resumed)
-    assert [h["step"] for h in resumed_history] == [3]
-    for key in (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean"):
-        assert resumed_history[0][key] == pytest.approx(history[2][key], rel=1e-6, abs=1e-7), key
+    assert [h["step"] for h in resumed_history] == [3, 4]
+    assert [h["async/prepared_ahead"] for h in history + resumed_history] == [1.0] * 5 + [0.0]
+    for resumed_record, record in zip(resumed_history, history[2:]):
+        for key in (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean"):
+            assert resumed_record[key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (record["step"], key)
 
 
 def test_grpo_with_token_budget_micro_batches_and_dp_balancing(ray_session, base_config, prompt_file, model_dir, tmp_path):
