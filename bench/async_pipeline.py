@@ -1,16 +1,21 @@
 """Synchronous vs one-step off-policy GRPO: generated tokens/s with the same role placement in both modes.
 
 The model and batch of bench/grpo_step.py (its FULL scale; --quick for a smoke test), run by the product loop:
-`rl_step` for synchronous steps, `OneStepOffPolicyLoop` for asynchronous ones. Rollout ranks and trainer ranks
-(actor and reference) are pinned to disjoint CPU cores in both modes, as roles own their GPUs on a cluster: the
-synchronous loop leaves one side idle while the other works, the asynchronous one overlaps them.
+`rl_step` for synchronous steps, `OneStepOffPolicyLoop` for asynchronous ones. The rollout's ranks and the
+actor's are pinned to disjoint CPU cores in both modes, as roles own their GPUs on a cluster: the synchronous loop
+leaves one side idle while the other works, the asynchronous one overlaps them. The reference (frozen) goes with
+the rollout by default (`--reference-on rollout`: colocated with actor_infer, and the async loop prepares each
+batch ahead: reward and reference log-probs right after generation, while the actor trains) or with the actor
+(`--reference-on trainer`: computed in the trainer's half of each step). Either way both modes share the placement.
 Throughput: generated tokens of the timed steps (after warm-up) over their wall time.
-Run: .venv/bin/python bench/async_pipeline.py [--steps 3] [--warmup 1] [--dtype bfloat16|float32] [--quick]
+Run: .venv/bin/python bench/async_pipeline.py [--steps 3] [--warmup 1] [--dtype bfloat16|float32]
+     [--reference-on rollout|trainer] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,17 +44,19 @@ def pin_group(group, cores: list[int]) -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: list[int]) -> tuple[float, float]:
+def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: list[int],
+                reference_on_rollout: bool) -> tuple[float, float]:
     """Run 1..max_steps in the config's mode; returns (generated tokens, wall seconds) of the steps after warm-up."""
     from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
     from roll_backend.pipelines.loop import PipelineRun, rl_step
 
     mode = "async" if config.async_generation.enabled else "sync"
-    with PipelineRun(config) as run:
+    asynchronous = config.async_generation.enabled
+    with PipelineRun(config) as run, OneStepOffPolicyLoop(run) if asynchronous else contextlib.nullcontext() as loop:
         pin_group(run.groups.rollout, rollout_cores)
-        for trainer_group in (run.groups.actor, run.groups.reference):
-            pin_group(trainer_group, trainer_cores)
-        step_fn = OneStepOffPolicyLoop(run).step if config.async_generation.enabled else lambda s: rl_step(run, s)
+        pin_group(run.groups.actor, trainer_cores)
+        pin_group(run.groups.reference, rollout_cores if reference_on_rollout else trainer_cores)
+        step_fn = loop.step if asynchronous else lambda s: rl_step(run, s)
         tokens = seconds = 0.0
         for step in run.steps():
             start = time.perf_counter()
@@ -68,6 +75,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--reference-on", default="rollout", choices=("rollout", "trainer"),
+                        help="the cores the reference runs on (rollout: prepared ahead in async mode)")
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
@@ -85,8 +94,9 @@ def main() -> None:
     rollout_cores, trainer_cores = core_split()
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
                 if line.startswith("Model name")), platform.processor())
-    print(f"{cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; rollout on cores {rollout_cores}, trainer "
-          f"(actor + reference) on {trainer_cores}; {scale.prompts} prompts x {scale.samples} samples x "
+    reference_on_rollout = args.reference_on == "rollout"
+    print(f"{cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; rollout on cores {rollout_cores}, actor on "
+          f"{trainer_cores}, reference on the {args.reference_on}'s; {scale.prompts} prompts x {scale.samples} samples x "
           f"{scale.new_tokens} new tokens per step, {args.dtype}", flush=True)
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # as bench/grpo_step.py: ranks at the driver's priority
@@ -95,8 +105,10 @@ def main() -> None:
     try:
         for mode in ("sync", "async"):
             config = roll_backend_config(model_dir, data_path, work / mode, scale, args.warmup + args.steps - 1, 1, args.dtype)
-            config = dataclasses.replace(config, async_generation=AsyncGenerationConfig(enabled=mode == "async"))
-            tokens, seconds = timed_steps(config, args.warmup, rollout_cores, trainer_cores)
+            async_generation = AsyncGenerationConfig(enabled=mode == "async", prepare_ahead=reference_on_rollout)
+            reference = dataclasses.replace(config.reference, colocate_with="actor_infer" if reference_on_rollout else None)
+            config = dataclasses.replace(config, async_generation=async_generation, reference=reference)
+            tokens, seconds = timed_steps(config, args.warmup, rollout_cores, trainer_cores, reference_on_rollout)
             throughput[mode] = tokens / seconds
             print(f"{mode}: {throughput[mode]:.0f} generated tokens/s over {args.steps} steps", flush=True)
     finally:
