@@ -1,10 +1,12 @@
 """Automatic restart on real groups (issue 15): a killed actor rank, a hung rollout rank and a rank killed while
 writing a checkpoint each cost one restart from the latest complete checkpoint, and the run ends with the same
-metrics as an uninterrupted one (timings aside); metrics.jsonl keeps one row per step."""
+metrics as an uninterrupted one (timings aside); metrics.jsonl keeps one row per step. The uninterrupted GRPO run
+is also where a plain run's metrics are checked."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -32,11 +34,33 @@ def same_numbers(row: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, base_config, prompt_file, model_dir, tmp_path_factory):
-    history = run_with_restarts(six_step_config(base_config, prompt_file, model_dir, tmp_path_factory.mktemp("full")))
+def uninterrupted_run(ray_session, base_config, prompt_file, model_dir, tmp_path_factory):
+    """(history, output folder) of the run without faults."""
+    output_dir = tmp_path_factory.mktemp("full")
+    history = run_with_restarts(six_step_config(base_config, prompt_file, model_dir, output_dir))
     assert [row["step"] for row in history] == list(range(1, STEPS + 1))
     assert {row[RESTARTS] for row in history} == {0.0}
-    return history
+    return history, output_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run[0]
+
+
+def test_a_grpo_run_reports_every_step(uninterrupted_run):
+    history, output_dir = uninterrupted_run
+    for record in history:
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean",
+                    "timing/generate", "timing/train", "timing/weight_sync", "weight_sync/logprob_gap",
+                    "throughput/generated_tokens_per_s", "actor/broadcast_seconds"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["weight_sync/logprob_gap"] < 1e-4
+        assert "timing/log_probs" not in record  # on-policy: the loss used the current log-probs, detached
+        for phase in ("generate", "reference", "train"):  # against the GEMM peak the ranks measured at start-up
+            assert record[f"perf/{phase}_tflops"] > 0 and record[f"perf/{phase}_mfu"] > 0, (phase, record)
+    assert (output_dir / "metrics.jsonl").read_text().count("\n") == STEPS
+    assert any((output_dir / "tensorboard").iterdir())
 
 
 def assert_finished_like(uninterrupted, history, output_dir, restarted_at: int) -> None:
