@@ -4,7 +4,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import AlgorithmConfig
-from roll_backend.pipelines.steps import is_on_policy
+from roll_backend.pipelines.steps import is_on_policy, needs_old_log_probs
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorLossConfig, actor_loss
 
@@ -41,3 +41,12 @@ def test_on_policy_only_for_one_epoch_one_mini_batch_and_kl_outside_the_reward()
     assert not is_on_policy(AlgorithmConfig(ppo_epochs=1, ppo_mini_batch_size=32), 64)
     assert not is_on_policy(AlgorithmConfig(ppo_epochs=2), 64)
     assert not is_on_policy(AlgorithmConfig(use_kl_in_reward=True), 64)
+
+
+def test_old_log_probs_are_computed_off_policy_or_for_the_rollout_correction():
+    from roll_backend.config.schema import RolloutCorrectionConfig
+
+    assert not needs_old_log_probs(AlgorithmConfig(), 64)
+    assert needs_old_log_probs(AlgorithmConfig(ppo_epochs=2), 64)
+    for correction in (RolloutCorrectionConfig(is_level="token"), RolloutCorrectionConfig(rejection="sequence")):
+        assert needs_old_log_probs(AlgorithmConfig(rollout_correction=correction), 64)  # on-policy, yet needed

@@ -9,13 +9,14 @@ import math
 import pytest
 
 from roll_backend.config.loader import load_config
-from roll_backend.pipelines import run_pipeline
+from roll_backend.pipelines import run_pipeline, run_with_restarts
 from roll_backend.pipelines.checkpoint import latest_checkpoint
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
 
 
+ASYNC_STEP_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
 MTP_PP2 = ("actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.strategy.mtp_num_layers=1")
 
 
@@ -45,14 +46,19 @@ def test_grpo_with_mtp_at_pp2_resumes_exactly(ray_session, base_config, prompt_f
         assert resumed_history[0][key] == pytest.approx(history[2][key], rel=1e-6, abs=1e-7), key
 
 
-def test_ppo_run_with_critic_and_gae(ray_session, base_config, prompt_file, model_dir, tmp_path):
+def test_ppo_run_with_critic_gae_and_rollout_correction(ray_session, base_config, prompt_file, model_dir, tmp_path):
+    """PPO with a critic, GAE, KL in the reward (adaptive) and two epochs; FLOPs per phase add up. The rollout
+    correction compares the old log-probs with the sampler's: both engines compute in float32 with the same
+    weights, so it must find ~no mismatch (weights of 1, nothing rejected); a wrong old pass (another
+    temperature, stale weights, misaligned tokens) fails."""
     critic = ("critic={model_path: " + str(model_dir) + ", world_size: 1, strategy: {name: megatron_train, "
               "micro_batch_size: 4, optimizer: {lr: 1.0e-3}}}")
     config = load_config(base_config, overrides(
         prompt_file, model_dir, tmp_path / "ppo", "pipeline=ppo", "algorithm.adv_estimator=gae", critic,
         "max_steps=2", "actor_train.world_size=1", "actor_train.strategy.tp=1", "algorithm.ppo_epochs=2",
         "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-        "perf.peak_tflops=0.25"))
+        "perf.peak_tflops=0.25", "algorithm.rollout_correction.is_level=token",
+        "algorithm.rollout_correction.rejection=sequence"))
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:
@@ -68,6 +74,12 @@ def test_ppo_run_with_critic_and_gae(ray_session, base_config, prompt_file, mode
         assert flops["values"] < flops["log_probs"]
         for phase in ("generate", "train", "critic_train"):  # perf.peak_tflops is per rank; one rank per role here
             assert record[f"perf/{phase}_mfu"] == pytest.approx(record[f"perf/{phase}_tflops"] / 0.25, rel=1e-9)
+        assert 0 <= record["rollout_correction/kl_k3"] < 1e-6
+        assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-3)
+        assert record["rollout_correction/masked_token_fraction"] == 0.0
+        assert record["rollout_correction/masked_sequence_fraction"] == 0.0
+        assert record["async/staleness_max"] == 0.0  # synchronous: every batch comes from the trainer's weights
     assert history[1]["actor/kl_coef"] != history[0]["actor/kl_coef"]  # the adaptive controller moved
 
 
@@ -90,30 +102,12 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
     assert abs(history[0]["actor/reference_kl"]) < 0.05  # step 1: bf16 rollout and bf16 reference hold the same weights
 
 
-def test_grpo_with_rollout_correction_computes_old_log_probs(ray_session, base_config, prompt_file, model_dir, tmp_path):
-    """On-policy settings skip the old-log-prob pass, except with the correction on: it compares them with the
-    sampler's. Both engines compute in float32 with the same weights, so the correction must find ~no mismatch:
-    weights of 1, nothing rejected. A wrong old pass (another temperature, stale weights, misaligned tokens) fails."""
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "corrected", "max_steps=2", "algorithm.ppo_mini_batch_size=16",
-        "algorithm.rollout_correction.is_level=token", "algorithm.rollout_correction.rejection=sequence"))
-    history = run_pipeline(config)
-    assert [h["step"] for h in history] == [1, 2]
-    for record in history:
-        assert math.isfinite(record["timing/log_probs"]) and math.isfinite(record["actor/pg_loss"])
-        assert 0 <= record["rollout_correction/kl_k3"] < 1e-6
-        assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
-        assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-3)
-        assert record["rollout_correction/masked_token_fraction"] == 0.0
-        assert record["rollout_correction/masked_sequence_fraction"] == 0.0
-        assert record["async/staleness_max"] == 0.0  # synchronous: every batch comes from the trainer's weights
-
-
 def test_async_run_and_resume_repeats_the_next_steps_exactly(ray_session, base_config, prompt_file, model_dir, tmp_path):
     """One-step off-policy: from step 2 on, each batch was generated one update behind the trainer. The full run
     prepares each next batch ahead (reward and reference log-probs while the actor trains), with the reference on
     the rollout's resources; a checkpoint keeps that prepared batch. The run resumed from step 2 prepares inline:
-    it trains on the saved batch (step 3) and on one it prepares itself (step 4), and repeats both steps exactly."""
+    it trains on the saved batch (step 3) and on one it prepares itself (step 4), and repeats both steps exactly.
+    A rank lost while preparing ahead costs one restart, after which the run still ends like the full one."""
     async_keys = ("async_generation.enabled=true", "algorithm.rollout_correction.is_level=sequence")
     full = load_config(base_config, overrides(
         prompt_file, model_dir, tmp_path / "full", "max_steps=4", "checkpoint.save_steps=2", *async_keys,
@@ -136,8 +130,21 @@ def test_async_run_and_resume_repeats_the_next_steps_exactly(ray_session, base_c
     assert [h["step"] for h in resumed_history] == [3, 4]
     assert [h["async/prepared_ahead"] for h in history + resumed_history] == [1.0] * 5 + [0.0]
     for resumed_record, record in zip(resumed_history, history[2:]):
-        for key in (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean"):
+        for key in ASYNC_STEP_KEYS:
             assert resumed_record[key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (record["step"], key)
+
+    # The reference rank dies while preparing step 4's batch on the driver thread (its 4th call, during step 3's
+    # training): the failure reaches the trainer, the run restarts from step_2 and ends like the full run.
+    faulted = load_config(base_config, overrides(
+        prompt_file, model_dir, tmp_path / "faulted", "max_steps=4", "checkpoint.save_steps=2", *async_keys,
+        "async_generation.prepare_ahead=true", "reference.colocate_with=actor_infer", "fault_tolerance.max_restarts=1",
+        "fault_tolerance.inject=kill:reference:0:log_probs:4"))
+    faulted_history = run_with_restarts(faulted)
+    assert [h["step"] for h in faulted_history] == [1, 2, 3, 4]
+    assert [h["fault_tolerance/restarts"] for h in faulted_history] == [0.0, 0.0, 1.0, 1.0]
+    for faulted_record, record in zip(faulted_history, history):
+        for key in ASYNC_STEP_KEYS:
+            assert faulted_record[key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (record["step"], key)
 
 
 def test_grpo_with_token_budget_micro_batches_and_dp_balancing(ray_session, base_config, prompt_file, model_dir, tmp_path):
