@@ -4,7 +4,10 @@ bench/grpo_step.py's model and batch (32 x 8 sequences of a 40-token prompt and 
 of 64, KL loss) on one in-process Megatron rank (gloo world of 1) in bf16 mixed precision; one warm-up call, then
 each call once unprofiled (its seconds) and once under the profiler. Prints the share of GEMM ops in the CPU time
 and the ops that cost most: the evidence behind the MFU figures in the README.
-Run: .venv/bin/python scripts/profile_megatron_step.py [--dtype bfloat16|float32] [--rows 30]
+`--by-shape` groups the ops by their input shapes, which tells which layer an op belongs to (e.g. a copy of
+[b, heads, s, s] is the attention softmax's float32 cast, of [s, b, hidden] a norm's); recording shapes slows
+small ops most, so take the shares from a run without it.
+Run: .venv/bin/python scripts/profile_megatron_step.py [--dtype bfloat16|float32] [--rows 30] [--by-shape]
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rows", type=int, default=20, help="ops listed per table")
+    parser.add_argument("--by-shape", action="store_true", help="group ops by input shapes (slower to profile)")
     args = parser.parse_args()
 
     from roll_backend.distributed import parallel
@@ -80,13 +84,14 @@ def main() -> None:
             start = time.perf_counter()
             call()
             seconds = time.perf_counter() - start
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
                 call()
-            ops = prof.key_averages()
+            ops = prof.key_averages(group_by_input_shape=args.by_shape)
             total = sum(op.self_cpu_time_total for op in ops)
             gemm = sum(op.self_cpu_time_total for op in ops if op.key in GEMM_OPS)
             print(f"\n{name}: {seconds:.2f} s unprofiled; profiled self CPU {total / 1e6:.2f} s, GEMM ops {gemm / total:.0%}")
-            print(ops.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=40))
+            print(ops.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=40,
+                            max_shapes_column_width=80))
     parallel.destroy_distributed()
 
 
