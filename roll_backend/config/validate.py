@@ -249,6 +249,9 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
     the devices they are meant to overlap on."""
     async_cfg = config.async_generation
     if not async_cfg.enabled:
+        if async_cfg.prepare_ahead:
+            problems.append("async_generation.prepare_ahead=true prepares the next batch while the actor trains, which only "
+                            "the asynchronous loop does; set async_generation.enabled=true as well, or drop prepare_ahead")
         return
     if async_cfg.max_staleness < 1:
         problems.append(f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "

@@ -353,6 +353,9 @@ def test_preparing_ahead_refuses_a_reference_on_the_actors_devices(base):
     config = load_config(CONFIG, base + ["async_generation.enabled=true", "async_generation.prepare_ahead=true",
                                          "reference.colocate_with=actor_infer"])  # on the rollout's devices
     assert config.async_generation.prepare_ahead
+    [problem] = problems_of(base + ["async_generation.prepare_ahead=true"])
+    assert problem.startswith("async_generation.prepare_ahead=true prepares the next batch while the actor trains, "
+                              "which only the asynchronous loop does; set async_generation.enabled=true")
 
 
 def test_async_generation_needs_a_positive_staleness(base):
