@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,12 +28,6 @@ from grpo_step import FULL, cpu_model  # noqa: E402  (the same model and batch s
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 PROMPT_TOKENS = 40  # about the bench's chat-templated prompts
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rl_batch(vocab_size: int):
@@ -69,7 +62,7 @@ def main() -> None:
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="profile_step_")) / "model", TinyModelSpec(seed=0, **FULL.model))
-    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), ParallelLayout(), "cpu")
+    parallel.init_distributed(0, 1, *parallel.local_address(), ParallelLayout(), "cpu")
     with parallel.device_call_context("cpu"):
         config = MegatronTrainConfig(model_path=str(model_dir), micro_batch_size=FULL.micro_batch, params_dtype=args.dtype,
                                      optimizer=OptimizerSettings(lr=1e-6))

@@ -40,7 +40,7 @@ class _InFlight:
     def __init__(self, future, step: int, version: int):
         self.future, self.step, self.version = future, step, version
         self.submitted = time.perf_counter()
-        self.prepared: Future | None = None  # prepare_ahead: the driver thread's (batch, generation seconds)
+        self.prepared: Future | None = None  # prepare_ahead: the driver thread's `_finish` result
         self._rank_done_times: list[float] = []  # list.append is atomic: callbacks may run on several threads
         for ref in future.refs:
             ref.future().add_done_callback(lambda _: self._rank_done_times.append(time.perf_counter()))

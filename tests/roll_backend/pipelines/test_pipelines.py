@@ -1,6 +1,7 @@
 """GRPO and PPO end to end on real groups (Megatron actor, vLLM rollout, Megatron reference/critic, rule reward),
 and resume: a run resumed from a checkpoint repeats the uninterrupted run's next step exactly (the actor at PP2
-with an MTP layer; asynchronous, after a restart). The plain GRPO run's metrics and its resume are checked in test_recovery.py."""
+with an MTP layer; asynchronous, after a restart). The plain GRPO run's metrics and its resume are checked in
+test_recovery.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from roll_backend.pipelines.checkpoint import latest_checkpoint
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
-
-
 ASYNC_STEP_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
 MTP_PP2 = ("actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.strategy.mtp_num_layers=1")
 
