@@ -15,8 +15,10 @@ from roll_backend.distributed.parallel import ParallelLayout
 TP2 = ParallelLayout(tp=2)
 
 
-def assert_ranks_stopped(group_workers: list) -> None:
-    """Every actor of a broken group was killed: a call to it fails as a dead actor (not a hang)."""
+def assert_ranks_stopped(group_workers: list, pids: list[int]) -> None:
+    """Every actor of a broken group was killed: its process ends, and a call to it then fails as a dead actor
+    (not a hang). ray.kill is asynchronous, so a call made at once could still reach the live process."""
+    assert describe(wait_until_gone(pids, within_s=30)) == []
     for worker in group_workers:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(worker.pid.remote(), timeout=120)
@@ -24,7 +26,7 @@ def assert_ranks_stopped(group_workers: list) -> None:
 
 def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):
     group = Cluster(ProbeWorker, "slow", 2, TP2)
-    workers = list(group.workers)
+    workers, pids = list(group.workers), group.execute_all("pid")
     assert group.answer_after(0.0, timeout_s=120) == [0, 1]  # timeout_s in the plain call form
     with pytest.raises(GroupTimeoutError, match=r"slow.answer_after: no answer from \[rank 0/2, dp=0 tp=0 pp=0 cp=0\] \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] "
                                                  r"within the deadline of the call \(2s\)"):
@@ -33,7 +35,7 @@ def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):
     with pytest.raises(GroupBrokenError, match=r"slow.whoami: the group is broken since an earlier call failed "
                                                 r"\(slow.answer_after: no answer from \[rank 0/2"):
         group.whoami("again")
-    assert_ranks_stopped(workers)
+    assert_ranks_stopped(workers, pids)
     group.shutdown()
     rebuilt = Cluster(ProbeWorker, "slow", 2, TP2)
     try:
@@ -44,13 +46,13 @@ def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):
 
 def test_rank_raising_before_a_collective_frees_the_ranks_waiting_for_it(ray_session):
     group = Cluster(ProbeWorker, "raiser", 2, TP2, settle_s=2.0)
-    workers = list(group.workers)
+    workers, pids = list(group.workers), group.execute_all("pid")
     future = group.raise_before_collective(victim_rank=0)
     with pytest.raises(RankRaisedError, match="deliberate failure before a collective on rank 0") as info:
         future.get(timeout_s=300)
     assert info.value.restartable
     assert group.broken is info.value
-    assert_ranks_stopped(workers)  # rank 1 was stuck in the barrier; without the kill gloo holds it 600 s
+    assert_ranks_stopped(workers, pids)  # rank 1 was stuck in the barrier; without the kill gloo holds it 600 s
     with pytest.raises(GroupBrokenError, match="deliberate failure before a collective"):
         group.whoami("again")
     group.shutdown()
