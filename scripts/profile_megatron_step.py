@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rows", type=int, default=20, help="ops listed per table")
     parser.add_argument("--by-shape", action="store_true", help="group ops by input shapes (slower to profile)")
+    parser.add_argument("--use-torch-compile", action="store_true", help="the strategy's use_torch_compile")
     args = parser.parse_args()
 
     from roll_backend.distributed import parallel
@@ -65,7 +66,7 @@ def main() -> None:
     parallel.init_distributed(0, 1, *parallel.local_address(), ParallelLayout(), "cpu")
     with parallel.device_call_context("cpu"):
         config = MegatronTrainConfig(model_path=str(model_dir), micro_batch_size=FULL.micro_batch, params_dtype=args.dtype,
-                                     optimizer=OptimizerSettings(lr=1e-6))
+                                     optimizer=OptimizerSettings(lr=1e-6), use_torch_compile=args.use_torch_compile)
         strategy = create_strategy("megatron_train", config, layout=ParallelLayout(), device="cpu")
         strategy.initialize()
         batch = rl_batch(FULL.model["vocab_size"])

@@ -85,6 +85,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
         value_head=cfg.value_head,
         use_transformer_engine=use_transformer_engine(cfg.transformer_impl, device),
         recompute_activations=getattr(cfg, "recompute_activations", False),
+        use_torch_compile=cfg.use_torch_compile,
     )
     if cfg.mtp_num_layers:
         from roll_backend.patches import megatron_mtp

@@ -119,6 +119,9 @@ class MegatronInferConfig:
     seed: int = 42  # Megatron's initialisation seed
     params_dtype: str = "float32"  # float32, bfloat16 or float16
     transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
+    # torch.compile the local spec's norms, core attention and SwiGLU: ~12% faster bf16 steps on CPU, after a
+    # one-off compilation per rank process (seconds warm, ~20 s with a cold inductor cache); for long runs.
+    use_torch_compile: bool = False
     # Uneven pipeline splits (Megatron's num_layers_in_first/last_pipeline_stage). None for both: an even
     # split where pp (x vpp) divides the layers, else default_stage_split's choice.
     first_stage_layers: int | None = None  # decoder layers of the first pipeline stage (None: Megatron's even split)
@@ -179,6 +182,7 @@ class MegatronTrainConfig:
     params_dtype: str = "float32"  # float32, bfloat16 or float16
     transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
     recompute_activations: bool = False  # recompute each layer's activations in backward (less memory, more compute)
+    use_torch_compile: bool = False  # see MegatronInferConfig
     first_stage_layers: int | None = None  # see MegatronInferConfig
     last_stage_layers: int | None = None  # see MegatronInferConfig
 

@@ -14,6 +14,7 @@ Megatron's own attention math with this rank's query rows of the mask.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -95,21 +96,12 @@ def gather_sequence(local: torch.Tensor, dim: int, sum_grads: bool = False) -> t
     return _GatherSequence.apply(local, dim, group, sum_grads)
 
 
-def context_parallel_attention_class():
-    """`ContextParallelDotProductAttention`, defined on first use (megatron-core is imported in rank processes only)."""
-    global _ATTENTION_CLASS
-    if _ATTENTION_CLASS is None:
-        _ATTENTION_CLASS = _define_attention_class()
-    return _ATTENTION_CLASS
+@functools.cache
+def context_parallel_attention_class(base: type):
+    """`ContextParallelDotProductAttention` over `base` (megatron-core's DotProductAttention or a subclass with
+    the same interface), defined on first use (megatron-core is imported in rank processes only)."""
 
-
-_ATTENTION_CLASS = None
-
-
-def _define_attention_class():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class ContextParallelDotProductAttention(DotProductAttention):
+    class ContextParallelDotProductAttention(base):
         """Megatron's local core attention with K/V all-gathered over the CP group.
 
         query: [s/CP, b, heads, d] (this rank's two chunks); key/value: [s/CP, b, groups, d];

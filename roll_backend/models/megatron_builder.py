@@ -117,6 +117,7 @@ class ModelBuildOptions:
     use_transformer_engine: bool = False
     init_method_std: float = 0.02
     recompute_activations: bool = False
+    use_torch_compile: bool = False  # local spec: compiled norms, core attention and SwiGLU (models/compiled_layers.py)
 
 
 def transformer_config(arch: HFArch, options: ModelBuildOptions):
@@ -161,7 +162,7 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
         fp16=fp == torch.float16,
         use_cpu_initialization=options.use_cpu_initialization,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=options.use_torch_compile,  # megatron-core's SwiGLU under torch.compile
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -211,14 +212,19 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        normed = hidden_states.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(hidden_states.dtype)
+        return rms_norm(hidden_states, self.weight, self.eps)
 
 
-def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None):
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = hidden_states.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(hidden_states.dtype)
+
+
+def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None, use_torch_compile: bool = False):
     """The decoder's spec: TransformerEngine's layers (TE does CP itself), or Megatron's local layers with
-    `RMSNorm` as every norm and, under CP, the CP-capable core attention of strategies/megatron_cp.py."""
+    `RMSNorm` as every norm and, under CP, the CP-capable core attention of strategies/megatron_cp.py; with
+    `use_torch_compile`, their compiled versions (models/compiled_layers.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -229,16 +235,22 @@ def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(**moe)
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
-    layer.submodules.input_layernorm = RMSNorm
-    layer.submodules.pre_mlp_layernorm = RMSNorm
+    norm, attention = RMSNorm, layer.submodules.self_attention.submodules.core_attention
+    if use_torch_compile:
+        from roll_backend.models.compiled_layers import CompiledRMSNorm, compiled_attention_class
+
+        norm, attention = CompiledRMSNorm, compiled_attention_class()
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
     if config.qk_layernorm:
-        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
-        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.q_layernorm = norm
+        layer.submodules.self_attention.submodules.k_layernorm = norm
     if config.context_parallel_size > 1:
         from roll_backend.strategies.megatron_cp import context_parallel_attention_class
 
-        layer.submodules.self_attention.submodules.core_attention = context_parallel_attention_class()
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage), layer_norm=RMSNorm)
+        attention = context_parallel_attention_class(attention)
+    layer.submodules.self_attention.submodules.core_attention = attention
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage), layer_norm=norm)
 
 
 def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | None = None):
@@ -254,7 +266,7 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
     if options.value_head and arch.moe is not None and options.tp > 1:
         raise ValueError(f"a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); got tp={options.tp}.")
     config = transformer_config(arch, options)
-    spec = layer_spec(config, options.use_transformer_engine, vp_stage)
+    spec = layer_spec(config, options.use_transformer_engine, vp_stage, options.use_torch_compile)
     pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     mtp_spec = None

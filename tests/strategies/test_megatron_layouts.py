@@ -153,11 +153,13 @@ def test_checkpoint_saved_with_vpp_loads_at_cp2(actor, batch_tensors, tmp_path):
 
 
 def test_reference_log_probs_and_entropy_at_cp2(make_group, model_dirs, batch_tensors):
-    """MegatronInferStrategy under CP: log-probs and entropy at temperature 0.7 equal transformers'."""
+    """MegatronInferStrategy under CP, with the compiled layers (use_torch_compile): log-probs and entropy at
+    temperature 0.7 equal transformers'."""
     from roll_backend.strategies.megatron_config import MegatronInferConfig
     from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
 
-    config = ReferenceConfig(strategy=MegatronInferConfig(model_path=model_dirs[4], micro_batch_size=2, compute_entropy=True, temperature=0.7))
+    config = ReferenceConfig(strategy=MegatronInferConfig(model_path=model_dirs[4], micro_batch_size=2, compute_entropy=True,
+                                                          temperature=0.7, use_torch_compile=True))
     group = make_group(ReferenceWorker, 2, CP2, role="reference", worker_config=config)
     group.init_model()
     out = group.compute_log_probs(DataProto.from_dict(tensors=batch_tensors))
@@ -168,11 +170,12 @@ def test_reference_log_probs_and_entropy_at_cp2(make_group, model_dirs, batch_te
 
 
 def test_critic_values_and_step_at_cp2_equal_tp1(make_group, model_dirs, batch_tensors):
-    """Values gathered over CP into token order, and the value loss reduced over CP (global token mean)."""
-    config = CriticConfig(strategy=MegatronTrainConfig(model_path=model_dirs[4], micro_batch_size=2, value_head=True,
-                                                       optimizer=OptimizerSettings(lr=1e-2)))
+    """Values gathered over CP into token order, and the value loss reduced over CP (global token mean); the CP2
+    critic runs the compiled layers (use_torch_compile), forward and backward, against TP1's eager ones."""
     results = []
     for layout in (ParallelLayout(), CP2):
+        config = CriticConfig(strategy=MegatronTrainConfig(model_path=model_dirs[4], micro_batch_size=2, value_head=True,
+                                                           optimizer=OptimizerSettings(lr=1e-2), use_torch_compile=layout.cp > 1))
         group = make_group(CriticWorker, layout.model_parallel_size, layout, role="critic", worker_config=config)
         group.init_model()
         values = group.compute_values(DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
