@@ -118,9 +118,10 @@ def init_distributed(
     # megatron-core 0.16 calls the collectives torch 2.13 renamed; the warning repeats every step on every rank.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
     if device == "cpu":
-        from roll_backend.patches import megatron_cpu
+        from roll_backend.patches import gloo_shared_device, megatron_cpu
 
         megatron_cpu.apply()
+        gloo_shared_device.apply()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(

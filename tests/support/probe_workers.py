@@ -41,6 +41,20 @@ class ProbeWorker(Worker):
         return {"rank": self.rank, "coords": self.coords, "note": note, "pid": os.getpid(),
                 "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")}}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def sums_over_megatron_groups(self) -> dict:
+        """All-reduce of rank + 1 over the TP, PP and DP groups, and the gloo event-loop threads of this process."""
+        from megatron.core import parallel_state as mpu
+
+        sums = {}
+        for name, group in (("tp", mpu.get_tensor_model_parallel_group()), ("pp", mpu.get_pipeline_model_parallel_group()),
+                            ("dp", mpu.get_data_parallel_group())):
+            value = torch.tensor([float(self.rank + 1)])
+            dist.all_reduce(value, group=group)
+            sums[name] = float(value)
+        names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+        return {"sums": sums, "gloo_loop_threads": names.count("gloo_tcp_loop")}
+
     @register(Dispatch.ALL_TO_ALL)
     def echo(self, value):
         return (self.rank, value)

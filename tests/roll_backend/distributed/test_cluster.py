@@ -32,6 +32,12 @@ def test_megatron_groups_at_tp2_pp2(make_group):
     assert ranks[0]["tp"] == [0, 1] and ranks[0]["pp"] == [0, 2] and ranks[0]["dp"] == [0]
     assert ranks[3]["tp"] == [2, 3] and ranks[3]["pp"] == [1, 3] and ranks[3]["dp"] == [3]
     assert [(c.tp, c.pp, c.dp) for c in group.coords] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    # Collectives on several groups of one rank all go through its one shared gloo device (patches/gloo_shared_device.py):
+    # one event-loop thread per rank, not one per Megatron group.
+    reports = group.sums_over_megatron_groups()
+    assert [r["sums"] for r in reports] == [{"tp": 3.0, "pp": 4.0, "dp": 1.0}, {"tp": 3.0, "pp": 6.0, "dp": 2.0},
+                                            {"tp": 7.0, "pp": 4.0, "dp": 3.0}, {"tp": 7.0, "pp": 6.0, "dp": 4.0}]
+    assert [r["gloo_loop_threads"] for r in reports] == [1, 1, 1, 1]
 
 
 def test_one_to_all_and_all_to_all_reach_every_rank(make_group):
