@@ -62,6 +62,8 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
 class RewardWorker(Worker):
     """One rank of the rule-based reward role: DP_MP_COMPUTE hands each rank its share of the batch."""
 
+    runs_megatron = False  # rule and user reward functions
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.config is None:

@@ -26,6 +26,8 @@ class RolloutWorkerConfig:
 class RolloutWorker(Worker):
     """One rank of the rollout role. Call `initialize` once after the group is built."""
 
+    runs_megatron = False  # vLLM runs on CPU as it is
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.config, RolloutWorkerConfig):

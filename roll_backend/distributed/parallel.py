@@ -182,9 +182,11 @@ def group_ranks() -> dict[str, list[int]]:
     return {name: sorted(dist.get_process_group_ranks(group)) for name, group in groups.items()}
 
 
-def device_call_context(device: str) -> contextlib.AbstractContextManager:
-    """What a rank enters around each call: the CPU layer's per-thread mode on cpu, nothing on cuda."""
-    if device != "cpu":
+def device_call_context(device: str, runs_megatron: bool = True) -> contextlib.AbstractContextManager:
+    """What a rank enters around each call: the CPU layer's per-thread mode where Megatron runs on cpu, else
+    nothing (the mode's Python hook on every torch call costs code that needs no device rewriting, e.g. vLLM's
+    engine ~5% of a CPU rollout)."""
+    if device != "cpu" or not runs_megatron:
         return contextlib.nullcontext()
     from roll_backend.patches import megatron_cpu
 

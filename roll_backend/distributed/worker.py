@@ -42,6 +42,8 @@ class NotRestartableRankError(RankError, NotRestartableError):
 class Worker:
     """Base class of role actors (actor, critic, reference, reward, rollout)."""
 
+    runs_megatron = True  # its calls run megatron-core code (on CPU: inside megatron_cpu's device mode)
+
     def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None,
                  fault: str | None = None):
         self.role = role
@@ -107,7 +109,7 @@ class Worker:
         try:
             if self._fault is not None:
                 self._fault.before_call(method.__name__, self.rank_tag)
-            with parallel.device_call_context(self.device):
+            with parallel.device_call_context(self.device, self.runs_megatron):
                 if mode.broadcast_in_actor:
                     started = time.perf_counter()
                     args, kwargs = self._receive_batches(method.__name__, args, kwargs)
