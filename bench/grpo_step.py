@@ -49,8 +49,10 @@ def prompt_rows(count: int) -> list[dict]:
              "answer": str(7 * i % 50 + 13 * i % 40)} for i in range(count)]
 
 
-def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str):
-    """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference."""
+def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str,
+                        compile_models: bool):
+    """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference;
+    `compile_models`: the Megatron strategies' use_torch_compile and vLLM's compiled model (enforce_eager off)."""
     from roll_backend.config.loader import config_from_dict, resolve_yaml
 
     tree = resolve_yaml(REPO / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out_dir}"])
@@ -64,9 +66,9 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     tree["actor_train"].update(model_path=model_dir, world_size=actor_tp)
     tree["actor_train"]["strategy"].update(tp=actor_tp, micro_batch_size=scale.micro_batch)
     tree["actor_train"]["strategy"]["optimizer"]["lr"] = 1e-6
-    tree["actor_train"]["strategy"]["params_dtype"] = dtype
-    tree["reference"]["strategy"]["params_dtype"] = dtype
-    tree["actor_infer"]["strategy"]["dtype"] = dtype
+    for role in ("actor_train", "reference"):
+        tree[role]["strategy"].update(params_dtype=dtype, use_torch_compile=compile_models)
+    tree["actor_infer"]["strategy"].update(dtype=dtype, enforce_eager=not compile_models)
     tree["actor_infer"]["model_path"] = model_dir
     tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
                                            max_num_batched_tokens=scale.prompts * scale.samples * 64,  # one prefill step
@@ -184,6 +186,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="roll-backend without use_torch_compile and with vLLM in eager mode (both defaults of the product)")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
 
@@ -206,7 +210,7 @@ def main() -> None:
 
     results = {}
     if args.only in (None, "roll-backend"):
-        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype)
+        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype, args.compile)
         seconds, metrics = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
         results["roll-backend"] = seconds, [{p: m[f"timing/{p}"] for p in flops} for m in metrics]
     if args.only in (None, "trl"):
