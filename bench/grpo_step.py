@@ -4,9 +4,10 @@ roll-backend runs its product loop (PipelineRun + rl_step: Ray groups, vLLM roll
 rule reward, weight sync); TRL runs GRPOTrainer on CPU (transformers generate). Both: 32 prompts (a JSONL file)
 x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step, and the same
 precision: bf16 mixed precision by default (TRL's own default; Megatron bf16 with fp32 main weights and vLLM in
-bf16), or --dtype float32 for both.
+bf16), or --dtype float32 for both. roll-backend runs as for a long run: use_torch_compile on the Megatron actor and
+reference, vLLM compiled (--no-compile: the product's defaults); TRL with its defaults.
 Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--dtype bfloat16|float32] [--quick]
-     [--only roll-backend|trl]
+     [--only roll-backend|trl] [--no-compile]
 """
 
 from __future__ import annotations
