@@ -51,7 +51,7 @@ def prompt_rows(count: int) -> list[dict]:
 
 
 def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str,
-                        compile_models: bool):
+                        compile_models: bool = False):
     """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference;
     `compile_models`: the Megatron strategies' use_torch_compile and vLLM's compiled model (enforce_eager off)."""
     from roll_backend.config.loader import config_from_dict, resolve_yaml
@@ -211,7 +211,7 @@ def main() -> None:
 
     results = {}
     if args.only in (None, "roll-backend"):
-        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype, args.compile)
+        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype, compile_models=args.compile)
         seconds, metrics = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
         results["roll-backend"] = seconds, [{p: m[f"timing/{p}"] for p in flops} for m in metrics]
     if args.only in (None, "trl"):
