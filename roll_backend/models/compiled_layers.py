@@ -11,7 +11,7 @@ casts, the SwiGLU halves. On a 2-core CPU those took about half of a bf16 train 
 - the SwiGLU through megatron-core's own `bias_swiglu_impl` (`bias_activation_fusion`; its `jit_fuser` is
   torch.compile).
 
-The math is the eager spec's, so float32 results agree to rounding (tests/models/test_compiled_layers.py).
+The math is the eager spec's, so float32 results agree to rounding (tests/roll_backend/models/test_compiled_layers.py).
 Compilation happens in each rank process on the first forward (and first backward) of each kind: seconds with a
 warm inductor cache, ~20 s cold, once per run; worth it for long runs, not for a few steps.
 """

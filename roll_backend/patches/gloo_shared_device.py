@@ -2,8 +2,8 @@
 
 Each gloo TCP device runs an event-loop thread that wakes every 10 ms whether or not anything is sent
 (pytorch/gloo#246). torch creates a device per process group, and megatron-core creates about twenty groups per
-rank, so an idle CPU rank spent ~4% of a core polling, and a role layout of several idle ranks took a tenth of a
-2-core machine from the phase that was running (measured with bench/grpo_step.py's ranks). gloo's device is
+rank, so an idle CPU rank spent ~4% of a core polling, and bench/grpo_step.py's four idle ranks took ~7% of a
+2-core machine from the phase that was running. gloo's device is
 built to serve many process groups: pairs of every context share its listening socket and loop. Sharing one
 device per process leaves one polling thread.
 
@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
+
+logger = logging.getLogger(__name__)
 
 TESTED_TORCH_VERSIONS = ("2.13",)
 
@@ -28,11 +31,14 @@ def shared_device():
 
 def apply() -> None:
     """Make torch.distributed's gloo groups use `shared_device()` (idempotent)."""
+    import torch
     from torch.distributed import distributed_c10d
 
     gloo = distributed_c10d.ProcessGroupGloo
     if getattr(gloo, "shares_one_device", False):
         return
+    if not torch.__version__.startswith(TESTED_TORCH_VERSIONS):
+        logger.warning("the shared gloo device is tested on torch %s, found %s", TESTED_TORCH_VERSIONS, torch.__version__)
 
     class SharedDeviceProcessGroupGloo(gloo):
         """ProcessGroupGloo(store, rank, size, timeout=...) as torch's group factory calls it, on the shared device."""
