@@ -206,13 +206,18 @@ def micro_batch_count_multiple() -> int:
 
 
 def split_micro_batches(batch: DataProto, micro_batch_size: int, device: str, what: str) -> tuple[list[MicroBatch], int]:
-    """Pad `batch` with zero rows (to whole micro-batches, and under vpp to a multiple of PP micro-batches) and
-    cut it; returns (micro-batches, real rows)."""
+    """Cut `batch` into as few equal micro-batches of at most `micro_batch_size` rows as it needs (under vpp a
+    multiple of PP of them), padded with zero rows to the equal size; returns (micro-batches, real rows).
+    Equal sizes rather than full ones: 4 rows are one micro-batch of 4, not 4 rows and 60 of padding."""
     from roll_backend.strategies.megatron_cp import cp_group_and_size
 
     require_columns(batch, (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.RESPONSES), what)
     num_rows = len(batch)
-    pad = -num_rows % (micro_batch_size * micro_batch_count_multiple())
+    count_multiple = micro_batch_count_multiple()
+    needed = -(-num_rows // micro_batch_size)  # ceil: micro-batches of at most micro_batch_size rows
+    count = -(-needed // count_multiple) * count_multiple
+    micro_batch_size = -(-num_rows // count) if count else micro_batch_size
+    pad = count * micro_batch_size - num_rows
     tensors = {k: _pad_rows(v, pad) for k, v in batch.batch.items()}
     non_tensors = {k: _pad_rows(np.asarray(v, dtype=object), pad) for k, v in batch.non_tensor_batch.items()}
     # CP cuts every sequence into 2 x CP equal chunks.

@@ -106,7 +106,7 @@ class MegatronInferConfig:
     """Forward-only Megatron (reference log-probs, critic values without training). The layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = 1  # sequences per forward pass on each data-parallel rank
+    micro_batch_size: int = 1  # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
     # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies.micro_batching.
     max_tokens_per_microbatch: int | None = None
@@ -164,7 +164,7 @@ class MegatronTrainConfig:
     """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = 1  # sequences per forward/backward pass on each data-parallel rank
+    micro_batch_size: int = 1  # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
     # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies.micro_batching.
     max_tokens_per_microbatch: int | None = None

@@ -92,6 +92,23 @@ def test_gathered_columns_predict_each_response_token_and_packed_sequences_see_o
             assert torch.equal(visible[real][:, real], (same & causal)[real][:, real])
 
 
+@pytest.mark.parametrize("micro_batch_size, count_multiple, sizes", [
+    (64, 1, [9]), (4, 1, [3, 3, 3]), (2, 1, [2, 2, 2, 2, 2]), (9, 1, [9]), (8, 2, [5, 5]), (64, 2, [5, 5]),
+])
+def test_fixed_micro_batches_are_as_few_as_the_size_allows_and_equal(monkeypatch, micro_batch_size, count_multiple, sizes):
+    """A probe of 4 rows at micro_batch_size 64 ran one micro-batch of 64 rows (60 of padding): 11x the work."""
+    from roll_backend.strategies import megatron_common, megatron_cp
+
+    monkeypatch.setattr(megatron_common, "micro_batch_count_multiple", lambda: count_multiple)  # vpp: a multiple of pp
+    monkeypatch.setattr(megatron_cp, "cp_group_and_size", lambda: (None, 1))
+    batch = _batch()
+    micro_batches, rows = mb.split(batch, mb.BatchingPlan(micro_batch_size), "cpu", "test")
+    assert rows == len(batch) and [m.input_ids.shape[0] for m in micro_batches] == sizes
+    ids, width = torch.cat([m.input_ids for m in micro_batches]), batch.batch[keys.INPUT_IDS].shape[1]
+    assert torch.equal(ids[:rows, -width:], batch.batch[keys.INPUT_IDS])  # in order (left-padded to a multiple of 8)
+    assert not ids[rows:].any() and not torch.cat([m.loss_mask for m in micro_batches])[rows:].any()
+
+
 def test_budget_and_packing_need_valid_config():
     with pytest.raises(ValueError, match="use_sequence_packing=True packs sequences"):
         MegatronTrainConfig(model_path="m", use_sequence_packing=True)
