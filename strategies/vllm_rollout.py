@@ -18,9 +18,12 @@ import numpy as np
 import torch
 
 from roll_backend import keys
+from roll_backend.config.validate import VLLM_CPU_BLOCK_MULTIPLE
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
+
+CPU_KV_BLOCK_SIZE = VLLM_CPU_BLOCK_MULTIPLE  # the smallest KV block vLLM's CPU attention takes
 
 # meta_info keys a caller may set on the batch passed to `generate`.
 META_VALIDATE = "validate"  # bool: sample with `VllmRolloutConfig.validation` (greedy by default)
@@ -77,7 +80,10 @@ class VllmRolloutConfig:
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory for weights + KV cache
     cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
-    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes
+    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (a group's n samples share one)
+    # KV cache block size in tokens; only whole blocks of a prompt are shared. None: 32 on CPU (the smallest
+    # vLLM's CPU attention takes; its own default, 128, shares nothing of a prompt shorter than that), vLLM's on GPU.
+    block_size: int | None = None
     # Scheduler token budget per engine step (None: vLLM's default). Large enough for every prompt of a call
     # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
     # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
@@ -234,6 +240,9 @@ class VllmRolloutStrategy:
         )
         if config.max_num_batched_tokens is not None:
             engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        block_size = config.block_size or (CPU_KV_BLOCK_SIZE if self.device == "cpu" else None)
+        if block_size is not None:
+            engine_kwargs["block_size"] = block_size
         if self.device != "cpu":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -326,9 +335,12 @@ class VllmRolloutStrategy:
         )
         elapsed = time.perf_counter() - start
         completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
-        return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed)
+        # Prompt tokens the engine found in its prefix cache (whole KV blocks only; see block_size).
+        cached = float(np.mean([(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)])) if outputs else 0.0
+        return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed, cached)
 
-    def _rollout_batch(self, batch: DataProto, prompt_ids, completions, sampling: SamplingConfig, elapsed: float) -> DataProto:
+    def _rollout_batch(self, batch: DataProto, prompt_ids, completions, sampling: SamplingConfig, elapsed: float,
+                       prompt_cached_fraction: float) -> DataProto:
         n, width = sampling.n, sampling.max_tokens
         pad_id = self.tokenizer.pad_token_id
         prompts, prompt_mask = self._prompt_tensors(batch, prompt_ids)
@@ -365,7 +377,8 @@ class VllmRolloutStrategy:
         non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
         meta_info = dict(batch.meta_info)
         meta_info[keys.META_TEMPERATURE] = sampling.temperature
-        meta_info[keys.META_METRICS] = self._metrics(response_mask, flat, elapsed)
+        meta_info[keys.META_METRICS] = self._metrics(response_mask, flat, elapsed) | {
+            "rollout/prompt_cached_fraction": prompt_cached_fraction}
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
 
     def _prompt_tensors(self, batch: DataProto, prompt_ids) -> tuple[torch.Tensor, torch.Tensor]:

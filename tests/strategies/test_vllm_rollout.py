@@ -161,6 +161,17 @@ def test_token_id_prompts_give_the_same_greedy_output_as_text_prompts(rollout, t
     assert list(by_ids.non_tensor_batch[keys.RESPONSE_TEXT]) == list(by_text.non_tensor_batch[keys.RESPONSE_TEXT])
 
 
+def test_a_groups_samples_share_the_prompts_whole_kv_blocks(sampled, tokenizer):
+    # On CPU the engine's KV blocks are 32 tokens (vLLM's own CPU default, 128, would cache nothing of these prompts):
+    # every sample of a prompt after the first reads its whole blocks from the prefix cache. The last prompt token
+    # is always recomputed, so a prompt of L tokens has (L - 1) // 32 whole blocks to share.
+    lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
+               for p in PROMPTS]
+    assert max(lengths) > 32  # some prompts have a whole block
+    expected = np.mean([(n - 1) // 32 * 32 / n for n in lengths])
+    assert sampled.meta_info[keys.META_METRICS]["rollout/prompt_cached_fraction"] == [pytest.approx(expected)]  # one rank
+
+
 def test_probe_log_probs_match_the_sampling_log_probs(rollout, sampled):
     # At temperature 1 with no top-k/top-p, the sampler's processed log-probs equal prompt_logprobs of the
     # same sequences: the probe is the engine-side reference a trainer's log-probs are compared with.

@@ -322,6 +322,14 @@ def test_vllm_on_cpu_refuses_small_attention_heads(base):
     )
 
 
+def test_vllm_on_cpu_takes_kv_blocks_of_a_multiple_of_32_tokens(base):
+    [problem] = problems_of(base + ["actor_infer.strategy.block_size=48"])
+    assert problem == ("actor_infer.strategy.block_size=48: vLLM on CPU takes KV blocks of a multiple of 32 tokens; "
+                       "set 32, 64, 128 or null (32 on CPU)")
+    assert load_config(CONFIG, base + ["actor_infer.strategy.block_size=64"]).actor_infer.strategy.config.block_size == 64
+    load_config(CONFIG, base + ["actor_infer.strategy.block_size=48", "actor_infer.num_gpus_per_rank=1"])  # GPU: vLLM's rules
+
+
 # ---- rollout correction and asynchronous generation ------------------------------------------------------
 def test_rollout_correction_is_off_by_default_and_typed(base):
     config = load_config(CONFIG, base)
