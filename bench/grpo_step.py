@@ -5,9 +5,10 @@ rule reward, weight sync); TRL runs GRPOTrainer on CPU (transformers generate). 
 x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step, and the same
 precision: bf16 mixed precision by default (TRL's own default; Megatron bf16 with fp32 main weights and vLLM in
 bf16), or --dtype float32 for both. roll-backend runs as for a long run: use_torch_compile on the Megatron actor and
-reference, vLLM compiled (--no-compile: the product's defaults); TRL with its defaults.
+reference, vLLM compiled (--no-compile: the product's defaults), one vLLM engine per core (`placement`); TRL with
+its defaults.
 Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--dtype bfloat16|float32] [--quick]
-     [--only roll-backend|trl] [--no-compile]
+     [--only roll-backend|trl] [--no-compile] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ def prompt_rows(count: int) -> list[dict]:
 
 
 def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str,
-                        compile_models: bool = False):
+                        compile_models: bool = False, overrides: list[str] = ()):
     """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference;
-    `compile_models`: the Megatron strategies' use_torch_compile and vLLM's compiled model (enforce_eager off)."""
+    `compile_models`: the Megatron strategies' use_torch_compile and vLLM's compiled model (enforce_eager off);
+    `overrides`: key=value pairs applied last, as on the command line of `roll-backend run`."""
+    from omegaconf import OmegaConf
+
     from roll_backend.config.loader import config_from_dict, resolve_yaml
 
     tree = resolve_yaml(REPO / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out_dir}"])
@@ -76,10 +80,20 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
                                            sampling={"temperature": 1.0, "min_tokens": scale.new_tokens})
     tree["reference"]["model_path"] = model_dir
     tree["reference"]["strategy"]["micro_batch_size"] = scale.micro_batch
+    tree = OmegaConf.to_container(OmegaConf.merge(tree, OmegaConf.from_dotlist(list(overrides))))
     return config_from_dict(tree)
 
 
-def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> tuple[list[float], list[dict]]:
+def placement(cores: int, actor_tp: int) -> list[str]:
+    """Where roll-backend's ranks run on a `cores`-core machine: one single-threaded vLLM engine per core (its CPU
+    decode steps are small kernels between Python scheduling, which a second thread of one engine barely speeds up),
+    the actor's TP ranks and the reference splitting all cores into threads. Ray gives each rank
+    OMP_NUM_THREADS = its num_cpus_per_rank; the phases run one after another, so each may use every core."""
+    return [f"actor_infer.world_size={cores}", "actor_infer.num_cpus_per_rank=1",
+            f"actor_train.num_cpus_per_rank={max(1, cores // actor_tp)}", f"reference.num_cpus_per_rank={cores}"]
+
+
+def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dict]]:
     """A PipelineRun of 1 warm-up + `steps` rl_steps (the product's loop); returns each timed step's wall seconds
     and its metrics."""
     import ray
@@ -87,11 +101,12 @@ def roll_backend_step_seconds(config, steps: int, threads_per_rank: int) -> tupl
     from roll_backend.distributed.ray_env import init_local_ray
     from roll_backend.pipelines.loop import PipelineRun, rl_step
 
-    # Ray would give every actor OMP_NUM_THREADS=1; the phases run one after another, so each may use the cores.
-    # Ray also starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
+    # Each rank's threads follow its num_cpus_per_rank (see `placement`), not an inherited OMP_NUM_THREADS.
+    # Ray starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
     # that alone would hand the cores to TRL, so both sides run at the same priority.
+    os.environ.pop("OMP_NUM_THREADS", None)
     os.environ.setdefault("RAY_worker_niceness", "0")
-    init_local_ray(num_cpus=config.ray_num_cpus, env_vars={"OMP_NUM_THREADS": str(threads_per_rank)})
+    init_local_ray(num_cpus=config.ray_num_cpus)
     try:
         start = time.perf_counter()
         with PipelineRun(config) as run:
@@ -189,6 +204,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="roll-backend without use_torch_compile and with vLLM in eager mode (both defaults of the product)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a roll-backend config override, e.g. actor_infer.world_size=2 (repeatable)")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
 
@@ -211,8 +228,11 @@ def main() -> None:
 
     results = {}
     if args.only in (None, "roll-backend"):
-        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype, compile_models=args.compile)
-        seconds, metrics = roll_backend_step_seconds(config, args.steps, max(1, (os.cpu_count() or 1) // args.actor_tp))
+        overrides = placement(os.cpu_count() or 1, args.actor_tp) + args.overrides
+        print(f"roll-backend: {' '.join(overrides)}", flush=True)
+        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype,
+                                     compile_models=args.compile, overrides=overrides)
+        seconds, metrics = roll_backend_step_seconds(config, args.steps)
         results["roll-backend"] = seconds, [{p: m[f"timing/{p}"] for p in flops} for m in metrics]
     if args.only in (None, "trl"):
         results["TRL GRPOTrainer"] = trl_step_seconds_in_subprocess(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
