@@ -89,12 +89,12 @@ def test_actor_rank_killed_in_train_restarts_from_the_last_checkpoint(uninterrup
 
 def test_hung_rollout_rank_is_detected_at_the_phase_deadline_and_restarted(uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
     config = six_step_config(base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=hang:actor_infer:0:generate:4",
-                             "fault_tolerance.timeouts.generate=20")
+                             "fault_tolerance.timeouts.generate=15")
     history, restart = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "The last step logged was 3; resuming from" in restart and "step_2 (step 2)" in restart  # step 4 hung
     assert "actor_infer.generate: no answer from [rank 0/1" in restart
-    assert "within the deadline of phase 'generate' (fault_tolerance.timeouts.generate) (20s)" in restart
+    assert "within the deadline of phase 'generate' (fault_tolerance.timeouts.generate) (15s)" in restart
 
 
 def test_rank_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
