@@ -101,10 +101,8 @@ def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dic
     from roll_backend.distributed.ray_env import init_local_ray
     from roll_backend.pipelines.loop import PipelineRun, rl_step
 
-    # Each rank's threads follow its num_cpus_per_rank (see `placement`), not an inherited OMP_NUM_THREADS.
     # Ray starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
     # that alone would hand the cores to TRL, so both sides run at the same priority.
-    os.environ.pop("OMP_NUM_THREADS", None)
     os.environ.setdefault("RAY_worker_niceness", "0")
     init_local_ray(num_cpus=config.ray_num_cpus)
     try:
@@ -207,6 +205,9 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a roll-backend config override, e.g. actor_infer.world_size=2 (repeatable)")
     args = parser.parse_args()
+    # Neither side inherits a thread count: roll-backend's ranks take theirs from num_cpus_per_rank (`placement`),
+    # TRL's process uses every core, whichever sides run.
+    os.environ.pop("OMP_NUM_THREADS", None)
     scale = QUICK if args.quick else FULL
 
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

@@ -240,7 +240,7 @@ class VllmRolloutStrategy:
         )
         if config.max_num_batched_tokens is not None:
             engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
-        block_size = config.block_size or (CPU_KV_BLOCK_SIZE if self.device == "cpu" else None)
+        block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
         if block_size is not None:
             engine_kwargs["block_size"] = block_size
         if self.device != "cpu":
@@ -335,12 +335,12 @@ class VllmRolloutStrategy:
         )
         elapsed = time.perf_counter() - start
         completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
-        # Prompt tokens the engine found in its prefix cache (whole KV blocks only; see block_size).
-        cached = float(np.mean([(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)])) if outputs else 0.0
+        # Share of each prompt the engine found in its prefix cache (whole KV blocks only; see block_size).
+        cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
         return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed, cached)
 
     def _rollout_batch(self, batch: DataProto, prompt_ids, completions, sampling: SamplingConfig, elapsed: float,
-                       prompt_cached_fraction: float) -> DataProto:
+                       cached_fractions: list[float]) -> DataProto:
         n, width = sampling.n, sampling.max_tokens
         pad_id = self.tokenizer.pad_token_id
         prompts, prompt_mask = self._prompt_tensors(batch, prompt_ids)
@@ -377,8 +377,7 @@ class VllmRolloutStrategy:
         non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
         meta_info = dict(batch.meta_info)
         meta_info[keys.META_TEMPERATURE] = sampling.temperature
-        meta_info[keys.META_METRICS] = self._metrics(response_mask, flat, elapsed) | {
-            "rollout/prompt_cached_fraction": prompt_cached_fraction}
+        meta_info[keys.META_METRICS] = self._metrics(response_mask, flat, elapsed, cached_fractions)
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
 
     def _prompt_tensors(self, batch: DataProto, prompt_ids) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,7 +399,7 @@ class VllmRolloutStrategy:
         return {name: batch.batch[name].repeat_interleave(n, dim=0) for name in batch.batch.keys() if name not in exclude}
 
     @staticmethod
-    def _metrics(response_mask: torch.Tensor, completions, elapsed: float) -> dict[str, float]:
+    def _metrics(response_mask: torch.Tensor, completions, elapsed: float, cached_fractions: list[float]) -> dict[str, float]:
         lengths = response_mask.sum(dim=1).float()
         return {
             "rollout/response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
@@ -408,6 +407,7 @@ class VllmRolloutStrategy:
             "rollout/stop_fraction": float(np.mean([c.finish_reason == "stop" for c in completions])) if completions else 0.0,
             "rollout/generate_s": elapsed,
             "rollout/tokens_per_s": float(lengths.sum()) / max(elapsed, 1e-9),
+            "rollout/prompt_cached_fraction": float(np.mean(cached_fractions)) if cached_fractions else 0.0,
         }
 
     # ---- weights ---------------------------------------------------------------------------------------
