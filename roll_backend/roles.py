@@ -1,0 +1,84 @@
+"""The run's vocabulary of roles and phases, beside `keys.py` (which names batch columns). No imports.
+
+Every table about roles or phases derives from here: the config's role blocks, the validator's checks, the
+groups a run starts (named by their role), each phase's deadline setting and MFU role, and the worker methods
+fault injection may target. Adding a role or a phase is one line here plus the code that runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- roles: one name each, used for config blocks, groups, logs and fault injection ------------------------------
+ACTOR_TRAIN = "actor_train"  # the trained policy (Megatron train strategy)
+ACTOR_INFER = "actor_infer"  # the rollout engine generating from the policy (vLLM)
+REFERENCE = "reference"  # the frozen reference policy (KL)
+CRITIC = "critic"  # the value model (PPO with GAE)
+REWARD = "reward"  # rule rewards and user reward functions
+
+MODEL_ROLES = (ACTOR_TRAIN, ACTOR_INFER, REFERENCE, CRITIC)  # config blocks with a model path and a strategy
+OPTIONAL_ROLES = (REFERENCE, CRITIC)  # a run may leave these out (null in the config)
+ROLES = (*MODEL_ROLES, REWARD)
+
+# ---- deadlines: one setting each under fault_tolerance.timeouts --------------------------------------------------
+STARTUP = "startup"  # start every group and load the models
+PLACEMENT = "placement"  # reserve a role's resources (Ray placement groups)
+CHECKPOINT = "checkpoint"  # save or load a checkpoint
+
+# The worker methods each deadline's calls run, for fault injection ("step k" is the k-th call of one of them on a
+# rank since it started). A deadline with no methods cannot be targeted.
+DEADLINE_METHODS: dict[str, tuple[str, ...]] = {
+    STARTUP: (),
+    PLACEMENT: (),
+    "generate": ("generate",),
+    "reward": ("compute_rewards",),
+    "log_probs": ("compute_log_probs", "compute_values"),
+    "train": ("train_step",),
+    "weight_sync": ("load_weight_buckets",),
+    CHECKPOINT: ("save_checkpoint",),
+}
+DEADLINES = tuple(DEADLINE_METHODS)
+FAULT_PHASES = tuple(name for name, methods in DEADLINE_METHODS.items() if methods)
+
+
+# ---- phases of a step: timed (`timing/<phase>`), bounded by a deadline, and with a model, measured in perf/ --------
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    role: str  # whose ranks run it
+    deadline: str  # the fault_tolerance.timeouts field bounding its group calls
+    runs_model: bool = True  # reports perf/<phase>_tflops and _mfu
+
+
+GENERATE = "generate"
+SCORE = "reward"
+REFERENCE_LOG_PROBS = "reference"
+OLD_LOG_PROBS = "log_probs"
+VALUES = "values"
+TRAIN = "train"
+CRITIC_TRAIN = "critic_train"
+WEIGHT_SYNC = "weight_sync"
+
+PHASES: dict[str, Phase] = {
+    phase.name: phase
+    for phase in (
+        Phase(GENERATE, ACTOR_INFER, "generate"),
+        Phase(SCORE, REWARD, "reward", runs_model=False),
+        Phase(REFERENCE_LOG_PROBS, REFERENCE, "log_probs"),
+        Phase(OLD_LOG_PROBS, ACTOR_TRAIN, "log_probs"),
+        Phase(VALUES, CRITIC, "log_probs"),
+        Phase(TRAIN, ACTOR_TRAIN, "train"),
+        Phase(CRITIC_TRAIN, CRITIC, "train"),
+        Phase(WEIGHT_SYNC, ACTOR_TRAIN, "weight_sync", runs_model=False),
+    )
+}
+MODEL_PHASES = tuple(name for name, phase in PHASES.items() if phase.runs_model)
+
+
+def deadline_of(name: str) -> str:
+    """The timeouts field bounding a phase, or `name` itself when it names a deadline (startup, checkpoint, ...)."""
+    if name in PHASES:
+        return PHASES[name].deadline
+    if name in DEADLINE_METHODS:
+        return name
+    raise KeyError(f"{name!r} is neither a phase ({', '.join(PHASES)}) nor a deadline ({', '.join(DEADLINES)})")
