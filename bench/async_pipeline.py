@@ -39,7 +39,7 @@ def core_split() -> tuple[list[int], list[int]]:
 
 def pin_group(group, cores: list[int]) -> None:
     """Pin every thread of every rank process of `group` to `cores` (threads started later inherit it)."""
-    for pid in group.execute_all("pid"):
+    for pid in group.call(Worker.pid):
         subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), str(pid)], check=True,
                        stdout=subprocess.DEVNULL)
 
@@ -48,7 +48,8 @@ def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: li
                 reference_on_rollout: bool) -> tuple[float, float]:
     """Run 1..max_steps in the config's mode; returns (generated tokens, wall seconds) of the steps after warm-up."""
     from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
-    from roll_backend.pipelines.loop import PipelineRun, rl_step
+    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.run import PipelineRun
 
     mode = "async" if config.async_generation.enabled else "sync"
     asynchronous = config.async_generation.enabled
@@ -58,7 +59,7 @@ def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: li
         pin_group(run.groups.reference, rollout_cores if reference_on_rollout else trainer_cores)
         step_fn = loop.step if asynchronous else lambda s: rl_step(run, s)
         tokens = seconds = 0.0
-        for step in run.steps():
+        for step in run.step_numbers():
             start = time.perf_counter()
             metrics = step_fn(step)
             elapsed = time.perf_counter() - start

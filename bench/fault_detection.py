@@ -42,7 +42,7 @@ def main() -> None:
     death, hang, cleanup = [], [], []
     for _ in range(args.repeats):
         group = Cluster(ProbeWorker, "bench", 4, ParallelLayout(tp=2))
-        pids = group.execute_all("pid")
+        pids = group.call(Worker.pid)
         future = group.block_in_collective(victim_rank=1)  # rank 1 waits on an event, the others in a barrier
         killed = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)

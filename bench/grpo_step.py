@@ -99,7 +99,8 @@ def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dic
     import ray
 
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.pipelines.loop import PipelineRun, rl_step
+    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.run import PipelineRun
 
     # Ray starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine
     # that alone would hand the cores to TRL, so both sides run at the same priority.
@@ -110,7 +111,7 @@ def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dic
         with PipelineRun(config) as run:
             print(f"roll-backend: role groups up in {time.perf_counter() - start:.1f}s", flush=True)
             seconds, step_metrics = [], []
-            for step in run.steps():
+            for step in run.step_numbers():
                 start = time.perf_counter()
                 metrics = rl_step(run, step)
                 seconds.append(time.perf_counter() - start)

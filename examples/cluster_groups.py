@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from roll_backend.distributed.cluster import Cluster
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
@@ -38,13 +38,13 @@ class SquareWorker(Worker):
 def main() -> None:
     start = time.perf_counter()
     init_local_ray(num_cpus=4)
-    group = Cluster(SquareWorker, role="square", world_size=4, layout=ParallelLayout(tp=2))
+    group = WorkerGroup(SquareWorker, role="square", world_size=4, layout=ParallelLayout(tp=2))
     print(f"group of {group.world_size} ready in {time.perf_counter() - start:.1f}s")
-    for line in group.where():  # ONE_TO_ALL: one answer per rank
+    for line in group.call(SquareWorker.where):  # ONE_TO_ALL: one answer per rank
         print(" ", line)
 
     batch = DataProto.from_dict(tensors={"x": torch.arange(5, dtype=torch.float32)})  # 5 rows over dp=2: padded to 6
-    out = group.square(batch)  # split by DP, collected from tp0 of each DP group, padding dropped
+    out = group.call(SquareWorker.square, batch)  # split by DP, collected from tp0 of each DP group, padding dropped
     print("x        ", batch.batch["x"].tolist())
     print("x_squared", out.batch["x_squared"].tolist())
     print("dp_rank  ", out.batch["dp_rank"].tolist())

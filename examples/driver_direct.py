@@ -16,7 +16,7 @@ import numpy as np
 import ray
 
 from roll_backend import keys
-from roll_backend.distributed.cluster import Cluster
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -47,11 +47,11 @@ def main() -> None:
 def run(model_dir, args: argparse.Namespace, start: float) -> None:
     # The trained policy: two ranks, one tensor-parallel pair. The layout is the group's; the strategy's
     # config holds only the backend settings.
-    actor = Cluster(
+    actor = WorkerGroup(
         ActorWorker, "actor", world_size=2, layout=ParallelLayout(tp=2),
         worker_config=ActorConfig(strategy=MegatronTrainConfig(model_path=str(model_dir), micro_batch_size=4)),
     )
-    rollout = Cluster(
+    rollout = WorkerGroup(
         RolloutWorker, "rollout", world_size=1,
         worker_config=RolloutWorkerConfig(
             strategy=VllmRolloutConfig(
@@ -60,15 +60,15 @@ def run(model_dir, args: argparse.Namespace, start: float) -> None:
             )
         ),
     )
-    actor.init_model()  # ONE_TO_ALL: every rank builds its shard of the model
-    rollout.initialize()  # starts the vLLM engine in the rank's process
+    actor.call(ActorWorker.init_model)  # ONE_TO_ALL: every rank builds its shard of the model
+    rollout.call(RolloutWorker.init_model)  # starts the vLLM engine in the rank's process
     print(f"groups ready in {time.perf_counter() - start:.1f}s: actor coords {[c.describe() for c in actor.coords]}")
 
     prompts = [f"what is {a} + {a + 1}?" for a in range(args.prompts)]
     batch = DataProto.from_dict(non_tensors={keys.PROMPT_TEXT: np.array(prompts, dtype=object)})
-    samples = rollout.generate(batch)  # DP_MP_COMPUTE: [prompts * samples] rows, n per prompt adjacent
+    samples = rollout.call(RolloutWorker.generate, batch)  # DP_MP_COMPUTE: [prompts * samples] rows, n per prompt adjacent
     columns = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
-    scored = actor.compute_log_probs(samples.select(batch_keys=columns))  # DP_MP_DISPATCH_FIRST: tp0 gets tensors
+    scored = actor.call(ActorWorker.compute_log_probs, samples.select(batch_keys=columns))  # DP_MP_DISPATCH_FIRST: tp0 gets tensors
 
     mask = samples.batch[keys.RESPONSE_MASK].bool()  # [B*n, T_resp]
     gap = (scored.batch[keys.LOG_PROBS] - samples.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]

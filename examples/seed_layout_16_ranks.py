@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from roll_backend import keys
-from roll_backend.distributed.cluster import Cluster
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -49,20 +49,20 @@ def make_batch(vocab_size: int, rows: int = 8, prompt_len: int = 20, response_le
     }
 
 
-def start_group(layout: ParallelLayout, world_size: int, model_dir: str, role: str) -> Cluster:
+def start_group(layout: ParallelLayout, world_size: int, model_dir: str, role: str) -> WorkerGroup:
     config = ActorConfig(
         strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)),
         loss=ActorLossConfig(clip_low=0.2),
     )
-    group = Cluster(ActorWorker, role, world_size, layout, worker_config=config)
-    group.init_model()
+    group = WorkerGroup(ActorWorker, role, world_size, layout, worker_config=config)
+    group.call(ActorWorker.init_model)
     return group
 
 
-def resident_gib(group: Cluster) -> float:
+def resident_gib(group: WorkerGroup) -> float:
     import psutil
 
-    return sum(psutil.Process(pid).memory_info().rss for pid in group.execute_all("pid")) / 2**30
+    return sum(psutil.Process(pid).memory_info().rss for pid in group.call(ActorWorker.pid)) / 2**30
 
 
 def run(work_dir: Path) -> bool:
@@ -75,18 +75,18 @@ def run(work_dir: Path) -> bool:
     seed = start_group(SEED_LAYOUT, 16, model_dir, "actor_16")
     ready = time.perf_counter()
     print(f"16 ranks (TP2 x CP2 x DP2 x PP2) ready in {ready - started:.0f}s, {resident_gib(seed):.1f} GiB resident")
-    for rank, groups in enumerate(seed.execute_all("group_ranks")):
+    for rank, groups in enumerate(seed.call(ActorWorker.group_ranks)):
         print(f"  rank {rank:2d}: " + "  ".join(f"{name}={ranks}" for name, ranks in groups.items()))
-    pp_groups = [groups["pp"] for groups in seed.execute_all("group_ranks")]
+    pp_groups = [groups["pp"] for groups in seed.call(ActorWorker.group_ranks)]
     assert pp_groups[0] == [0, 8] and pp_groups[7] == [7, 15], pp_groups
 
     single = start_group(ParallelLayout(), 1, model_dir, "actor_tp1")
     results = {}
     for name, group in (("seed", seed), ("tp1", single)):
         batch = DataProto.from_dict(tensors=dict(tensors))
-        old = group.compute_log_probs(batch).batch[keys.LOG_PROBS]
-        step = group.train_step(DataProto.from_dict(tensors=dict(tensors, **{keys.OLD_LOG_PROBS: old})))[0]
-        after = group.compute_log_probs(batch).batch[keys.LOG_PROBS]
+        old = group.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
+        step = group.call(ActorWorker.train_step, DataProto.from_dict(tensors=dict(tensors, **{keys.OLD_LOG_PROBS: old})))[0]
+        after = group.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
         results[name] = (old, step, after)
     mask = tensors[keys.RESPONSE_MASK].bool()
     gaps = {

@@ -1,13 +1,36 @@
-"""roll-backend: PPO/GRPO pipelines on Ray, Megatron-core training and vLLM rollout."""
+"""roll-backend: PPO/GRPO pipelines on Ray, Megatron-core training and vLLM rollout.
+
+The repository's top level is fixed by the design card: `workers/` and `strategies/` sit beside this package and
+install as `roll_backend.workers` and `roll_backend.strategies` (pyproject's package-dir). In a plain source
+checkout on sys.path (e.g. a Ray job's uploaded working dir) the finder below maps exactly those two names to
+those two folders; nothing else of the checkout is importable as `roll_backend.*`.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
 
 __version__ = "0.1.0"
 
-# Installed, workers/ and strategies/ are roll_backend.workers and roll_backend.strategies (setuptools
-# package-dir). In a plain source checkout on sys.path (e.g. a Ray job's uploaded working dir) they sit
-# beside this package instead: let the subpackage imports find them there.
-from pathlib import Path as _Path
+_CHECKOUT_SUBPACKAGES = ("workers", "strategies")
 
-_checkout_root = _Path(__file__).resolve().parent.parent
-if (_checkout_root / "workers" / "__init__.py").is_file() and (_checkout_root / "strategies" / "__init__.py").is_file():
-    __path__.append(str(_checkout_root))
-del _Path, _checkout_root
+
+class _CheckoutSubpackageFinder(importlib.abc.MetaPathFinder):
+    """Finds `roll_backend.workers` / `roll_backend.strategies` in a source checkout; after every other finder,
+    so an installed (or editable) mapping wins."""
+
+    def __init__(self, root: Path):
+        self.locations = {f"{__name__}.{name}": root / name for name in _CHECKOUT_SUBPACKAGES}
+
+    def find_spec(self, fullname, path=None, target=None):
+        location = self.locations.get(fullname)
+        if location is None or not (location / "__init__.py").is_file():
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, location / "__init__.py", submodule_search_locations=[str(location)]
+        )
+
+
+if not any(isinstance(finder, _CheckoutSubpackageFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_CheckoutSubpackageFinder(Path(__file__).resolve().parent.parent))

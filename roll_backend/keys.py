@@ -41,7 +41,11 @@ DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to
 # meta_info keys.
 META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
-META_PREPARED = "prepared"  # dict, pipelines.loop.mark_prepared: a batch already scored and given reference log-probs
+META_PREPARED = "prepared"  # dict, pipelines.rl_step.mark_prepared: a batch already scored and given reference log-probs
 META_SAMPLING_SEED = "sampling_seed"  # int, reseeds the rollout engine's sampler before generate (resumable runs)
 META_GLOBAL_TOKEN_COUNT = "global_token_count"  # int, loss tokens across the whole DP mini-batch
 META_GLOBAL_SEQUENCE_COUNT = "global_sequence_count"  # int, sequences with a loss token across the DP mini-batch
+META_BALANCE_DP = "balance_dp"  # bool, default True: the balanced DP modes order rows by tokens over DP ranks
+META_VALIDATE = "validate"  # bool: the rollout samples with its validation settings (greedy by default)
+META_MAX_TOKENS_PER_MICROBATCH = "max_tokens_per_microbatch"  # int, or None for fixed-size micro-batches
+META_SEQUENCE_PACKING = "use_sequence_packing"  # bool: micro-batches pack sequences without padding

@@ -44,16 +44,16 @@ def ray_session():
 @pytest.fixture(scope="module")
 def make_group(ray_session):
     """Build an actor group once per (worker class, world size, layout, ...) and reuse it in the module."""
-    from roll_backend.distributed.cluster import Cluster, RankResources
+    from roll_backend.distributed.worker_group import WorkerGroup, RankResources
     from roll_backend.distributed.parallel import ParallelLayout
 
-    groups: dict[tuple, Cluster] = {}
+    groups: dict[tuple, WorkerGroup] = {}
 
     def make(worker_cls, world_size: int, layout: ParallelLayout = ParallelLayout(), role: str = "test",
-             resources: RankResources = RankResources(), worker_config=None, **cluster_kwargs) -> Cluster:
+             resources: RankResources = RankResources(), worker_config=None, **cluster_kwargs) -> WorkerGroup:
         key = (worker_cls, role, world_size, layout, resources, repr(worker_config), repr(cluster_kwargs))
         if key not in groups:
-            groups[key] = Cluster(worker_cls, role, world_size, layout, resources, worker_config=worker_config, **cluster_kwargs)
+            groups[key] = WorkerGroup(worker_cls, role, world_size, layout, resources, worker_config=worker_config, **cluster_kwargs)
         return groups[key]
 
     yield make

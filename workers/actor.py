@@ -11,11 +11,10 @@ import torch
 
 from roll_backend import keys
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate
-from roll_backend.distributed.balance import DP_MP_DISPATCH_FIRST_BALANCED
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.registry import create_strategy
+from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +74,23 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
 
 
 class ActorWorker(Worker):
-    """One rank of the trained policy. Call `init_model` once after the group starts."""
+    """One rank of the trained policy. Call `init_model` once after the group starts. `compute_log_probs` and
+    `train_step` receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
+
+    def call_context(self):
+        return strategy_call_context(self.config.strategy_name, self.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg: ActorConfig = self.config
-        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
-        self.strategy.initialize()
+        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS (and ENTROPY) [B, T_resp] of the batch's responses under the current weights."""
         return self.strategy.compute_log_probs(batch)
 
-    @register(DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
         loss_fn = functools.partial(actor_loss, self.config.loss)

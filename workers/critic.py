@@ -10,11 +10,10 @@ import torch
 
 from roll_backend import keys
 from roll_backend.algorithms.value_loss import value_loss
-from roll_backend.distributed.balance import DP_MP_DISPATCH_FIRST_BALANCED
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.registry import create_strategy
+from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 
 @dataclass(frozen=True)
@@ -43,20 +42,23 @@ def critic_loss(cfg: CriticLossConfig, per_token: dict[str, torch.Tensor], micro
 
 
 class CriticWorker(Worker):
-    """One rank of the critic. Call `init_model` once after the group starts."""
+    """One rank of the critic. Call `init_model` once after the group starts. `compute_values` and `train_step`
+    receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
+
+    def call_context(self):
+        return strategy_call_context(self.config.strategy_name, self.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg: CriticConfig = self.config
-        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
-        self.strategy.initialize()
+        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def compute_values(self, batch: DataProto) -> DataProto | None:
         """keys.VALUES [B, T_resp]."""
         return self.strategy.compute_values(batch)
 
-    @register(DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         metrics = self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
         return metrics  # reduced over DP already; the group call returns one dict per DP rank

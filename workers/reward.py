@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from roll_backend import keys
+from roll_backend.algorithms.tokens import place_on_last_token
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -46,23 +47,8 @@ class RewardWorkerConfig:
             raise ValueError(f"reward.functions: {repeated} appear more than once; each function's metrics need their own name")
 
 
-def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place one score per sequence on its last response token.
-
-    scores [B] float32, response_mask [B, T_resp] int -> [B, T_resp] float32, zero elsewhere. A response
-    with no tokens gets its score on column 0.
-    """
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
-    last = (response_mask.bool() * positions).argmax(dim=1)  # last index where the mask is 1
-    token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
-    token_level[torch.arange(len(scores)), last] = scores.to(torch.float32)
-    return token_level
-
-
 class RewardWorker(Worker):
     """One rank of the rule-based reward role: DP_MP_COMPUTE hands each rank its share of the batch."""
-
-    runs_megatron = False  # rule and user reward functions
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,7 +89,7 @@ class RewardWorker(Worker):
                 metrics[f"reward/{label}/error_count"] = float(result.error_count)
         metrics["reward/score_mean"] = _mean(scores)
         return DataProto.from_dict(
-            tensors={keys.TOKEN_LEVEL_SCORES: last_token_scores(scores, batch.batch[keys.RESPONSE_MASK])},
+            tensors={keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, batch.batch[keys.RESPONSE_MASK])},
             meta_info={keys.META_METRICS: metrics},
         )
 

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from roll_backend import keys
+from roll_backend.algorithms.tokens import at_last_token, place_on_last_token
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.registry import create_strategy
-from roll_backend.workers.reward import last_token_scores
+from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,6 @@ class RewardModelConfig:
 
     strategy: Any  # e.g. MegatronInferConfig(value_head=True)
     strategy_name: str = "megatron_infer"
-
-
-def last_token_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """values [B, T_resp] -> [B]: the value at each row's last response token (column 0 for an empty response)."""
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
-    last = (response_mask.bool() * positions).argmax(dim=1)
-    return values[torch.arange(values.shape[0]), last].to(torch.float32)
 
 
 def with_one_more_column(batch: DataProto) -> DataProto:
@@ -43,15 +36,18 @@ def with_one_more_column(batch: DataProto) -> DataProto:
 
 
 class RewardModelWorker(Worker):
-    """One rank of a reward model. Call `init_model` once after the group starts."""
+    """One rank of a reward model. Call `init_model` once after the group starts. `compute_rewards` receives its
+    batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST)."""
+
+    def call_context(self):
+        return strategy_call_context(self.config.strategy_name, self.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg: RewardModelConfig = self.config
         if not getattr(cfg.strategy, "value_head", False):
             raise ValueError("a reward model scores with a value head; set reward.strategy.value_head=True.")
-        self.strategy = create_strategy(cfg.strategy_name, cfg.strategy, layout=self.layout, device=self.device)
-        self.strategy.initialize()
+        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST)
     def compute_rewards(self, batch: DataProto) -> DataProto | None:
@@ -64,8 +60,8 @@ class RewardModelWorker(Worker):
         # column appended, VALUES[:, j + 1] is read at token j itself, so a score sees the whole response.
         values_at_tokens = out.batch[keys.VALUES][:, 1:]  # [B, T_resp]
         response_mask = batch.batch[keys.RESPONSE_MASK]
-        scores = last_token_values(values_at_tokens, response_mask)  # [B]
+        scores = at_last_token(values_at_tokens, response_mask)  # [B]
         return DataProto.from_dict(
-            tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: last_token_scores(scores, response_mask)},
+            tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, response_mask)},
             meta_info={keys.META_METRICS: {"reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}},
         )

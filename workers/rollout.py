@@ -12,7 +12,7 @@ from roll_backend import keys
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.registry import create_strategy
+from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,8 @@ class RolloutWorkerConfig:
 
 
 class RolloutWorker(Worker):
-    """One rank of the rollout role. Call `initialize` once after the group is built."""
-
-    runs_megatron = False  # vLLM runs on CPU as it is
+    """One rank of the rollout role. Call `init_model` once after the group is built. Every rank of a TP group
+    gets the whole batch from the controller (DP_MP_COMPUTE): the engine, not an in-actor broadcast, shards it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -34,15 +33,17 @@ class RolloutWorker(Worker):
             raise TypeError(f"RolloutWorker takes a RolloutWorkerConfig as worker_config, got {type(self.config).__name__}")
         self.strategy = None
 
+    def call_context(self):
+        return strategy_call_context(self.config.strategy_name, self.device)
+
     @register(Dispatch.ONE_TO_ALL)
-    def initialize(self) -> None:
+    def init_model(self) -> None:
         """Start the engine on every rank (after the rank joined its process group)."""
         strategy_config = self.config.strategy
         if self.coords is not None and self.coords.dp and hasattr(strategy_config, "seed"):
             # DP ranks sample different streams; the ranks of one TP group must share a seed.
             strategy_config = dataclasses.replace(strategy_config, seed=strategy_config.seed + self.coords.dp)
-        self.strategy = create_strategy(self.config.strategy_name, strategy_config, device=self.device, layout=self.layout)
-        self.strategy.initialize()
+        self.strategy = start_strategy(self.config.strategy_name, strategy_config, self.layout, self.device)
 
     @register(Dispatch.DP_MP_COMPUTE)
     def generate(self, batch: DataProto) -> DataProto:
@@ -69,5 +70,5 @@ class RolloutWorker(Worker):
 
     def _strategy(self):
         if self.strategy is None:
-            raise RuntimeError(f"{self.rank_tag} the rollout engine is not started; call the group's initialize() first")
+            raise RuntimeError(f"{self.rank_tag} the rollout engine is not started; call the group's init_model first")
         return self.strategy

@@ -20,6 +20,26 @@ def response_mask_from_eos(response_ids: torch.Tensor, eos_ids: int | Sequence[i
     return (eos_before == 0).to(torch.int64)
 
 
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the column of each row's last response token in `response_mask` [B, T_resp]; 0 for a row with
+    no response token (so a score placed there still lands inside the row)."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    return (response_mask.bool() * positions).argmax(dim=1)
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One score per sequence on its last response token: scores [B], response_mask [B, T_resp] -> [B, T_resp]
+    float32, zero elsewhere (column 0 for an empty response, see `last_token_index`)."""
+    token_level = torch.zeros(response_mask.shape, dtype=torch.float32, device=scores.device)
+    token_level[torch.arange(len(scores)), last_token_index(response_mask)] = scores.to(torch.float32)
+    return token_level
+
+
+def at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """values [B, T_resp] -> [B] float32: each row's value at its last response token (`last_token_index`)."""
+    return values[torch.arange(values.shape[0]), last_token_index(response_mask)].to(torch.float32)
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """`log_softmax(logits)` at `labels`: logits [B, T, V] float, labels [B, T] int64 -> [B, T]; no mask."""
     log_probs = torch.log_softmax(logits, dim=-1)

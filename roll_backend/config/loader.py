@@ -10,12 +10,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from roll_backend import roles
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
 from roll_backend.config.typed import ConfigError, suggest, build, to_dict
 from roll_backend.config.validate import validate
 from roll_backend.distributed.parallel import ParallelLayout
 
-ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")
 
 
 def _strategy_config_class(name: str):
@@ -90,7 +90,7 @@ def config_from_dict(data: dict) -> PipelineConfig:
     problems: list[str] = []
     data = dict(data)
     broken_roles = []
-    for role in ROLE_NAMES:
+    for role in roles.MODEL_ROLES:
         if data.get(role) is not None:
             before = len(problems)
             data[role] = build_role(role, data[role], problems)
@@ -113,7 +113,7 @@ def config_from_dict(data: dict) -> PipelineConfig:
 def config_to_yaml(config: PipelineConfig) -> str:
     """The resolved config as YAML (roles' strategies flattened back to the YAML shape)."""
     tree = to_dict(config)
-    for role in ROLE_NAMES:
+    for role in roles.MODEL_ROLES:
         section = getattr(config, role)
         if section is not None:
             strategy = section.strategy

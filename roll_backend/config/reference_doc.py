@@ -170,12 +170,12 @@ class _Writer:
 
 def render() -> str:
     """The whole reference, as docs/configuration.md holds it."""
-    from roll_backend.config.loader import ROLE_NAMES
+    from roll_backend.roles import MODEL_ROLES
     from roll_backend.strategies.registry import STRATEGY_CONFIGS, config_class
 
     writer = _Writer()
     top_hints = typing.get_type_hints(PipelineConfig)
-    role_fields = [name for name in ROLE_NAMES if name in top_hints]
+    role_fields = [name for name in MODEL_ROLES if name in top_hints]
     writer.walk(PipelineConfig, "", "Top level (`PipelineConfig`)", skip=tuple(role_fields))
     role_cls = _section_class(top_hints[role_fields[0]])
     fields = {f.name: f for f in dataclasses.fields(PipelineConfig)}

@@ -108,3 +108,18 @@ def broadcast_dataproto(
     # Every rank (the source too) returns tensors on its own device, in the same layout.
     tensors = TensorDict(received, batch_size=[schema["batch_size"]], device=None) if received else None
     return DataProto(batch=tensors, non_tensor_batch=dict(schema["non_tensor_batch"]), meta_info=dict(schema["meta_info"]))
+
+
+def broadcast_over_hops(
+    batch: DataProto, hops: list[dist.ProcessGroup], required: StageColumns | None = None, rank_tag: str = ""
+) -> DataProto:
+    """Broadcast `batch` over each group of `hops` in turn, from each group's first rank (the in-actor broadcast;
+    `parallel.batch_broadcast_hops` names the groups). `required` columns are checked at each rank's last hop:
+    every rank takes part in one, so a missing column fails everywhere at once instead of leaving the other stages
+    waiting; a rank with no hop checks its own batch."""
+    if not hops:
+        check_columns(column_names(batch), required, rank_tag)
+    for i, group in enumerate(hops):
+        last = i == len(hops) - 1
+        batch = broadcast_dataproto(batch, group, dist.get_global_rank(group, 0), required if last else None, rank_tag)
+    return batch

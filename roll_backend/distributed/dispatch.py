@@ -1,8 +1,8 @@
 """Dispatch modes: how a group call splits its arguments across ranks and collects the results.
 
-One table of (split, collect) pairs. A mode is a `DispatchMode` value; new modes are added with
-`register_dispatch_mode` (no edit of this file needed). Worker methods are tagged with `@register(mode)`
-and the Cluster turns each tagged method into a group method of the same name.
+One table, `Dispatch`, of (split, collect) pairs; a new mode is one entry there. Worker methods are tagged with
+`@register(mode)`, and `WorkerGroup.call(Worker.method, ...)` splits, sends and collects by the tag. The balanced
+DP modes order rows with the token-balancing math of `balance.py` and undo the order on collect.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+import numpy as np
+
 from roll_backend import keys
+from roll_backend.distributed.balance import balanced_order, row_tokens
 from roll_backend.distributed.parallel import RankCoords
 from roll_backend.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
@@ -45,20 +48,6 @@ class DispatchMode:
     split: SplitFn = field(repr=False)
     collect: CollectFn = field(repr=False)
     broadcast_in_actor: bool = False
-
-
-_MODES: dict[str, DispatchMode] = {}
-
-
-def register_dispatch_mode(mode: DispatchMode) -> DispatchMode:
-    if mode.name in _MODES:
-        raise ValueError(f"dispatch mode {mode.name!r} is already registered; pick another name")
-    _MODES[mode.name] = mode
-    return mode
-
-
-def dispatch_modes() -> dict[str, DispatchMode]:
-    return dict(_MODES)
 
 
 # ---- split / collect building blocks ----------------------------------------------------------------
@@ -94,8 +83,7 @@ def _split_by_dp(coords: Sequence[RankCoords], args, kwargs, tensors_to_first_on
         if isinstance(value, DataProto):
             padded, pad_size = pad_dataproto_to_divisor(value, dp_size)
             if pad_size:
-                # Padding repeats real rows; mark them so a trainer can leave them out of the loss.
-                padded[keys.DISPATCH_PADDING] = torch.arange(len(padded)) >= len(value)
+                _mark_padding(padded, len(value))
             pad_sizes.append((len(value), pad_size))
             chunks_of[key] = padded.chunk(dp_size)
     if not chunks_of:
@@ -133,21 +121,82 @@ def _collect_dp(coords: Sequence[RankCoords], outputs: list, context: dict):
     return merged
 
 
-class Dispatch:
-    """The built-in modes."""
+def _mark_padding(padded: DataProto, real_rows: int) -> DataProto:
+    """Padding repeats real rows; mark them so a trainer can leave them out of the loss."""
+    padded[keys.DISPATCH_PADDING] = torch.arange(len(padded)) >= real_rows
+    return padded
 
-    ONE_TO_ALL = register_dispatch_mode(DispatchMode("one_to_all", _split_one_to_all, _collect_all))
-    ALL_TO_ALL = register_dispatch_mode(DispatchMode("all_to_all", _split_all_to_all, _collect_all))
-    DP_MP_COMPUTE = register_dispatch_mode(
-        DispatchMode("dp_mp_compute", functools.partial(_split_by_dp, tensors_to_first_only=False), _collect_dp)
+
+def _balanced_split(base_split: SplitFn) -> SplitFn:
+    """`base_split` (a DP split) of the one DataProto argument reordered so each DP rank gets near-equal tokens."""
+
+    def split(coords: Sequence[RankCoords], args, kwargs) -> SplitResult:
+        dp_size = coords[0].dp_size
+        batches = [(k, v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, DataProto)]
+        if dp_size == 1 or len(batches) != 1 or not batches[0][1].meta_info.get(keys.META_BALANCE_DP, True):
+            return base_split(coords, args, kwargs)
+        key, batch = batches[0]
+        if row_tokens(batch) is None or len(batch) == 0:
+            return base_split(coords, args, kwargs)
+        # Pad here as the base split would (repeated rows, marked), so it receives an even batch in balanced order.
+        padded, pad = pad_dataproto_to_divisor(batch, dp_size)
+        if pad:
+            _mark_padding(padded, len(batch))
+        balanced = balanced_order(row_tokens(padded), dp_size)
+        reordered = padded.select_idxs(balanced.order)
+        new_args = tuple(reordered if i == key else a for i, a in enumerate(args))
+        new_kwargs = {k: reordered if k == key else v for k, v in kwargs.items()}
+        result = base_split(coords, new_args, new_kwargs)
+        context = dict(result.context, balance_order=balanced.order, input_len=len(batch), pad_size=pad,
+                       balance_metrics=balanced.metrics)
+        return SplitResult(result.per_rank, context)
+
+    return split
+
+
+def _balanced_collect(base_collect: CollectFn) -> CollectFn:
+    def collect(coords: Sequence[RankCoords], outputs: list, context: dict):
+        if "balance_order" not in context:
+            return base_collect(coords, outputs, context)
+        order, metrics = context["balance_order"], context["balance_metrics"]
+        merged = base_collect(coords, outputs, dict(context, pad_size=0, input_len=len(order)))
+        if not isinstance(merged, DataProto):  # e.g. one metrics dict per DP rank
+            return [dict(out, **metrics) if isinstance(out, dict) else out for out in merged]
+        if len(merged) != len(order):
+            raise DispatchError(
+                f"a DP-balanced method must return one row per input row; got {len(merged)} for {len(order)}"
+            )
+        restored = unpad_dataproto(merged.select_idxs(np.argsort(order)), context["pad_size"])
+        restored.meta_info.setdefault(keys.META_METRICS, {}).update(metrics)
+        return restored
+
+    return collect
+
+
+_split_dp_compute = functools.partial(_split_by_dp, tensors_to_first_only=False)
+_split_dp_first = functools.partial(_split_by_dp, tensors_to_first_only=True)
+
+
+class Dispatch:
+    """Every dispatch mode: how a call's arguments reach the ranks and how their results come back."""
+
+    # Same arguments to every rank; a list of every rank's result.
+    ONE_TO_ALL = DispatchMode("one_to_all", _split_one_to_all, _collect_all)
+    # Argument i of rank r is the r-th item of a list of world_size items; a list of every rank's result.
+    ALL_TO_ALL = DispatchMode("all_to_all", _split_all_to_all, _collect_all)
+    # DataProto arguments split by DP rank; every rank of a DP group gets its chunk. Collect: DP order, unpadded.
+    DP_MP_COMPUTE = DispatchMode("dp_mp_compute", _split_dp_compute, _collect_dp)
+    # As DP_MP_COMPUTE, but only tp0/cp0/pp0 of each model-parallel group get tensors (the others the meta); the
+    # in-actor broadcast (TP x CP, then PP) hands the batch to the rest before the method body runs.
+    DP_MP_DISPATCH_FIRST = DispatchMode("dp_mp_dispatch_first", _split_dp_first, _collect_dp, broadcast_in_actor=True)
+    # The two DP modes with rows balanced by tokens over DP ranks (balance.py); `keys.META_BALANCE_DP = False` in
+    # the batch's meta opts out. Used by the train and log-prob calls of the Megatron roles.
+    DP_MP_COMPUTE_BALANCED = DispatchMode(
+        "dp_mp_compute_balanced", _balanced_split(_split_dp_compute), _balanced_collect(_collect_dp)
     )
-    DP_MP_DISPATCH_FIRST = register_dispatch_mode(
-        DispatchMode(
-            "dp_mp_dispatch_first",
-            functools.partial(_split_by_dp, tensors_to_first_only=True),
-            _collect_dp,
-            broadcast_in_actor=True,
-        )
+    DP_MP_DISPATCH_FIRST_BALANCED = DispatchMode(
+        "dp_mp_dispatch_first_balanced", _balanced_split(_split_dp_first), _balanced_collect(_collect_dp),
+        broadcast_in_actor=True,
     )
 
 
@@ -160,7 +209,7 @@ class MethodDispatch:
 
 
 def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, blocking: bool = True):
-    """Tag a Worker method so its Cluster exposes a group method of the same name."""
+    """Tag a Worker method so `WorkerGroup.call(Worker.method, ...)` runs it on every rank by `dispatch_mode`."""
     if not isinstance(dispatch_mode, DispatchMode):
         raise TypeError(f"register() takes a DispatchMode (e.g. Dispatch.DP_MP_COMPUTE), got {dispatch_mode!r}")
 

@@ -9,19 +9,14 @@ import signal
 import threading
 from dataclasses import dataclass
 
+from roll_backend import roles
+
 FAULT_ENV = "ROLL_BACKEND_INJECT_FAULT"
 FAULTS_OFF = "off"  # passed to a group explicitly: ignore the environment variable too (a restarted run)
 ACTIONS = ("kill", "hang", "raise")
-# The worker methods each phase runs; "step k" is the k-th call of one of them on that rank since it started
-# (one call per step for generate/reward/weight_sync, and for train when a step is one mini-batch).
-PHASE_METHODS = {
-    "generate": ("generate",),
-    "reward": ("compute_rewards",),
-    "log_probs": ("compute_log_probs", "compute_values"),
-    "train": ("train_step",),
-    "weight_sync": ("load_weight_buckets",),
-    "checkpoint": ("save_checkpoint",),
-}
+# A fault's phase is a deadline setting with worker methods (roll_backend.roles.DEADLINE_METHODS); "step k" is the
+# k-th call of one of them on that rank since it started (one call per step for generate/reward/weight_sync, and
+# for train when a step is one mini-batch).
 
 
 class InjectedFault(RuntimeError):
@@ -46,8 +41,8 @@ class FaultSpec:
         action, role, rank, phase, step = parts
         if action not in ACTIONS:
             raise ValueError(f"fault injection {text!r}: action {action!r} is not one of {', '.join(ACTIONS)}")
-        if phase not in PHASE_METHODS:
-            raise ValueError(f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(PHASE_METHODS)}")
+        if phase not in roles.FAULT_PHASES:
+            raise ValueError(f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(roles.FAULT_PHASES)}")
         if not (rank.isdigit() and step.isdigit() and int(step) >= 1):
             raise ValueError(f"fault injection {text!r}: rank and step must be whole numbers, step >= 1 ({example})")
         return cls(action, role, int(rank), phase, int(step))
@@ -69,7 +64,7 @@ class FaultTrigger:
         self.spec, self.calls = spec, 0
 
     def before_call(self, method_name: str, rank_tag: str) -> None:
-        if method_name not in PHASE_METHODS[self.spec.phase]:
+        if method_name not in roles.DEADLINE_METHODS[self.spec.phase]:
             return
         self.calls += 1
         if self.calls != self.spec.step:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import socket
@@ -182,15 +181,18 @@ def group_ranks() -> dict[str, list[int]]:
     return {name: sorted(dist.get_process_group_ranks(group)) for name, group in groups.items()}
 
 
-def device_call_context(device: str, runs_megatron: bool = True) -> contextlib.AbstractContextManager:
-    """What a rank enters around each call: the CPU layer's per-thread mode where Megatron runs on cpu, else
-    nothing (the mode's Python hook on every torch call costs code that needs no device rewriting, e.g. vLLM's
-    engine ~5% of a CPU rollout)."""
-    if device != "cpu" or not runs_megatron:
-        return contextlib.nullcontext()
-    from roll_backend.patches import megatron_cpu
+def batch_broadcast_hops(coords: RankCoords) -> list[dist.ProcessGroup]:
+    """The groups the in-actor broadcast crosses, in order: TP x CP (from pp0's tp0/cp0, which got the batch
+    from the controller), then PP (from the first stage), so every stage holds labels, masks and MTP inputs.
+    A rank takes part in the hops of the groups it belongs to; an empty list when it is alone in both."""
+    from megatron.core import parallel_state as mpu
 
-    return megatron_cpu.cpu_device_mode()
+    hops = []
+    if coords.tp_size * coords.cp_size > 1 and coords.pp == 0:
+        hops.append(mpu.get_tensor_and_context_parallel_group())
+    if coords.pp_size > 1:
+        hops.append(mpu.get_pipeline_model_parallel_group())
+    return hops
 
 
 def destroy_distributed() -> None:

@@ -1,15 +1,17 @@
 """`Worker`: the base of every role's Ray actor. One rank each: it joins the role's process group, knows
-its (dp, tp, pp, cp) coordinates, and runs registered methods with rank-tagged errors."""
+its (dp, tp, pp, cp) coordinates, and runs registered methods with rank-tagged errors. For a method registered
+with an in-actor broadcast mode it first receives the batch: `parallel` names the hops, `collectives` moves it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from typing import Any
 
 from roll_backend.distributed import parallel
-from roll_backend.distributed.collectives import StageColumns, broadcast_dataproto, check_columns, column_names
+from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
 from roll_backend.distributed.dispatch import Dispatch, DispatchMode, register
 from roll_backend.distributed.faults import FaultTrigger, fault_for_rank
 from roll_backend.distributed.orphans import kill_children_with_this_process
@@ -42,8 +44,6 @@ class NotRestartableRankError(RankError, NotRestartableError):
 class Worker:
     """Base class of role actors (actor, critic, reference, reward, rollout)."""
 
-    runs_megatron = True  # its calls run megatron-core code (on CPU: inside megatron_cpu's device mode)
-
     def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None,
                  fault: str | None = None):
         self.role = role
@@ -59,7 +59,7 @@ class Worker:
         spec = fault_for_rank(fault, role, rank)
         self._fault = FaultTrigger(spec) if spec is not None else None
 
-    # ---- set-up, called by the Cluster ---------------------------------------------------------------
+    # ---- set-up, called by the WorkerGroup -----------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the process group meets."""
         return parallel.local_address()
@@ -70,18 +70,23 @@ class Worker:
         )
         return self.coords
 
+    @register(Dispatch.ONE_TO_ALL)
     def group_ranks(self) -> dict[str, list[int]]:
+        """Global ranks of this rank's parallel groups (tp, pp, dp, cp, tp_cp, ep, etp, edp)."""
         return parallel.group_ranks()
 
+    @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
 
+    @register(Dispatch.ONE_TO_ALL)
     def process_group_pids(self) -> list[int]:
         """The processes of this rank's process group: itself, its watchdog, its children (for orphan tests)."""
         import psutil
 
         pgid = os.getpgid(0)
         return sorted(p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid)
+
     @register(Dispatch.ONE_TO_ALL)
     def measure_gemm_tflops(self, dtype: str, shapes: list[tuple[int, int, int]], seconds: float) -> float:
         """This rank's matmul TFLOP/s in `dtype` on its device (with its own thread count): the MFU peak."""
@@ -93,6 +98,11 @@ class Worker:
     def stage_columns(self, method_name: str) -> StageColumns | None:
         """Columns each pipeline stage needs for `method_name`; checked on every rank after the broadcast."""
         return None
+
+    def call_context(self) -> contextlib.AbstractContextManager:
+        """What each registered call runs inside; a role whose strategy needs one returns the strategy's
+        (e.g. the Megatron CPU layer's device mode)."""
+        return contextlib.nullcontext()
 
     # ---- running a registered method ------------------------------------------------------------------
     @property
@@ -109,7 +119,7 @@ class Worker:
         try:
             if self._fault is not None:
                 self._fault.before_call(method.__name__, self.rank_tag)
-            with parallel.device_call_context(self.device, self.runs_megatron):
+            with self.call_context():
                 if mode.broadcast_in_actor:
                     started = time.perf_counter()
                     args, kwargs = self._receive_batches(method.__name__, args, kwargs)
@@ -127,28 +137,12 @@ class Worker:
     def _receive_batches(self, method_name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The in-actor broadcast: every DataProto argument goes over TPxCP (on pp0), then over PP."""
         required = self.stage_columns(method_name)
-        args = tuple(self._broadcast_batch(a, required) if isinstance(a, DataProto) else a for a in args)
-        kwargs = {k: self._broadcast_batch(v, required) if isinstance(v, DataProto) else v for k, v in kwargs.items()}
-        return args, kwargs
+        hops = parallel.batch_broadcast_hops(self.coords)
 
-    def _broadcast_batch(self, batch: DataProto, required: StageColumns | None) -> DataProto:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as mpu
+        def receive(value):
+            return broadcast_over_hops(value, hops, required, self.rank_tag) if isinstance(value, DataProto) else value
 
-        coords = self.coords
-        hops = []
-        if coords.tp_size * coords.cp_size > 1 and coords.pp == 0:
-            hops.append(mpu.get_tensor_and_context_parallel_group())
-        if coords.pp_size > 1:
-            hops.append(mpu.get_pipeline_model_parallel_group())
-        if not hops:
-            check_columns(column_names(batch), required, self.rank_tag)  # no hop to make; same check
-        for i, group in enumerate(hops):
-            # Columns are checked at each rank's last hop: every rank takes part in one, so a missing
-            # column fails everywhere at once instead of leaving the other stages waiting.
-            last = i == len(hops) - 1
-            batch = broadcast_dataproto(batch, group, dist.get_global_rank(group, 0), required if last else None, self.rank_tag)
-        return batch
+        return tuple(receive(a) for a in args), {k: receive(v) for k, v in kwargs.items()}
 
 
 def _pgid(pid: int) -> int | None:

@@ -9,7 +9,7 @@ __all__ = ["run_pipeline", "run_with_restarts"]
 
 def __getattr__(name: str):
     if name == "run_pipeline":
-        from roll_backend.pipelines.loop import run_pipeline
+        from roll_backend.pipelines.driver import run_pipeline
 
         return run_pipeline
     if name == "run_with_restarts":

@@ -7,7 +7,7 @@ Batch k+1 was therefore sampled by the policy of version k-1 while the trainer s
 staleness of one update, measured from the version each row carries, never assumed.
 
 With `async_generation.prepare_ahead`, a driver thread also scores batch k+1 and computes its reference log-probs
-(`loop.prepare_batch`: models that do not train) as soon as it is generated, while the actor still trains on batch
+(`rl_step.prepare_batch`: models that do not train) as soon as it is generated, while the actor still trains on batch
 k; the trainer's half of a step is then the updates and the weight sync. Placed on the rollout's devices, the
 reference uses the time the engine would otherwise wait for the next sync.
 """
@@ -19,9 +19,10 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from roll_backend import keys
-from roll_backend.pipelines import steps
-from roll_backend.pipelines.loop import PipelineRun, mark_prepared, prepare_batch, step_perf, sync_rollout_weights, train_on_batch
+from roll_backend import keys, roles
+from roll_backend.pipelines import phases
+from roll_backend.pipelines.rl_step import mark_prepared, prepare_batch, step_perf, sync_rollout_weights, train_on_batch
+from roll_backend.pipelines.run import PipelineRun
 from roll_backend.pipelines.perf import SequenceLengths
 from roll_backend.pipelines.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
@@ -89,7 +90,7 @@ class OneStepOffPolicyLoop:
         if len(trained):
             metrics |= sync_rollout_weights(run, trained, timer)
         if math.isfinite(generation_seconds):  # (not known for a batch restored from a checkpoint)
-            timer.seconds["generate"] = generation_seconds  # overlapped with training: not part of this step's wall
+            timer.seconds[roles.GENERATE] = generation_seconds  # overlapped with training: not part of this step's wall
         metrics |= {"async/trainer_wait_s": trainer_waited, "async/rollout_idle_s": rollout_idle,
                     "async/prepared_ahead": prepared_ahead}
         return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
@@ -98,7 +99,7 @@ class OneStepOffPolicyLoop:
         """Start generating `step`'s batch with the engine's current weights; returns how long the engine sat idle."""
         run = self.run
         prompts = run.data.batch_at(step, run.config.rollout_batch_size)
-        future = steps.submit_generate(run.groups, prompts, run.config, step)
+        future = phases.submit_generate(run.groups, prompts, run.config, step)
         self.in_flight = _InFlight(future, step, run.rollout_version)
         if self.preparer is not None:
             self.in_flight.prepared = self.preparer.submit(self._finish, self.in_flight, prepare=True)
@@ -112,10 +113,10 @@ class OneStepOffPolicyLoop:
         return in_flight.prepared.result() if in_flight.prepared is not None else self._finish(in_flight)
 
     def _finish(self, in_flight: _InFlight, prepare: bool = False) -> tuple[DataProto, float, SequenceLengths]:
-        batch = steps.collect_generated(in_flight.future)
+        batch = phases.collect_generated(in_flight.future)
         finished = in_flight.finished or time.perf_counter()  # the callback may trail the result by a moment
         self.rollout_free_since = finished
-        steps.stamp_policy_version(batch, in_flight.version)
+        phases.stamp_policy_version(batch, in_flight.version)
         seconds, generated = finished - in_flight.submitted, SequenceLengths.of(batch)
         if prepare:
             timer = PhaseTimer(self.run.config.fault_tolerance.timeouts)

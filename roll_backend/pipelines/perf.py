@@ -13,18 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.config.schema import PipelineConfig, RoleConfig, compute_dtype
+from roll_backend.distributed.worker import Worker
 from roll_backend.perf.flops import ModelFlops
 from roll_backend.perf.peak import gemm_shapes
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
-
-# phase -> the role whose ranks run it
-PHASE_ROLES = {"generate": "actor_infer", "reference": "reference", "log_probs": "actor_train",
-               "values": "critic", "train": "actor_train", "critic_train": "critic"}
-
 
 @dataclass(frozen=True)
 class SequenceLengths:
@@ -59,13 +55,12 @@ class PhasePerf:
     """Per-run FLOP counters and peaks of the roles that run models; turns a step's batch and timings into metrics."""
 
     def __init__(self, config: PipelineConfig, groups):
-        roles = {"actor_train": config.actor_train, "actor_infer": config.actor_infer,
-                 "reference": config.reference, "critic": config.critic}
+        model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         self.config = config
-        self.counters = {name: model_flops_of(role, value_head=name == "critic")
-                         for name, role in roles.items() if role is not None}
-        self.peak_tflops = {name: self._role_peak(name, role, getattr(groups, _GROUP_OF[name]))
-                            for name, role in roles.items() if role is not None}
+        self.counters = {name: model_flops_of(role, value_head=name == roles.CRITIC)
+                         for name, role in model_roles.items() if role is not None}
+        self.peak_tflops = {name: self._role_peak(name, role, getattr(groups, name))
+                            for name, role in model_roles.items() if role is not None}
 
     def _role_peak(self, name: str, role: RoleConfig, group) -> float | None:
         """TFLOP/s of all the role's ranks together: configured per rank, or measured by each rank."""
@@ -78,7 +73,7 @@ class PhasePerf:
 
         hf_config = AutoConfig.from_pretrained(role.model_path)
         shapes = gemm_shapes(hf_config.hidden_size, hf_config.intermediate_size)
-        per_rank = group.measure_gemm_tflops(compute_dtype(role), shapes, perf.probe_seconds)
+        per_rank = group.call(Worker.measure_gemm_tflops, compute_dtype(role), shapes, perf.probe_seconds)
         peak = float(sum(per_rank))
         logger.info("%s: measured GEMM peak %.3f TFLOP/s over %d ranks (%s)", name, peak, len(per_rank), compute_dtype(role))
         return peak
@@ -88,15 +83,19 @@ class PhasePerf:
         others from the batch they processed."""
         lengths = SequenceLengths.of(batch).total
         epochs = self.config.algorithm.ppo_epochs
+        def counter(phase: str) -> ModelFlops:
+            return self.counters[roles.PHASES[phase].role]
+
         counts = {
-            "generate": lambda: self.counters["actor_infer"].generation_flops(generated.prompt, generated.response, generated.uid),
-            "reference": lambda: self.counters["reference"].forward_flops(lengths),
-            "log_probs": lambda: self.counters["actor_train"].forward_flops(lengths),
-            "values": lambda: self.counters["critic"].forward_flops(lengths),
-            "train": lambda: epochs * self.counters["actor_train"].train_flops(lengths),
-            "critic_train": lambda: epochs * self.counters["critic"].train_flops(lengths),
+            roles.GENERATE: lambda: counter(roles.GENERATE).generation_flops(
+                generated.prompt, generated.response, generated.uid),
+            roles.REFERENCE_LOG_PROBS: lambda: counter(roles.REFERENCE_LOG_PROBS).forward_flops(lengths),
+            roles.OLD_LOG_PROBS: lambda: counter(roles.OLD_LOG_PROBS).forward_flops(lengths),
+            roles.VALUES: lambda: counter(roles.VALUES).forward_flops(lengths),
+            roles.TRAIN: lambda: epochs * counter(roles.TRAIN).train_flops(lengths),
+            roles.CRITIC_TRAIN: lambda: epochs * counter(roles.CRITIC_TRAIN).train_flops(lengths),
         }
-        return {phase: counts[phase]() for phase in PHASE_ROLES if phase in phases}
+        return {phase: counts[phase]() for phase in roles.MODEL_PHASES if phase in phases}
 
     def metrics(self, flops: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
         out = {}
@@ -105,10 +104,8 @@ class PhasePerf:
                 continue
             tflops = phase_flops / seconds[phase] / 1e12
             out[f"perf/{phase}_tflops"] = tflops
-            peak = self.peak_tflops.get(PHASE_ROLES[phase])
+            peak = self.peak_tflops.get(roles.PHASES[phase].role)
             if peak:
                 out[f"perf/{phase}_mfu"] = tflops / peak
         return out
 
-
-_GROUP_OF = {"actor_train": "actor", "actor_infer": "rollout", "reference": "reference", "critic": "critic"}

@@ -16,7 +16,7 @@ from roll_backend.distributed.cluster import GroupBrokenError, GroupTimeoutError
 from roll_backend.distributed.faults import FAULTS_OFF
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines import checkpoint as ckpt
-from roll_backend.pipelines.loop import run_pipeline
+from roll_backend.pipelines.driver import run_pipeline
 
 logger = logging.getLogger(__name__)
 

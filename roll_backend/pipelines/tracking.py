@@ -7,16 +7,14 @@ import json
 import time
 from pathlib import Path
 
+from roll_backend import roles
 from roll_backend.config.schema import LoggingConfig, PhaseTimeouts
 from roll_backend.distributed.deadlines import deadline_scope
 
-# The timer's phases that share a deadline setting with another (fault_tolerance.timeouts has one per kind).
-TIMEOUT_OF_PHASE = {"reference": "log_probs", "values": "log_probs", "critic_train": "train"}
-
 
 def phase_deadline(timeouts: PhaseTimeouts | None, name: str):
-    """A deadline scope for every group call of phase `name` (none without `timeouts`)."""
-    key = TIMEOUT_OF_PHASE.get(name, name)
+    """A deadline scope for every group call of phase (or deadline) `name` (none without `timeouts`)."""
+    key = roles.deadline_of(name)
     seconds = getattr(timeouts, key, None) if timeouts is not None else None
     return deadline_scope(seconds, f"phase '{name}' (fault_tolerance.timeouts.{key})")
 

@@ -13,16 +13,9 @@ import torch.distributed as dist
 
 from roll_backend import keys
 from roll_backend.distributed.collectives import StageColumns
-from roll_backend.distributed.dispatch import Dispatch, DispatchMode, register, register_dispatch_mode
+from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-
-# A mode registered outside dispatch.py: DISPATCH_FIRST's routing without the in-actor broadcast,
-# so a test can see which ranks got tensors from the controller.
-DP_FIRST_NO_BROADCAST = register_dispatch_mode(
-    DispatchMode("test_dp_first_no_broadcast", Dispatch.DP_MP_DISPATCH_FIRST.split, Dispatch.ONE_TO_ALL.collect)
-)
-
 
 def batch_checksums(batch: DataProto) -> dict:
     tensors = {k: float(v.double().sum()) for k, v in batch.batch.items()} if batch.batch is not None else {}
@@ -73,8 +66,9 @@ class ProbeWorker(Worker):
             non_tensors={"served_by_rank": np.full(n, self.rank, dtype=object)},
         )
 
-    @register(DP_FIRST_NO_BROADCAST)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST)
     def what_arrived(self, batch: DataProto) -> dict:
+        """What this rank holds when the method body runs (after the in-actor broadcast)."""
         return {"rank": self.rank, "rows": len(batch) if batch.batch is not None else 0, "meta": dict(batch.meta_info)}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -82,7 +76,7 @@ class ProbeWorker(Worker):
         self.required = required
 
     def stage_columns(self, method_name: str) -> StageColumns | None:
-        return self.required
+        return self.required if method_name == "received_checksums" else None
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST)
     def received_checksums(self, batch: DataProto) -> DataProto:

@@ -22,11 +22,11 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb2n", dir="/tmp")
 os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
+from ray.cluster_utils import WorkerGroup as RayCluster  # noqa: E402
 
 from probe_workers import ProbeWorker  # noqa: E402
 from roll_backend.config.loader import load_config  # noqa: E402
-from roll_backend.distributed.cluster import Cluster, RankResources  # noqa: E402
+from roll_backend.distributed.worker_group import WorkerGroup, RankResources  # noqa: E402
 from roll_backend.distributed.parallel import ParallelLayout  # noqa: E402
 from roll_backend.pipelines import run_with_restarts  # noqa: E402
 
@@ -69,8 +69,8 @@ def main() -> None:
     result: dict = {"nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]]}
 
     # TP=2 x DP=2 with 2.5 CPUs per rank: one TP block fills a node, so the blocks land on different nodes.
-    group = Cluster(ProbeWorker, "tp_blocks", 4, ParallelLayout(tp=2), RankResources(num_cpus=2.5))
-    result["probe_rank_nodes"] = [p["node"] for p in group.placement()]
+    group = WorkerGroup(ProbeWorker, "tp_blocks", 4, ParallelLayout(tp=2), RankResources(num_cpus=2.5))
+    result["probe_rank_nodes"] = [p["node"] for p in group.call(ProbeWorker.placement)]
     group.shutdown()
 
     messages = Messages()

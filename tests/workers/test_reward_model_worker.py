@@ -9,10 +9,10 @@ import torch
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
-from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_reward_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron_config import MegatronInferConfig
-from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker, last_token_values
+from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker
 
 PROMPT_LEN, RESPONSE_LEN = 6, 5
 
@@ -28,7 +28,7 @@ def start_reward_model(make_group, model_dir: str, layout: ParallelLayout):
     config = RewardModelConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
                                                             value_head_init="score_head"))
     group = make_group(RewardModelWorker, layout.tp * layout.pp, layout, role="reward_model", worker_config=config)
-    group.init_model()
+    group.call(RewardModelWorker.init_model)
     return group
 
 
@@ -65,19 +65,13 @@ def test_trained_reward_model_scores_equal_transformers(make_group, reward_model
     with torch.no_grad():  # one unpadded sequence at a time: transformers reads its last (non-pad) token
         expected = torch.tensor([float(hf(torch.tensor([prompt + response])).logits[0, 0]) for prompt, response in ROWS])
     group = start_reward_model(make_group, reward_model_dirs[kind], layout)
-    scores = group.compute_rewards(layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
+    scores = group.call(RewardModelWorker.compute_rewards, layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
     assert expected.std() > 0.05  # the score head is not ~0: a missing head load would show
     assert torch.allclose(scores, expected, atol=1e-5, rtol=0), (scores, expected)
 
 
-def test_last_token_values_reads_the_last_masked_position():
-    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
-    assert torch.equal(last_token_values(values, mask), torch.tensor([1.0, 7.0, 8.0]))
-
-
 def test_sequence_scores_on_the_last_response_token(reward_model):
-    out = reward_model.compute_rewards(layout_rows(ROWS))
+    out = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(ROWS))
     scores, token_level = out.batch[keys.SEQUENCE_SCORES], out.batch[keys.TOKEN_LEVEL_SCORES]
     assert scores.shape == (len(ROWS),) and token_level.shape == (len(ROWS), RESPONSE_LEN)
     assert torch.isfinite(scores).all() and scores.std() > 0
@@ -87,17 +81,17 @@ def test_sequence_scores_on_the_last_response_token(reward_model):
 
 
 def test_scores_ignore_padding_and_depend_on_the_last_token(reward_model):
-    base = reward_model.compute_rewards(layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
+    base = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
     # The same sequences with wider padding on both sides.
-    wider = reward_model.compute_rewards(layout_rows(ROWS, prompt_len=PROMPT_LEN + 3, response_len=RESPONSE_LEN + 2))
+    wider = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(ROWS, prompt_len=PROMPT_LEN + 3, response_len=RESPONSE_LEN + 2))
     assert torch.allclose(wider.batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
     # Garbage in the padded tail is not read ...
     tail_garbage = layout_rows(ROWS)
     tail = tail_garbage.batch[keys.RESPONSE_MASK] == 0
     tail_garbage.batch[keys.RESPONSES] = tail_garbage.batch[keys.RESPONSES].masked_fill(tail, 99)
     tail_garbage.batch[keys.INPUT_IDS] = torch.cat([tail_garbage.batch[keys.PROMPTS], tail_garbage.batch[keys.RESPONSES]], dim=1)
-    assert torch.allclose(reward_model.compute_rewards(tail_garbage).batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
+    assert torch.allclose(reward_model.call(RewardModelWorker.compute_rewards, tail_garbage).batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
     # ... while the last real token is.
     changed = [(prompt, response[:-1] + [response[-1] + 40]) for prompt, response in ROWS]
-    moved = reward_model.compute_rewards(layout_rows(changed)).batch[keys.SEQUENCE_SCORES]
+    moved = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(changed)).batch[keys.SEQUENCE_SCORES]
     assert (moved - base).abs().min() > 1e-6

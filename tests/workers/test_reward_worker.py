@@ -8,7 +8,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.protocol import DataProto
-from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig, last_token_scores
+from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig
 
 # (response text, answer, expected math_verify score)
 CASES = [
@@ -33,17 +33,10 @@ def rollout_like_batch(lengths: list[int], width: int = 6) -> DataProto:
     )
 
 
-def test_last_token_scores_places_score_on_last_masked_token():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
-    out = last_token_scores(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
-    expected = torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 2.0], [3.0, 0, 0, 0], [4.0, 0, 0, 0]])
-    assert out.dtype == torch.float32 and torch.equal(out, expected)
-
-
 def test_math_rewards_on_a_two_rank_group(make_group):
     group = make_group(RewardWorker, 2, role="reward", worker_config=RewardWorkerConfig({"math_verify": 1.0}))
     lengths = [3, 6, 1, 2, 5, 4, 6]
-    out = group.compute_rewards(rollout_like_batch(lengths))
+    out = group.call(RewardWorker.compute_rewards, rollout_like_batch(lengths))
     scores = out.batch[keys.TOKEN_LEVEL_SCORES]
     assert scores.shape == (len(CASES), 6) and scores.dtype == torch.float32
     expected = torch.tensor([c[2] for c in CASES])
@@ -56,7 +49,7 @@ def test_math_rewards_on_a_two_rank_group(make_group):
 
 def test_weighted_rewards_and_unknown_name(make_group):
     group = make_group(RewardWorker, 2, role="reward", worker_config=RewardWorkerConfig({"math_verify": 1.0, "format_boxed": 0.5}))
-    out = group.compute_rewards(rollout_like_batch([6] * len(CASES)))
+    out = group.call(RewardWorker.compute_rewards, rollout_like_batch([6] * len(CASES)))
     boxed = torch.tensor([0.5 if "\\boxed{" in c[0] else 0.0 for c in CASES])
     assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor([c[2] for c in CASES]) + boxed)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
@@ -109,7 +102,7 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
     from types import SimpleNamespace
 
     from roll_backend.errors import UserCodeError
-    from roll_backend.pipelines.steps import score
+    from roll_backend.pipelines.phases import score
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
     def answer_length(data_source, solution_str, ground_truth, extra_info=None):  # pickled by value to the workers
@@ -133,18 +126,18 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
     assert metrics["reward/answer_length/mean"] == pytest.approx((1.0 + 1.5) / 2)
 
     with pytest.raises(UserCodeError) as info:  # a raising user function stops the call, with its row
-        group.compute_rewards(text_batch(["7", "boom", "3"], ["7", "8", "3"]))
+        group.call(RewardWorker.compute_rewards, text_batch(["7", "boom", "3"], ["7", "8", "3"]))
     message = str(info.value)
     assert "reward.compute_rewards: [reward rank" in message
     assert "user_rewards.compute_score raised RuntimeError: cannot parse boom on row 1 (prompt 'copy 8', response 'boom')" in message
     # The group is not broken by a user's error: the next call works.
-    assert group.compute_rewards(text_batch(["7"], ["7"])).batch[keys.TOKEN_LEVEL_SCORES].sum() == pytest.approx(3.5 + 0.25)
+    assert group.call(RewardWorker.compute_rewards, text_batch(["7"], ["7"])).batch[keys.TOKEN_LEVEL_SCORES].sum() == pytest.approx(3.5 + 0.25)
 
 
 def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user_rewards_file):
     from types import SimpleNamespace
 
-    from roll_backend.pipelines.steps import score
+    from roll_backend.pipelines.phases import score
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
     config = RewardWorkerConfig(rewards={}, on_function_error="zero", function_timeout_s=1.0, functions=(

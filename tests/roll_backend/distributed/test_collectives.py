@@ -49,11 +49,11 @@ def group(request, make_group):
 
 def test_every_rank_holds_the_same_batch_after_the_broadcast(group):
     batch = training_batch()
-    group.require_columns(MTP_STAGES)
-    out = group.received_checksums(batch)
+    group.call(ProbeWorker.require_columns, MTP_STAGES)
+    out = group.call(ProbeWorker.received_checksums, batch)
     assert out.batch["ids"].tolist() == list(range(5))
     expected = batch_checksums(batch)
-    recorded = group.recorded_checksums()
+    recorded = group.call(ProbeWorker.recorded_checksums)
     for record in recorded:
         assert record["tensors"] == expected["tensors"], record["coords"]
         assert record["non_tensor"] == expected["non_tensor"]
@@ -66,13 +66,13 @@ def test_every_rank_holds_the_same_batch_after_the_broadcast(group):
 def test_missing_declared_column_fails_on_every_rank_and_the_group_stays_usable(group):
     batch = training_batch()
     batch.pop(batch_keys=[keys.ADVANTAGES])
-    group.require_columns(MTP_STAGES)
-    future = group.received_checksums.submit(batch)
+    group.call(ProbeWorker.require_columns, MTP_STAGES)
+    future = group.submit(ProbeWorker.received_checksums, batch)
     for rank, ref in enumerate(future.refs):
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(ref)
         message = str(info.value)
         assert "missing column(s) ['advantages']" in message
         assert f"rank {rank}/{group.world_size}" in message
-    group.require_columns(None)
-    assert group.received_checksums(training_batch(3)).batch["ids"].tolist() == [0, 1, 2]
+    group.call(ProbeWorker.require_columns, None)
+    assert group.call(ProbeWorker.received_checksums, training_batch(3)).batch["ids"].tolist() == [0, 1, 2]

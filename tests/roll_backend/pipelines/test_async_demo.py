@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
-from roll_backend.pipelines.loop import PipelineRun
+from roll_backend.pipelines.run import PipelineRun
 
 TARGET_REWARD = 0.8
 WINDOW = 3  # steps the mean reward is averaged over (one lucky batch does not count)
@@ -18,7 +18,7 @@ def test_async_demo_reaches_the_synchronous_reward(ray_session, tmp_path):
     rewards, staleness = [], []
     with PipelineRun(config) as run:  # the demo's 100-step schedule; the test stops once the target is held
         loop = OneStepOffPolicyLoop(run)
-        for step in run.steps():
+        for step in run.step_numbers():
             metrics = loop.step(step)
             run.log(step, metrics)
             rewards.append(metrics["reward/mean"])

@@ -15,7 +15,7 @@ from roll_backend.distributed.dispatch import DispatchError
 from roll_backend.distributed.placement import PlacementError
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.recovery import is_restartable
-from roll_backend.pipelines.steps import WeightSyncError
+from roll_backend.pipelines.phases import WeightSyncError
 from roll_backend.pipelines.tracking import MetricsTracker, read_metrics
 
 

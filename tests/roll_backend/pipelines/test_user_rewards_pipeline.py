@@ -112,8 +112,10 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
 
     from roll_backend import keys
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_reward_model
-    from roll_backend.pipelines import steps
-    from roll_backend.pipelines.loop import PipelineRun, rl_step
+    from roll_backend.pipelines import phases
+    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.run import PipelineRun
+    from roll_backend.workers.critic import CriticWorker
 
     reward_model = build_tiny_reward_model(tmp_path / "reward_model", TinyModelSpec(seed=5))
     critic = ("critic={model_path: " + str(reward_model) + ", world_size: 1, strategy: {name: megatron_train, "
@@ -121,8 +123,8 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
     config = load_config(base_config, overrides(
         prompt_file, model_dir, tmp_path / "ppo", "pipeline=ppo", "algorithm.adv_estimator=gae", critic, "max_steps=1"))
     with PipelineRun(config) as run:
-        batch = steps.generate(run.groups, run.data.batch_at(1, config.rollout_batch_size), config, step=1)
-        values = run.groups.critic.compute_values(batch).batch[keys.VALUES]
+        batch = phases.generate(run.groups, run.data.batch_at(1, config.rollout_batch_size), config, step=1)
+        values = run.groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
         # The reward model's score head applied at every position, read where each response token is predicted.
         hf = AutoModelForSequenceClassification.from_pretrained(reward_model, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -135,5 +137,5 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
         assert torch.allclose(values[mask], expected[mask], atol=1e-5, rtol=0)
         metrics = rl_step(run, 1)
         assert metrics["critic/vf_loss"] > 0 and "timing/critic_train" in metrics
-        after = run.groups.critic.compute_values(batch).batch[keys.VALUES]
+        after = run.groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
         assert (after[mask] - values[mask]).abs().max() > 1e-4  # and the critic trains from there

@@ -1,4 +1,5 @@
-"""The phases of one RL step, shared by the GRPO and PPO loops. Each takes the groups and the step's batch."""
+"""The phases of one RL step (roll_backend.roles.PHASES), shared by the GRPO and PPO loops. Each takes the groups
+and the step's batch; a group call names the worker method it runs (`group.call(ActorWorker.train_step, ...)`)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ from roll_backend.algorithms import (
     rollout_correction,
 )
 from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
-from roll_backend.distributed.cluster import GroupFuture
+from roll_backend.algorithms.tokens import place_on_last_token
+from roll_backend.distributed.worker_group import GroupFuture, WorkerGroup
 from roll_backend.errors import NotRestartableError
-from roll_backend.pipelines.roles import RoleGroups
+from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.protocol import DataProto
+from roll_backend.workers.actor import ActorWorker
+from roll_backend.workers.critic import CriticWorker
+from roll_backend.workers.reference import ReferenceWorker
+from roll_backend.workers.reward import RewardWorker
+from roll_backend.workers.rollout import RolloutWorker
 
 
 class WeightSyncError(NotRestartableError):
@@ -39,7 +46,7 @@ def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, ste
 def submit_generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> GroupFuture:
     """Start `generate` without waiting (the asynchronous loop trains meanwhile); `collect_generated` ends it."""
     prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step)
-    return groups.rollout.generate.submit(prompts)
+    return groups.actor_infer.submit(RolloutWorker.generate, prompts)
 
 
 def collect_generated(future: GroupFuture) -> DataProto:
@@ -49,7 +56,7 @@ def collect_generated(future: GroupFuture) -> DataProto:
 
 
 def score(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
-    rewards = groups.reward.compute_rewards(batch)
+    rewards = groups.reward.call(RewardWorker.compute_rewards, batch)
     batch[keys.TOKEN_LEVEL_SCORES] = rewards.batch[keys.TOKEN_LEVEL_SCORES]
     return _mean_metrics(rewards.meta_info.get(keys.META_METRICS, {}), prefix="reward/")
 
@@ -101,13 +108,18 @@ def staleness_metrics(batch: DataProto, trainer_version: int) -> dict[str, float
     return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
 
 
-def log_probs(group, batch: DataProto, key: str) -> None:
-    """batch[key] = the group's log-probs of the responses (at the batch's sampling temperature)."""
-    batch[key] = group.compute_log_probs(batch).batch[keys.LOG_PROBS]
+def reference_log_probs(groups: RoleGroups, batch: DataProto) -> None:
+    """batch[REF_LOG_PROBS] = the reference's log-probs of the responses (at the batch's sampling temperature)."""
+    batch[keys.REF_LOG_PROBS] = groups.reference.call(ReferenceWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
 
 
-def values(group, batch: DataProto) -> None:
-    batch[keys.VALUES] = group.compute_values(batch).batch[keys.VALUES]
+def old_log_probs(groups: RoleGroups, batch: DataProto) -> None:
+    """batch[OLD_LOG_PROBS] = the trained policy's log-probs before this step's updates."""
+    batch[keys.OLD_LOG_PROBS] = groups.actor_train.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
+
+
+def values(groups: RoleGroups, batch: DataProto) -> None:
+    batch[keys.VALUES] = groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
 
 
 def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[str, float]:
@@ -119,8 +131,7 @@ def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[
     metrics: dict[str, float] = {}
     if algo.reward_norm is not None or algo.reward_clip is not None:
         sequence = postprocess_rewards(scores.sum(-1), group_ids, norm=algo.reward_norm, clip=algo.reward_clip)
-        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)  # last response token
-        scores = torch.where(last, sequence[:, None], torch.zeros_like(scores))
+        scores = place_on_last_token(sequence, tensors[keys.RESPONSE_MASK])
     rewards = scores
     if keys.REF_LOG_PROBS in tensors.keys():
         # On-policy steps skip the old log-probs; the sampler's own are then the policy's log-probs.
@@ -142,14 +153,24 @@ def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[
     return metrics
 
 
-def train(group, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str) -> dict[str, float]:
-    """`ppo_epochs` passes over the batch in shuffled mini-batches; one optimizer step per mini-batch."""
+def train_actor(groups: RoleGroups, batch: DataProto, algo: AlgorithmConfig, seed: int) -> dict[str, float]:
+    return train(groups.actor_train, ActorWorker.train_step, batch, algo, seed, "actor/")
+
+
+def train_critic(groups: RoleGroups, batch: DataProto, algo: AlgorithmConfig, seed: int) -> dict[str, float]:
+    return train(groups.critic, CriticWorker.train_step, batch, algo, seed, "critic/")
+
+
+def train(group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfig, seed: int,
+          prefix: str) -> dict[str, float]:
+    """`ppo_epochs` passes over the batch in shuffled mini-batches; one optimizer step (`train_step`, a worker
+    method) per mini-batch; metrics averaged over mini-batches and DP ranks, named `prefix` + metric."""
     mini = algo.ppo_mini_batch_size or len(batch)
     collected: dict[str, list[float]] = {}
     for epoch in range(algo.ppo_epochs):
         order = np.random.default_rng(seed + epoch).permutation(len(batch))
         for start in range(0, len(batch), mini):
-            per_dp_rank = group.train_step(batch.select_idxs(order[start : start + mini]))
+            per_dp_rank = group.call(train_step, batch.select_idxs(order[start : start + mini]))
             for metrics in per_dp_rank:
                 for name, value in (metrics or {}).items():
                     collected.setdefault(name, []).append(float(value))
@@ -158,15 +179,15 @@ def train(group, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str
 
 def sync_weights(groups: RoleGroups, probe_rows: DataProto | None, bucket_bytes: int, max_gap: float) -> dict[str, float]:
     """Trainer weights -> rollout engine, then a probe: both score the same sequences; the gap must stay small."""
-    bucket_refs = groups.actor.publish_hf_weights(bucket_bytes)
-    loaded = groups.rollout.load_weight_buckets(next(refs for refs in bucket_refs if refs))
+    bucket_refs = groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes)
+    loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, next(refs for refs in bucket_refs if refs))
     if probe_rows is None:
         return {"weight_sync/tensors": float(loaded[0])}
     probe = probe_rows.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.PROMPTS,
                                           keys.RESPONSES, keys.RESPONSE_MASK])
     probe.meta_info[keys.META_TEMPERATURE] = 1.0
-    engine = groups.rollout.probe_log_probs(probe).batch[keys.LOG_PROBS]
-    trainer = groups.actor.compute_log_probs(probe).batch[keys.LOG_PROBS]
+    engine = groups.actor_infer.call(RolloutWorker.probe_log_probs, probe).batch[keys.LOG_PROBS]
+    trainer = groups.actor_train.call(ActorWorker.compute_log_probs, probe).batch[keys.LOG_PROBS]
     mask = probe.batch[keys.RESPONSE_MASK].float()
     gap = float(masked_mean((engine - trainer).abs(), mask))
     if not gap <= max_gap:

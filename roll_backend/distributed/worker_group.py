@@ -1,10 +1,9 @@
-"""`Cluster`: one Ray actor per rank of a role, on a placement group, exposing the role's registered
-methods as group methods (split by the method's dispatch mode, sent, collected)."""
+"""`WorkerGroup`: one Ray actor per rank of a role, on a placement group. `group.call(Worker.method, ...)` runs a
+registered worker method on every rank: split by the method's dispatch mode, sent, collected, under one deadline."""
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import re
 from dataclasses import dataclass
@@ -93,8 +92,8 @@ class GroupFuture:
     """The pending result of a non-blocking group call; `get()` collects it, `wait_all` waits on many.
     The call's deadline (its `timeout_s` or the enclosing deadline scope's) counts from when it was sent."""
 
-    def __init__(self, cluster: "Cluster", method_name: str, refs: list, collect, deadline: Deadline | None = None):
-        self._cluster, self._method_name, self.refs, self._collect = cluster, method_name, refs, collect
+    def __init__(self, group: "WorkerGroup", method_name: str, refs: list, collect, deadline: Deadline | None = None):
+        self._group, self._method_name, self.refs, self._collect = group, method_name, refs, collect
         self.deadline = deadline
 
     def get(self, timeout_s: float | None = None):
@@ -102,42 +101,26 @@ class GroupFuture:
         return self._get_by(earliest(self.deadline, Deadline.after(timeout_s, f"{timeout_s}s from get()")))
 
     def _get_by(self, deadline: Deadline | None):
-        return self._collect(self._cluster._gather(self._method_name, self.refs, deadline))
+        return self._collect(self._group._gather(self._method_name, self.refs, deadline))
 
 
 def wait_all(futures: Sequence[GroupFuture], timeout_s: float | None = None) -> list:
-    """Collect several non-blocking group calls (of one or more clusters) within one shared deadline."""
+    """Collect several non-blocking group calls (of one or more groups) within one shared deadline."""
     shared = Deadline.after(timeout_s, f"{timeout_s}s from wait_all()")
     return [future._get_by(earliest(future.deadline, shared)) for future in futures]
 
 
-class GroupMethod:
-    """A worker method as seen from the driver: calling it splits, sends and collects per its mode;
-    `submit` always returns a GroupFuture (whatever `blocking` the method was registered with).
-    Both take `timeout_s`: one deadline for the whole call (every rank), on top of any deadline scope."""
-
-    def __init__(self, cluster: "Cluster", name: str, spec: MethodDispatch, method):
-        self._cluster, self._name, self.spec = cluster, name, spec
-        functools.update_wrapper(self, method)
-
-    def submit(self, *args, timeout_s: float | None = None, **kwargs) -> GroupFuture:
-        return self._cluster._submit(self._name, self.spec, args, kwargs, call_deadline(timeout_s))
-
-    def __call__(self, *args, timeout_s: float | None = None, **kwargs):
-        future = self.submit(*args, timeout_s=timeout_s, **kwargs)
-        return future.get() if self.spec.blocking else future
-
-
-class Cluster:
-    """An actor group for one role. Each `@register`-ed method of `worker_cls` becomes a method here.
+class WorkerGroup:
+    """The actor group of one role: one `worker_cls` actor per rank. `call(worker_cls.method, *args)` runs a
+    `@register`-ed method on every rank by its dispatch mode; `submit` returns a GroupFuture instead of waiting.
 
     `placement_group`: share one with another role to colocate them (rank r of each role on bundle r);
-    by default the cluster reserves its own, one per TP x CP block so such a block never spans two nodes.
+    by default the group reserves its own, one per TP x CP block so such a block never spans two nodes.
 
     Health: once a rank died, missed a call's deadline, or raised while other ranks of the call were still
     busy (possibly waiting for it in a collective), the group is broken: its actors are killed (gloo cannot be
     aborted reliably; killing frees the waiting ranks) and every later call fails at once, naming that first
-    failure. Build a new Cluster to go on. `settle_s`: how long the other ranks of a call get to finish after
+    failure. Build a new WorkerGroup to go on. `settle_s`: how long the other ranks of a call get to finish after
     one rank raised before the group counts as broken. `placement_timeout_s`: how long reserving the ranks'
     resources may wait (a PlacementError after it).
     `fault`: fault injection for tests (distributed/faults.py); None reads ROLL_BACKEND_INJECT_FAULT.
@@ -158,7 +141,7 @@ class Cluster:
         fault: str | None = None,
     ):
         layout.dp_size(world_size)  # an impossible layout fails before any actor starts
-        self.role, self.world_size, self.layout = role, world_size, layout
+        self.worker_cls, self.role, self.world_size, self.layout = worker_cls, role, world_size, layout
         self.settle_s = settle_s
         self.broken: DispatchError | None = None
         self.coords: list[RankCoords] = []
@@ -187,15 +170,33 @@ class Cluster:
         except Exception:
             self.shutdown()
             raise
-        self._bind_registered_methods(worker_cls)
 
-    def _bind_registered_methods(self, worker_cls: type[Worker]) -> None:
-        for name, method in inspect.getmembers(worker_cls, predicate=callable):
-            spec = method_dispatch(method)
-            if spec is not None:
-                setattr(self, name, GroupMethod(self, name, spec, method))
+    def call(self, method, *args, timeout_s: float | None = None, **kwargs):
+        """Run `method` (a `@register`-ed method of this group's worker class, e.g. `ActorWorker.train_step`) on
+        every rank and collect the results by its dispatch mode; a method registered with `blocking=False` gives
+        a GroupFuture instead. `timeout_s`: one deadline for the whole call (every rank), on top of any deadline
+        scope."""
+        future = self.submit(method, *args, timeout_s=timeout_s, **kwargs)
+        return future.get() if method_dispatch(method).blocking else future
 
-    def _submit(self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict, deadline: Deadline | None) -> GroupFuture:
+    def submit(self, method, *args, timeout_s: float | None = None, **kwargs) -> GroupFuture:
+        """As `call`, without waiting: the GroupFuture's `get()` collects (see also `wait_all`)."""
+        spec = self._registered(method)
+        return self._submit(method.__name__, spec, args, kwargs, call_deadline(timeout_s))
+
+    def _registered(self, method) -> MethodDispatch:
+        spec = method_dispatch(method)
+        name = getattr(method, "__name__", repr(method))
+        if spec is None:
+            raise TypeError(f"{self.role}: {name} is not a @register-ed worker method; tag it with @register(mode)")
+        owner = method.__qualname__.rpartition(".")[0]
+        if owner not in {cls.__qualname__ for cls in self.worker_cls.__mro__}:
+            raise TypeError(f"{self.role}: {method.__qualname__} is not a method of this group's worker "
+                            f"{self.worker_cls.__name__}")
+        return spec
+
+    def _submit(self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict,
+                deadline: Deadline | None) -> GroupFuture:
         self._check_usable(method_name)
         try:
             split = spec.mode.split(self.coords, args, kwargs)
@@ -268,12 +269,6 @@ class Cluster:
         self._kill_workers()
         raise failure from cause
 
-    def execute_all(self, method_name: str, *args, timeout_s: float | None = None, **kwargs) -> list:
-        """Call a plain (unregistered) Worker method on every rank with the same arguments."""
-        self._check_usable(method_name)
-        deadline = call_deadline(timeout_s)
-        return self._gather(method_name, [getattr(w, method_name).remote(*args, **kwargs) for w in self.workers], deadline)
-
     def _kill_workers(self) -> None:
         for worker in getattr(self, "workers", []):
             try:
@@ -283,7 +278,7 @@ class Cluster:
         self.workers = []
 
     def shutdown(self) -> None:
-        """Kill every rank's actor and release the placement groups this cluster reserved."""
+        """Kill every rank's actor and release the placement groups this group reserved."""
         self._kill_workers()
         if getattr(self, "_bundles", None) is not None:
             self._bundles.release()

@@ -5,7 +5,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import AlgorithmConfig
-from roll_backend.pipelines.steps import advantages, drop_uniform_groups
+from roll_backend.pipelines.phases import advantages, drop_uniform_groups
 from roll_backend.protocol import DataProto
 
 

@@ -8,7 +8,8 @@ import ray
 
 from probe_workers import ProbeWorker
 from process_checks import describe, wait_until_gone
-from roll_backend.distributed.cluster import Cluster, GroupBrokenError, GroupTimeoutError, RankRaisedError, wait_all
+from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import WorkerGroup, GroupBrokenError, GroupTimeoutError, RankRaisedError, wait_all
 from roll_backend.distributed.deadlines import deadline_scope
 from roll_backend.distributed.parallel import ParallelLayout
 
@@ -25,51 +26,51 @@ def assert_ranks_stopped(group_workers: list, pids: list[int]) -> None:
 
 
 def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):
-    group = Cluster(ProbeWorker, "slow", 2, TP2)
-    workers, pids = list(group.workers), group.execute_all("pid")
-    assert group.answer_after(0.0, timeout_s=120) == [0, 1]  # timeout_s in the plain call form
+    group = WorkerGroup(ProbeWorker, "slow", 2, TP2)
+    workers, pids = list(group.workers), group.call(Worker.pid)
+    assert group.call(ProbeWorker.answer_after, 0.0, timeout_s=120) == [0, 1]  # timeout_s in the plain call form
     with pytest.raises(GroupTimeoutError, match=r"slow.answer_after: no answer from \[rank 0/2, dp=0 tp=0 pp=0 cp=0\] \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] "
                                                  r"within the deadline of the call \(2s\)"):
-        group.answer_after(3600.0, timeout_s=2)
+        group.call(ProbeWorker.answer_after, 3600.0, timeout_s=2)
     # Broken, loudly: the next call fails at once and names the first failure; the ranks were stopped.
     with pytest.raises(GroupBrokenError, match=r"slow.whoami: the group is broken since an earlier call failed "
                                                 r"\(slow.answer_after: no answer from \[rank 0/2"):
-        group.whoami("again")
+        group.call(ProbeWorker.whoami, "again")
     assert_ranks_stopped(workers, pids)
     group.shutdown()
-    rebuilt = Cluster(ProbeWorker, "slow", 2, TP2)
+    rebuilt = WorkerGroup(ProbeWorker, "slow", 2, TP2)
     try:
-        assert [r["rank"] for r in rebuilt.whoami("rebuilt")] == [0, 1]
+        assert [r["rank"] for r in rebuilt.call(ProbeWorker.whoami, "rebuilt")] == [0, 1]
     finally:
         rebuilt.shutdown()
 
 
 def test_rank_raising_before_a_collective_frees_the_ranks_waiting_for_it(ray_session):
-    group = Cluster(ProbeWorker, "raiser", 2, TP2, settle_s=2.0)
-    workers, pids = list(group.workers), group.execute_all("pid")
-    future = group.raise_before_collective(victim_rank=0)
+    group = WorkerGroup(ProbeWorker, "raiser", 2, TP2, settle_s=2.0)
+    workers, pids = list(group.workers), group.call(Worker.pid)
+    future = group.call(ProbeWorker.raise_before_collective, victim_rank=0)
     with pytest.raises(RankRaisedError, match="deliberate failure before a collective on rank 0") as info:
         future.get(timeout_s=300)
     assert info.value.restartable
     assert group.broken is info.value
     assert_ranks_stopped(workers, pids)  # rank 1 was stuck in the barrier; without the kill gloo holds it 600 s
     with pytest.raises(GroupBrokenError, match="deliberate failure before a collective"):
-        group.whoami("again")
+        group.call(ProbeWorker.whoami, "again")
     group.shutdown()
 
 
 def test_get_timeout_is_one_deadline_for_all_ranks_and_scopes_name_the_phase(ray_session):
-    group = Cluster(ProbeWorker, "phased", 2, TP2)
+    group = WorkerGroup(ProbeWorker, "phased", 2, TP2)
     # Rank 0 answers after 4 s, rank 1 after 8 s: each within 5 s of the one before, so a per-rank clock never
     # fires; one deadline for the whole call must.
     with pytest.raises(GroupTimeoutError, match=r"no answer from \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] within the deadline"):
-        group.answer_after.submit(4.0).get(timeout_s=5)
+        group.submit(ProbeWorker.answer_after, 4.0).get(timeout_s=5)
     group.shutdown()
-    group = Cluster(ProbeWorker, "phased", 2, TP2)
+    group = WorkerGroup(ProbeWorker, "phased", 2, TP2)
     try:
-        assert wait_all([group.answer_after.submit(0.0), group.whoami.submit("x")], timeout_s=120)[0] == [0, 1]
+        assert wait_all([group.submit(ProbeWorker.answer_after, 0.0), group.submit(ProbeWorker.whoami, "x")], timeout_s=120)[0] == [0, 1]
         with deadline_scope(2, "phase 'train' (fault_tolerance.timeouts.train)"):
-            future = group.answer_after.submit(3600.0)
+            future = group.submit(ProbeWorker.answer_after, 3600.0)
         with pytest.raises(GroupTimeoutError, match=r"phased.answer_after: no answer from \[rank 0/2.*\[rank 1/2.* "
                                                      r"within the deadline of phase 'train' \(fault_tolerance.timeouts.train\) \(2s\)"):
             future.get()  # the scope's deadline travels with the future
@@ -78,9 +79,9 @@ def test_get_timeout_is_one_deadline_for_all_ranks_and_scopes_name_the_phase(ray
 
 
 def test_killed_ranks_take_their_child_processes_with_them(ray_session):
-    group = Cluster(ProbeWorker, "parent", 2, TP2)
-    pids = [pid for rank_pids in group.start_child_processes() for pid in rank_pids]
-    ranks = group.execute_all("pid")
+    group = WorkerGroup(ProbeWorker, "parent", 2, TP2)
+    pids = [pid for rank_pids in group.call(ProbeWorker.start_child_processes) for pid in rank_pids]
+    ranks = group.call(Worker.pid)
     assert len(pids) >= 4 * len(ranks)  # per rank: itself, the watchdog, the spawn child, the resource tracker
     group.shutdown()
     assert describe(wait_until_gone(pids, within_s=30)) == []

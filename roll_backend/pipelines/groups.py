@@ -1,0 +1,154 @@
+"""Build the run's actor groups from the config: one WorkerGroup per role, named by the role, colocated where the
+config says."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from roll_backend import roles
+from roll_backend.config.schema import PipelineConfig, RoleConfig
+from roll_backend.distributed.placement import create_placement_group
+from roll_backend.distributed.worker_group import RankResources, WorkerGroup
+from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
+from roll_backend.workers.critic import CriticConfig, CriticLossConfig, CriticWorker
+from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
+from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig
+from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _actor_loss_config(config: PipelineConfig) -> ActorLossConfig:
+    algo = config.algorithm
+    return ActorLossConfig(
+        policy_loss=algo.policy_loss,
+        clip_low=algo.clip_ratio_low,
+        clip_high=algo.clip_ratio_high,
+        clip_c=algo.dual_clip_c,
+        entropy_coef=algo.entropy_coef,
+        kl_loss_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0,
+        kl_estimator=algo.kl_estimator,
+        agg_mode=algo.loss_agg_mode,
+    )
+
+
+def _with_run_settings(config: PipelineConfig, role: RoleConfig) -> Any:
+    """The role's strategy config with what the run decides: sampling n / max tokens, train horizon."""
+    strategy = role.strategy.config
+    if role.strategy.name == "vllm_rollout":
+        sampling = dataclasses.replace(
+            strategy.sampling, n=config.num_return_sequences_in_group, max_tokens=config.response_length
+        )
+        validation = dataclasses.replace(strategy.validation, max_tokens=config.response_length)
+        return dataclasses.replace(strategy, sampling=sampling, validation=validation)
+    if role.strategy.name == "megatron_train":
+        updates_per_step = config.algorithm.ppo_epochs * (
+            config.rollout_batch_size * config.num_return_sequences_in_group
+            // (config.algorithm.ppo_mini_batch_size or config.rollout_batch_size * config.num_return_sequences_in_group)
+        )
+        return dataclasses.replace(strategy, total_steps=max(1, config.max_steps * updates_per_step))
+    return strategy
+
+
+@dataclass
+class RoleGroups:
+    """The running groups of one pipeline, each named by its role (roll_backend.roles); `reference` and `critic`
+    may be None."""
+
+    actor_train: WorkerGroup
+    actor_infer: WorkerGroup
+    reward: WorkerGroup
+    reference: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
+
+    def all(self) -> list[WorkerGroup]:
+        members = (self.actor_train, self.actor_infer, self.reward, self.reference, self.critic)
+        return [g for g in members if g is not None]
+
+    def shutdown(self) -> None:
+        for group in self.all():
+            group.shutdown()
+
+
+class _GroupStarter:
+    """Starts one role's group at a time: its resources, the run's deadlines and health settings, and a placement
+    group shared by roles that colocate (sized for all of them)."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
+        self.placement_groups: dict[str, Any] = {}
+        ft = config.fault_tolerance
+        self.health = {"start_timeout_s": ft.timeouts.startup, "placement_timeout_s": ft.timeouts.placement,
+                       "settle_s": ft.settle_s, "fault": ft.inject}
+
+    def placement_for(self, name: str, role: RoleConfig):
+        """A shared group for a colocation set, else None: the WorkerGroup reserves its own."""
+        members_of = {n: r for n, r in self.roles.items() if r is not None}
+        anchor = role.colocate_with or next((n for n, r in members_of.items() if r.colocate_with == name), None)
+        if anchor is None:
+            return None
+        key = role.colocate_with or name
+        if key not in self.placement_groups:
+            members = [r for n, r in members_of.items() if n == key or r.colocate_with == key]
+            self.placement_groups[key] = create_placement_group(
+                role.world_size, sum(m.num_cpus_per_rank for m in members), sum(m.num_gpus_per_rank for m in members),
+                timeout_s=self.config.fault_tolerance.timeouts.placement)
+        return self.placement_groups[key]
+
+    def start(self, worker_cls, name: str, worker_config) -> WorkerGroup:
+        role: RoleConfig = self.roles[name]
+        resources = RankResources(num_cpus=role.num_cpus_per_rank, num_gpus=role.num_gpus_per_rank)
+        return WorkerGroup(worker_cls, name, role.world_size, role.strategy.layout, resources,
+                           placement_group=self.placement_for(name, role), worker_config=worker_config, **self.health)
+
+    def start_reward(self) -> WorkerGroup:
+        reward = self.config.reward
+        worker_config = RewardWorkerConfig(
+            rewards=reward.builtin_weights(), functions=tuple(reward.functions),
+            on_function_error=reward.on_function_error, function_timeout_s=reward.function_timeout_s)
+        return WorkerGroup(RewardWorker, roles.REWARD, reward.world_size,
+                           resources=RankResources(num_cpus=reward.num_cpus_per_rank),
+                           worker_config=worker_config, **self.health)
+
+
+def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
+    """Start every role's group into `groups` (so a failure part-way can shut down what started)."""
+    starter = _GroupStarter(config)
+    groups[roles.ACTOR_TRAIN] = starter.start(ActorWorker, roles.ACTOR_TRAIN, ActorConfig(
+        strategy=_with_run_settings(config, config.actor_train), strategy_name=config.actor_train.strategy.name,
+        loss=_actor_loss_config(config)))
+    groups[roles.ACTOR_INFER] = starter.start(RolloutWorker, roles.ACTOR_INFER, RolloutWorkerConfig(
+        strategy=_with_run_settings(config, config.actor_infer), strategy_name=config.actor_infer.strategy.name))
+    if config.reference is not None:
+        groups[roles.REFERENCE] = starter.start(ReferenceWorker, roles.REFERENCE, ReferenceConfig(
+            strategy=config.reference.strategy.config, strategy_name=config.reference.strategy.name))
+    if config.critic is not None:
+        critic_strategy = dataclasses.replace(_with_run_settings(config, config.critic), value_head=True)
+        groups[roles.CRITIC] = starter.start(CriticWorker, roles.CRITIC, CriticConfig(
+            strategy=critic_strategy, strategy_name=config.critic.strategy.name,
+            loss=CriticLossConfig(clip_range=config.algorithm.value_clip)))
+    groups[roles.REWARD] = starter.start_reward()
+
+
+_INIT_MODEL = {roles.ACTOR_TRAIN: ActorWorker.init_model, roles.ACTOR_INFER: RolloutWorker.init_model,
+               roles.REFERENCE: ReferenceWorker.init_model, roles.CRITIC: CriticWorker.init_model}
+
+
+def build_role_groups(config: PipelineConfig) -> RoleGroups:
+    """Start every role's actors (models loaded, engines up). Colocated roles share one placement group."""
+    groups: dict[str, WorkerGroup] = {}
+    try:
+        _start_groups(config, groups)
+        # Model loading in parallel: the groups are independent.
+        pending = [groups[name].submit(init_model) for name, init_model in _INIT_MODEL.items() if name in groups]
+        for future in pending:
+            future.get()
+    except BaseException:
+        for group in groups.values():
+            group.shutdown()
+        raise
+    return RoleGroups(**groups)

@@ -1,0 +1,99 @@
+"""One synchronous RL step of GRPO (no critic) or PPO (critic + GAE), following the data path of DESIGN.md, and the
+parts of it the asynchronous loop (async_loop.py) reuses."""
+
+from __future__ import annotations
+
+from roll_backend import keys, roles
+from roll_backend.pipelines import phases
+from roll_backend.pipelines.perf import SequenceLengths
+from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.tracking import PhaseTimer
+from roll_backend.protocol import DataProto
+
+PROBE_ROWS = 4  # sequences the post-sync log-prob probe scores with both engines
+
+
+def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
+    """One step of GRPO (no critic) or PPO (critic + GAE), following the data path of DESIGN.md."""
+    config = run.config
+    timer = PhaseTimer(config.fault_tolerance.timeouts)
+    with timer.phase(roles.GENERATE):
+        batch = phases.generate(run.groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+    phases.stamp_policy_version(batch, run.rollout_version)
+    generated = SequenceLengths.of(batch)
+    metrics, trained = train_on_batch(run, batch, step, timer, timer.seconds[roles.GENERATE])
+    if len(trained):
+        metrics |= sync_rollout_weights(run, trained, timer)
+    return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
+
+
+def prepare_batch(run: PipelineRun, batch: DataProto, timer: PhaseTimer, seconds_generating: float) -> tuple[dict, DataProto]:
+    """What a generated batch needs from models that do not train: reward scores, batch metrics, dynamic sampling,
+    reference log-probs. Returns (metrics, the batch kept). The asynchronous loop can run it on the next batch
+    while the actor trains (async_generation.prepare_ahead); it then stores the result with `mark_prepared`."""
+    groups, algo = run.groups, run.config.algorithm
+    metrics = {}
+    with timer.phase(roles.SCORE):
+        metrics |= phases.score(groups, batch)
+    metrics |= phases.batch_metrics(batch, seconds_generating)
+    if algo.dynamic_sampling:
+        batch, dropped = phases.drop_uniform_groups(batch)
+        metrics["dynamic_sampling/dropped_responses"] = dropped
+    if groups.reference is not None and len(batch):
+        with timer.phase(roles.REFERENCE_LOG_PROBS):
+            phases.reference_log_probs(groups, batch)
+    return metrics, batch
+
+
+def mark_prepared(batch: DataProto, metrics: dict[str, float], seconds: dict[str, float]) -> None:
+    """Record on the batch (kept in its meta_info, so it survives a checkpoint) that `prepare_batch` ran on it."""
+    batch.meta_info[keys.META_PREPARED] = {"metrics": dict(metrics), "seconds": dict(seconds)}
+
+
+def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, seconds_generating: float):
+    """Everything between generation and the weight sync: `prepare_batch` (unless done already), old log-probs,
+    correction, advantages, updates. Returns (metrics, the batch trained on), that batch empty when dynamic
+    sampling left nothing to learn from."""
+    config, groups, algo = run.config, run.groups, run.config.algorithm
+    prepared = batch.meta_info.pop(keys.META_PREPARED, None)
+    if prepared is None:
+        metrics, batch = prepare_batch(run, batch, timer, seconds_generating)
+    else:  # its phases ran off the trainer's path; their seconds still count for their MFU
+        metrics = dict(prepared["metrics"])
+        timer.seconds.update(prepared["seconds"])
+    if len(batch) == 0:
+        return metrics, batch  # every group was uniform: nothing to learn from this step
+    metrics |= phases.staleness_metrics(batch, run.policy_version)
+    if phases.needs_old_log_probs(algo, len(batch)):
+        with timer.phase(roles.OLD_LOG_PROBS):
+            phases.old_log_probs(groups, batch)
+    if algo.rollout_correction.enabled:
+        metrics |= phases.correct_rollout_mismatch(batch, algo)
+    if groups.critic is not None:
+        with timer.phase(roles.VALUES):
+            phases.values(groups, batch)
+    metrics |= phases.advantages(batch, algo, run.kl_ctrl.value)
+    if groups.critic is not None:
+        with timer.phase(roles.CRITIC_TRAIN):
+            metrics |= phases.train_critic(groups, batch, algo, phases.step_seed(config, step, salt=2))
+    with timer.phase(roles.TRAIN):
+        metrics |= phases.train_actor(groups, batch, algo, phases.step_seed(config, step, salt=1))
+    run.policy_version += 1
+    run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
+    return metrics, batch
+
+
+def sync_rollout_weights(run: PipelineRun, trained, timer: PhaseTimer) -> dict[str, float]:
+    """Trainer -> rollout engine, probed on the first rows of the batch just trained on."""
+    config = run.config
+    with timer.phase(roles.WEIGHT_SYNC):
+        metrics = phases.sync_weights(run.groups, trained.select_idxs(list(range(min(PROBE_ROWS, len(trained))))),
+                                     config.weight_sync_bucket_bytes, config.logprob_gap_limit())
+    run.rollout_version = run.policy_version
+    return metrics
+
+
+def step_perf(run: PipelineRun, generated: SequenceLengths, trained, timer: PhaseTimer) -> dict[str, float]:
+    """perf/ metrics of the step's timed phases (generation only when nothing was trained)."""
+    timed = set(timer.seconds) if len(trained) else {roles.GENERATE}
+    return run.perf.metrics(run.perf.step_flops(generated, trained, timed), timer.seconds)

@@ -1,0 +1,120 @@
+"""`PipelineRun`: what one run holds (groups, data, KL controller, metrics tracker) with its set-up, checkpoints
+and resume. The step itself is in rl_step.py, the loops in driver.py and async_loop.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from roll_backend import roles
+from roll_backend.algorithms import make_kl_controller
+from roll_backend.config.loader import config_to_yaml
+from roll_backend.config.schema import PipelineConfig
+from roll_backend.pipelines import checkpoint as ckpt
+from roll_backend.pipelines import phases
+from roll_backend.pipelines.groups import RoleGroups, build_role_groups
+from roll_backend.pipelines.perf import PhasePerf
+from roll_backend.pipelines.tracking import MetricsTracker, phase_deadline
+from roll_backend.protocol import DataProto
+from roll_backend.workers.actor import ActorWorker
+from roll_backend.workers.critic import CriticWorker
+
+logger = logging.getLogger(__name__)
+
+def ensure_model(config: PipelineConfig) -> None:
+    """With `build_tiny_model`, write the tiny model and tokenizer to model_path unless it is already there."""
+    if config.build_tiny_model is None or (Path(config.model_path) / "config.json").is_file():
+        return
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(**{"seed": config.seed, **config.build_tiny_model})
+    build_tiny_model(config.model_path, spec)
+
+
+class PipelineRun:
+    """Everything one run holds: groups, data, KL controller, tracker; `step_numbers()` are the steps left to run.
+    `run_metrics` are added to every step's row (the restart supervisor's counters); rows are appended to
+    `history` when given (the supervisor keeps one list across restarts)."""
+
+    def __init__(self, config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None):
+        from transformers import AutoTokenizer
+
+        from roll_backend.pipelines.data import PromptDataset
+
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(config_to_yaml(config))
+        ensure_model(config)
+        self.data = PromptDataset(config.data, AutoTokenizer.from_pretrained(config.model_path), config.seed)
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.timeouts = config.fault_tolerance.timeouts
+        self.run_metrics = dict(run_metrics or {})
+        with phase_deadline(self.timeouts, roles.STARTUP):
+            self.groups: RoleGroups = build_role_groups(config)
+        self.first_step = 1
+        self.history: list[dict] = history if history is not None else []
+        # Trainer updates applied so far, and the version the rollout engine holds (equal in synchronous mode).
+        self.policy_version = self.rollout_version = 0
+        # Asynchronous mode: the next step's batch, generated while this step trained; saved with checkpoints.
+        self.next_batch: DataProto | None = None
+        try:
+            self.perf = PhasePerf(config, self.groups)
+            if config.checkpoint.resume:
+                with phase_deadline(self.timeouts, roles.CHECKPOINT):
+                    self._resume(config.checkpoint.resume)
+            self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
+        except BaseException:
+            self.groups.shutdown()
+            raise
+
+    def __enter__(self) -> "PipelineRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.close()
+        self.groups.shutdown()
+
+    def step_numbers(self) -> range:
+        return range(self.first_step, self.config.max_steps + 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {**metrics, **self.run_metrics, **self.data.metrics()}
+        self.history.append({"step": step, **metrics})
+        self.tracker.log(step, metrics)
+        save_every = self.config.checkpoint.save_steps
+        if save_every and step % save_every == 0:
+            with phase_deadline(self.timeouts, roles.CHECKPOINT):
+                self.save_checkpoint(step)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        staged = ckpt.staging_dir(self.output_dir, step)
+        self.groups.actor_train.call(ActorWorker.save_checkpoint, str(staged.resolve() / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.call(CriticWorker.save_checkpoint, str(staged.resolve() / "critic"))
+        if self.next_batch is not None:
+            self.next_batch.save_to_disk(staged / ckpt.NEXT_BATCH)
+        state = {"step": step, "kl_coef": self.kl_ctrl.value, "rng": ckpt.driver_rng_state(),
+                 "policy_version": self.policy_version}
+        return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
+
+    def _resume(self, resume: str) -> None:
+        path = ckpt.latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            logger.info("resume=auto: no checkpoint under %s yet; starting from step 1", self.output_dir)
+            return
+        state = ckpt.load_driver_state(path)
+        self.groups.actor_train.call(ActorWorker.load_checkpoint, str(Path(path).resolve() / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
+        self.kl_ctrl.value = state["kl_coef"]
+        ckpt.restore_driver_rng(state["rng"])
+        phases.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit())
+        self.policy_version = self.rollout_version = state.get("policy_version", state["step"])
+        if self.config.async_generation.enabled and (Path(path) / ckpt.NEXT_BATCH).is_file():
+            # The batch the rollout had generated for the next step (one version behind) resumes as it was.
+            self.next_batch = DataProto.load_from_disk(Path(path) / ckpt.NEXT_BATCH)
+        self.first_step = state["step"] + 1
+        logger.info("resumed from %s at step %d", path, self.first_step)

@@ -1,0 +1,45 @@
+"""The roles/phases vocabulary (roll_backend/roles.py) is the one list: every table that names roles, phases or
+deadlines agrees with it, so adding a role or a phase in one place and missing another fails here."""
+
+import dataclasses
+
+import pytest
+
+from roll_backend import roles
+from roll_backend.config.schema import PhaseTimeouts, PipelineConfig
+from roll_backend.distributed.faults import FaultSpec
+from roll_backend.pipelines.groups import RoleGroups
+from roll_backend.workers.actor import ActorWorker
+from roll_backend.workers.critic import CriticWorker
+from roll_backend.workers.reference import ReferenceWorker
+from roll_backend.workers.reward import RewardWorker
+from roll_backend.workers.rollout import RolloutWorker
+
+ROLE_WORKERS = {roles.ACTOR_TRAIN: ActorWorker, roles.ACTOR_INFER: RolloutWorker, roles.REFERENCE: ReferenceWorker,
+                roles.CRITIC: CriticWorker, roles.REWARD: RewardWorker}
+
+
+def test_every_deadline_is_a_timeouts_setting_and_back():
+    assert tuple(field.name for field in dataclasses.fields(PhaseTimeouts)) == roles.DEADLINES
+
+
+def test_every_role_has_a_config_block_a_group_and_a_worker():
+    config_fields = {field.name for field in dataclasses.fields(PipelineConfig)}
+    assert set(roles.ROLES) <= config_fields
+    assert {field.name for field in dataclasses.fields(RoleGroups)} == set(roles.ROLES)
+    assert set(ROLE_WORKERS) == set(roles.ROLES)
+
+
+def test_every_phase_names_a_role_and_a_deadline_and_fault_methods_exist():
+    for phase in roles.PHASES.values():
+        assert phase.role in roles.ROLES and phase.deadline in roles.DEADLINES, phase
+        assert roles.deadline_of(phase.name) == phase.deadline
+    for deadline, methods in roles.DEADLINE_METHODS.items():
+        for method in methods:  # a fault targets a registered worker method of some role
+            assert any(getattr(getattr(w, method, None), "dispatch", None) for w in ROLE_WORKERS.values()), method
+        if methods:
+            assert FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{deadline}:1").phase == deadline
+    with pytest.raises(ValueError, match="phase 'startup' is not one of generate, reward"):
+        FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{roles.STARTUP}:1")
+    with pytest.raises(KeyError, match="neither a phase"):
+        roles.deadline_of("warmup")
