@@ -33,3 +33,18 @@ def test_a_plain_source_checkout_imports_workers_and_strategies():
             "print(roll_backend.workers.__file__, roll_backend.strategies.__file__)")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(root / "workers" / "__init__.py"), str(root / "strategies" / "__init__.py")]
+
+
+def test_a_plain_source_checkout_maps_only_workers_and_strategies_into_the_package():
+    """The checkout's other folders (tests/, bench/, the package folder itself) are not roll_backend.* modules."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import sys, importlib.util; sys.path.insert(0, {str(root)!r}); import roll_backend; "
+            "print([importlib.util.find_spec('roll_backend.' + n) is not None "
+            "for n in ('tests', 'bench', 'roll_backend', 'examples', 'workers', 'strategies')])")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[False, False, False, False, True, True]"
+
