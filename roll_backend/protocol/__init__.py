@@ -1,7 +1,9 @@
 """DataProto, the batch every controller <-> worker call carries; `roll_backend.protocol` is its public import path.
 
-data_proto.py holds the class, merge.py how parts join (concat/union), shared.py the zero-copy pickling of
-tensors, disk.py the pickle-free file format, errors.py the errors (verl-catchable).
+data_proto.py holds the class, columns.py what a column may be, rows.py which rows an op takes (indexes, padding,
+chunks, groups, repeats, unfolding), merge.py how parts join (concat/union), shared.py the zero-copy pickling of
+tensors, disk.py the pickle-free file format, tensordict_format.py the TensorDict form (verl's), errors.py the
+errors (verl-catchable).
 """
 
 from roll_backend.protocol.data_proto import (

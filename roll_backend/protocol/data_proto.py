@@ -1,16 +1,19 @@
 """DataProto: the batch every controller <-> worker call carries (tensor columns, non-tensor columns, meta_info).
 
-Names and signatures follow verl's DataProto so code written against it ports unchanged. Departures: chunk()
+Names and signatures follow verl's DataProto so code written against it ports unchanged (to_tensordict /
+from_tensordict, sample_level_repeat and unfold_column_chunks included). Departures: chunk()
 takes lengths that chunks does not divide (verl asserts len % chunks == 0; here the sizes differ by at most one),
 concat() also accepts meta_info["metrics"] as a dict of per-metric lists besides verl's list of per-worker dicts,
 errors say what to change and are `DataProtoError` (a ValueError that is also an AssertionError, so verl's
 `except AssertionError` still catches them), and a pickled batch travels as numpy buffers, so Ray hands it to
-every reader zero-copy and read-only (see `make_writable`).
+every reader zero-copy and read-only (see `make_writable`). The class holds the API; which rows an op takes is
+computed in rows.py, what a column may be is checked in columns.py.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +23,16 @@ import torch
 from tensordict import TensorDict
 
 from roll_backend.protocol import disk as protocol_disk
+from roll_backend.protocol import rows as row_math
+from roll_backend.protocol import tensordict_format
+from roll_backend.protocol.columns import (
+    as_non_tensor_column,
+    check_columns,
+    describe,
+    leading_len,
+    rows_and_source,
+    tensor_rows,
+)
 from roll_backend.protocol.errors import DataProtoError
 from roll_backend.protocol.merge import (
     cat_column,
@@ -50,10 +63,10 @@ _STATE_VERSION = 1  # bump when __getstate__'s layout changes
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
     """(padded copy, pad_size): real rows repeated from the start until len % size_divisor == 0, as verl."""
-    pad_size = _pad_size(len(data), size_divisor)
+    pad_size = row_math.pad_size(len(data), size_divisor)
     if pad_size == 0:
         return data, 0
-    return data.select_idxs(_padded_index(len(data), pad_size)), pad_size
+    return data.select_idxs(row_math.padded_index(len(data), pad_size)), pad_size
 
 
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
@@ -111,19 +124,8 @@ class DataProto:
                 "tensors to [B, ...] (fold extra batch dims into B) first."
             )
         tensors = tensors or {}
-        first_key = next(iter(tensors), None)
-        for key, value in tensors.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                raise DataProtoError(
-                    f"tensors[{key!r}] must be a torch.Tensor with a batch dim, got {_describe(value)}; "
-                    "put numpy arrays and lists in non_tensors, scalars in meta_info."
-                )
-            if value.shape[0] != tensors[first_key].shape[0]:
-                raise DataProtoError(
-                    f"tensors[{key!r}] has {value.shape[0]} rows but tensors[{first_key!r}] has "
-                    f"{tensors[first_key].shape[0]}; all columns must share batch dim 0."
-                )
-        batch = TensorDict(dict(tensors), batch_size=[tensors[first_key].shape[0]]) if tensors else None
+        rows = tensor_rows(tensors)
+        batch = TensorDict(dict(tensors), batch_size=[rows]) if tensors else None
         meta_info = {} if meta_info is None else meta_info
         return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=meta_info)
 
@@ -136,42 +138,7 @@ class DataProto:
 
     def check_consistency(self) -> None:
         """Raise ValueError unless every column is well-typed and shares batch dim 0; lists become object columns."""
-        if self.batch is not None:
-            if not isinstance(self.batch, TensorDict) or len(self.batch.batch_size) != 1:
-                raise DataProtoError(
-                    f"DataProto.batch must be a TensorDict with one batch dim or None, got "
-                    f"{_describe(self.batch)}; build it with DataProto.from_dict(tensors=...)."
-                )
-            for key, value in self.batch.items():
-                if not isinstance(value, torch.Tensor):
-                    raise DataProtoError(
-                        f"batch[{key!r}] is {_describe(value)}; batch holds tensors only (put other "
-                        "columns in non_tensor_batch)."
-                    )
-        if not isinstance(self.non_tensor_batch, dict) or not isinstance(self.meta_info, dict):
-            raise DataProtoError(
-                f"non_tensor_batch and meta_info must be dicts, got {_describe(self.non_tensor_batch)} "
-                f"and {_describe(self.meta_info)}."
-            )
-        for key, value in list(self.non_tensor_batch.items()):
-            self.non_tensor_batch[key] = _as_non_tensor_column(key, value)
-        rows, source = self._rows_and_source()
-        for key, value in self.non_tensor_batch.items():
-            if value.shape[0] != rows:
-                raise DataProtoError(
-                    f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {rows}; all "
-                    "columns must share batch dim 0 (slice, repeat or pad the column to match)."
-                )
-        both = sorted(set(self.non_tensor_batch) & set(self._batch_keys()))
-        if both:
-            raise DataProtoError(f"columns {both} are in both batch and non_tensor_batch; keep each name in one of them.")
-
-    def _rows_and_source(self) -> tuple[int, str]:
-        if self.batch is not None:
-            return self.batch.batch_size[0], "the tensor batch"
-        for key, value in self.non_tensor_batch.items():
-            return value.shape[0], f"non_tensor_batch[{key!r}]"
-        return 0, "the (empty) DataProto"
+        check_columns(self.batch, self.non_tensor_batch, self.meta_info)
 
     def _has_columns(self) -> bool:
         return self.batch is not None or bool(self.non_tensor_batch)
@@ -193,7 +160,7 @@ class DataProto:
     # ----- length, indexing, columns -----
 
     def __len__(self) -> int:
-        return self._rows_and_source()[0]
+        return rows_and_source(self.batch, self.non_tensor_batch)[0]
 
     def __iter__(self) -> Iterator[DataProtoItem]:
         return (self[i] for i in range(len(self)))
@@ -223,12 +190,12 @@ class DataProto:
             return self.select_idxs(item)
         raise TypeError(
             f"DataProto indices are int, slice, list/ndarray/tensor of ints or bools, or a column name; "
-            f"got {_describe(item)}."
+            f"got {describe(item)}."
         )
 
     def __setitem__(self, key: str, value) -> None:
         """Add or replace a column: tensors go to `batch`, numpy arrays and lists to `non_tensor_batch`."""
-        rows = len(self) if self._has_columns() else _leading_len(value)
+        rows = len(self) if self._has_columns() else leading_len(value)
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 or value.shape[0] != rows:
                 raise DataProtoError(
@@ -239,7 +206,7 @@ class DataProto:
             self.batch = TensorDict({}, batch_size=[rows]) if self.batch is None else self.batch
             self.batch[key] = value
             return
-        column = _as_non_tensor_column(key, value)
+        column = as_non_tensor_column(key, value)
         if column.shape[0] != rows:
             raise DataProtoError(
                 f"column {key!r} has {column.shape[0]} rows but the DataProto has {rows}; "
@@ -257,32 +224,9 @@ class DataProto:
 
     def select_idxs(self, idxs) -> DataProto:
         """Rows at `idxs` (ints, negatives allowed, or a bool mask of len(self)), copied in that order."""
-        index = self._row_index(idxs)
+        index = row_math.row_index(idxs, len(self))
         index_t = torch.from_numpy(index)
         return self._map_rows(len(index), lambda t: t.index_select(0, index_t.to(t.device)), lambda a: a[index])
-
-    def _row_index(self, idxs) -> np.ndarray:
-        rows = len(self)
-        index = np.asarray(idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else idxs)
-        if index.ndim != 1:
-            raise DataProtoError(
-                f"row index must be 1-D, got shape {index.shape}; pass a flat list/array of rows or a mask."
-            )
-        if index.dtype == bool:
-            if index.shape[0] != rows:
-                raise DataProtoError(
-                    f"bool mask has {index.shape[0]} entries but the DataProto has {rows} rows; "
-                    "a mask needs one entry per row."
-                )
-            return np.flatnonzero(index)
-        if index.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if index.dtype.kind not in "iu":
-            raise DataProtoError(f"row index must hold ints or bools, got dtype {index.dtype}.")
-        index = index.astype(np.int64)
-        if index.min() < -rows or index.max() >= rows:
-            raise IndexError(f"row index out of range for {rows} rows (min {index.min()}, max {index.max()}).")
-        return np.where(index < 0, index + rows, index)
 
     # ----- column operations (verl names) -----
 
@@ -378,11 +322,8 @@ class DataProto:
         chunks past the rows are empty. Code that relied on verl's assert to catch a bad split must check
         `len(data) % chunks` itself (or pad first with `pad_dataproto_to_divisor`, as the dispatcher does).
         """
-        if not isinstance(chunks, (int, np.integer)) or chunks < 1:
-            raise DataProtoError(f"chunk needs a positive int number of chunks, got {chunks!r}.")
-        base, extra = divmod(len(self), int(chunks))
-        bounds = np.cumsum([0] + [base + 1] * extra + [base] * (int(chunks) - extra))
-        return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(int(chunks))]
+        bounds = row_math.chunk_bounds(len(self), chunks)
+        return [self.slice(start, end) for start, end in itertools.pairwise(bounds)]
 
     def split(self, split_size: int) -> list[DataProto]:
         """Views of `split_size` rows each, the last one shorter when the length doesn't divide (torch.split);
@@ -430,6 +371,29 @@ class DataProto:
             len(self) * n, lambda t: t.repeat(n, *[1] * (t.dim() - 1)), lambda a: np.tile(a, (n,) + (1,) * (a.ndim - 1))
         )
 
+    def sample_level_repeat(self, repeat_times) -> DataProto:
+        """Row i `repeat_times[i]` times, in row order (a count of 0 drops the row), as copies. `repeat_times`: a
+        list, tuple, 1-D tensor or array of non-negative ints, one per row."""
+        counts = row_math.repeat_counts(repeat_times, len(self))
+        return self.select_idxs(np.repeat(np.arange(len(self)), counts))
+
+    def unfold_column_chunks(self, n_split: int, split_keys=None) -> DataProto:
+        """Each row becomes `n_split` rows: the `split_keys` columns' dim 1 is cut into n_split consecutive chunks
+        ([B, n_split * k, ...] -> [B * n_split, k, ...]; a 1-D object column cuts each row's list), every other
+        column repeats its row n_split times. split_keys None splits nothing: every column repeats (verl repeats the
+        tensors and fails on non-tensor columns); a split key that is no column raises KeyError (verl ignores it)."""
+        if not isinstance(n_split, (int, np.integer)) or n_split < 1:
+            raise DataProtoError(f"unfold_column_chunks needs a positive int n_split, got {n_split!r}.")
+        split = _key_list(split_keys or [])
+        self._require("unfold_column_chunks: the DataProto", split, [*self._batch_keys(), *self.non_tensor_batch])
+        n, unfold = int(n_split), row_math.unfold_column
+        batch = None
+        if self.batch is not None:
+            unfolded = {key: unfold(key, value, n, key in split) for key, value in self.batch.items()}
+            batch = TensorDict(unfolded, batch_size=[len(self) * n], device=self.batch.device)
+        non_tensor = {key: unfold(key, value, n, key in split) for key, value in self.non_tensor_batch.items()}
+        return self._new(batch, non_tensor)
+
     def reorder(self, indices) -> None:
         """Permute the rows in place: row i becomes old row indices[i]."""
         reordered = self.select_idxs(indices)
@@ -445,24 +409,9 @@ class DataProto:
         if isinstance(values, torch.Tensor):
             values = values.detach().cpu()
             values = values.numpy() if values.dtype != torch.bfloat16 else values.float().numpy()
-        if values.ndim != 1:
-            raise DataProtoError(f"group_by needs a 1-D column (one key per row); {key!r} has shape {values.shape}.")
-        try:
-            uniques, first_row, group_of_row = np.unique(values, return_index=True, return_inverse=True)
-        except TypeError as err:
-            raise DataProtoError(
-                f"group_by: the values of {key!r} cannot be sorted ({err}); convert them to str first."
-            ) from err
-        appearance = np.argsort(first_row, kind="stable")  # group ids in order of first appearance
-        rank = np.empty_like(appearance)
-        rank[appearance] = np.arange(len(appearance))
-        row_rank = rank[group_of_row.reshape(-1)]
-        order = np.argsort(row_rank, kind="stable")
+        order, keys, bounds = row_math.group_order(key, values)
         grouped = self if np.array_equal(order, np.arange(len(order))) else self.select_idxs(order)
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(row_rank, minlength=len(uniques)))])
-        return {
-            _python_key(uniques[g]): grouped.slice(int(bounds[i]), int(bounds[i + 1])) for i, g in enumerate(appearance)
-        }
+        return {group: grouped.slice(bounds[i], bounds[i + 1]) for i, group in enumerate(keys)}
 
     def make_iterator(
         self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
@@ -475,19 +424,8 @@ class DataProto:
             raise DataProtoError(
                 f"make_iterator supports dataloader_kwargs 'shuffle' and 'drop_last', got also {sorted(options)}."
             )
-        if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
-            raise DataProtoError(f"make_iterator needs a positive int mini_batch_size, got {mini_batch_size!r}.")
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-
-        def batches():
-            rows = len(self)
-            stop = rows - rows % mini_batch_size if drop_last else rows
-            for _ in range(epochs):
-                order = torch.randperm(rows, generator=generator).numpy() if shuffle else np.arange(rows)
-                for start in range(0, stop, mini_batch_size):
-                    yield self.select_idxs(order[start : start + mini_batch_size])
-
-        return batches()
+        orders = row_math.minibatch_orders(len(self), mini_batch_size, epochs, shuffle, drop_last, seed)
+        return (self.select_idxs(order) for order in orders)
 
     def pad_to_divisor(self, size_divisor: int) -> int:
         """Pad in place by repeating real rows from the start until len % size_divisor == 0; returns the pad count."""
@@ -501,7 +439,7 @@ class DataProto:
         self.batch, self.non_tensor_batch = unpadded.batch, unpadded.non_tensor_batch
         return self
 
-    # ----- devices, memory, files -----
+    # ----- devices, memory, files, TensorDicts -----
 
     def to(self, device) -> DataProto:
         """Move the tensor batch to `device` in place; returns self."""
@@ -567,6 +505,31 @@ class DataProto:
         tensors = None if batch is None else TensorDict(batch, batch_size=[batch_size])
         return cls(batch=tensors, non_tensor_batch=non_tensor, meta_info=meta_info)
 
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict (verl's form, roll_backend/protocol/tensordict_format.py): tensors as entries, non-tensor
+        columns as NonTensorStacks, meta_info keys as NonTensorData; shares the tensors, no copy."""
+        tensors = {} if self.batch is None else dict(self.batch.items())
+        device = None if self.batch is None else self.batch.device
+        return tensordict_format.to_tensordict(tensors, device, len(self), self.non_tensor_batch, self.meta_info)
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """Rebuild from `to_tensordict` exactly, or read verl's TensorDicts: tensors -> batch, NonTensorStacks ->
+        non-tensor columns, NonTensorData -> meta_info (over a copy of the `meta_info` passed; verl writes into it)."""
+        if num_batch_dims != 1:
+            raise DataProtoError(
+                f"num_batch_dims={num_batch_dims}: DataProto supports exactly one batch dim; reshape the "
+                "TensorDict to batch size [B] (fold extra batch dims into B) first."
+            )
+        tensors, rows, non_tensor, meta = tensordict_format.from_tensordict(tensor_dict, meta_info)
+        if rows is None:  # no batch dim: the columns' dim 0 is the batch
+            return cls.from_dict(tensors=tensors, non_tensors=non_tensor, meta_info=meta)
+        keep_batch = bool(tensors) or (not non_tensor and rows > 0)  # an empty batch of `rows` rows stays one
+        batch = TensorDict(tensors, batch_size=[rows], device=tensor_dict.device) if keep_batch else None
+        return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
     # ----- pickling: tensors travel as numpy buffers (pickle protocol 5 out-of-band under Ray) -----
 
     def __getstate__(self) -> dict:
@@ -596,47 +559,8 @@ class DataProto:
 # ----- helpers -----
 
 
-def _as_non_tensor_column(key: str, value) -> np.ndarray:
-    if isinstance(value, (list, tuple)):
-        return np.fromiter(value, dtype=object, count=len(value))  # 1-D even when the rows are lists
-    if isinstance(value, np.ndarray) and value.ndim >= 1:
-        return value
-    raise DataProtoError(
-        f"non_tensor_batch[{key!r}] must be a numpy array with a batch dim or a list (one entry per "
-        f"row), got {_describe(value)}; tensors go in batch, per-batch scalars in meta_info."
-    )
-
-
-def _leading_len(value) -> int:
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        return shape[0] if len(shape) else -1
-    return len(value) if isinstance(value, (list, tuple)) else -1
-
-
 def _key_list(keys) -> list[str]:
     return [keys] if isinstance(keys, str) else list(keys)
-
-
-def _pad_size(rows: int, size_divisor: int) -> int:
-    if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
-        raise DataProtoError(f"pad: size_divisor must be a positive int, got {size_divisor!r}.")
-    if rows == 0:
-        return 0
-    return -rows % int(size_divisor)
-
-
-def _padded_index(rows: int, pad_size: int) -> np.ndarray:
-    return np.concatenate([np.arange(rows), np.arange(pad_size) % rows])
-
-
-def _python_key(value):
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _describe(value) -> str:
-    shape = getattr(value, "shape", None)
-    return f"{type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else f" {short_repr(value)}")
 
 
 def _mib(nbytes: int) -> str:

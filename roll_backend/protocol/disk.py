@@ -97,7 +97,8 @@ def _open_archive(path) -> zipfile.ZipFile:
     except zipfile.BadZipFile:
         with open(path, "rb") as file:
             head = file.read(2)
-        looks_like = "a pickle (verl's DataProto.save_to_disk writes those)" if head[:1] == b"\x80" else "not a zip file"
+        is_pickle = head[:1] == b"\x80"
+        looks_like = "a pickle (verl's DataProto.save_to_disk writes those)" if is_pickle else "not a zip file"
         raise NotADataProtoFileError(_not_ours(path, looks_like)) from None
     if _LAYOUT not in archive.namelist():
         names = archive.namelist()
