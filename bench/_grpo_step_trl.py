@@ -1,4 +1,5 @@
-"""The TRL side of bench/grpo_step.py: GRPOTrainer on CPU (transformers generate), one optimizer step per generation batch.
+"""The TRL side of bench/grpo_step.py: GRPOTrainer on CPU (transformers generate), one optimizer step per
+generation batch, in the dtype bench/grpo_step.py chose (bench/_machine.py: bf16 only where the CPU has it natively).
 
 bench/grpo_step.py runs it as its own process (`python bench/_grpo_step_trl.py REQUEST_JSON`), started with the
 same allocator settings roll-backend gives its CPU ranks, so neither side gains from the process it runs in.
@@ -34,6 +35,7 @@ class PhaseClock:
                 return method(*args, **kwargs)
             finally:
                 self.totals[name] += time.perf_counter() - start
+
         return timed
 
     def take(self) -> dict[str, float]:
@@ -41,33 +43,13 @@ class PhaseClock:
         return taken
 
 
-def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str) -> tuple[list[float], list[dict]]:
-    """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included) and its
-    phases (generate, reference: the reference forward and rewards, train)."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from roll_backend.rewards.exact_match import score
-
-    def exact_match_reward(completions, answer, **_):  # the rule the roll-backend side's reward worker runs
-        return [score(completion[0]["content"], ref) for completion, ref in zip(completions, answer)]
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends = [time.perf_counter()]
-            self.phases: list[dict[str, float]] = []
-            self.inside: PhaseClock | None = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-            inside = self.inside.take()
-            scored = inside["_generate_and_score_completions"]
-            self.phases.append({"generate": inside["_generate"], "reference": scored - inside["_generate"],
-                                "train": self.ends[-1] - self.ends[-2] - scored})
+def grpo_config(scale, work_dir: Path, steps: int, dtype: str):
+    """GRPOTrainer's settings matching roll-backend's side: one optimizer step per generation batch, exactly
+    `scale.new_tokens` new tokens, KL 0.04, no vLLM, bf16 mixed precision only when `dtype` is bfloat16."""
+    from trl import GRPOConfig
 
     completions = scale.prompts * scale.samples
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(work_dir),
         use_cpu=True,
         bf16=dtype == "bfloat16",
@@ -90,12 +72,53 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+
+
+def trl_step_seconds(
+    model_dir: str, rows: list[dict], scale, work_dir: Path, steps: int, dtype: str
+) -> tuple[list[float], list[dict]]:
+    """Run 1 warm-up + `steps` GRPO steps; returns each timed step's wall seconds (generation included) and its
+    phases (generate, reference: the reference forward and rewards, train)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from roll_backend.rewards.exact_match import score
+
+    def exact_match_reward(completions, answer, **_):  # the rule the roll-backend side's reward worker runs
+        return [score(completion[0]["content"], ref) for completion, ref in zip(completions, answer)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends = [time.perf_counter()]
+            self.phases: list[dict[str, float]] = []
+            self.inside: PhaseClock | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+            inside = self.inside.take()
+            scored = inside["_generate_and_score_completions"]
+            self.phases.append(
+                {
+                    "generate": inside["_generate"],
+                    "reference": scored - inside["_generate"],
+                    "train": self.ends[-1] - self.ends[-2] - scored,
+                }
+            )
+
+    args = grpo_config(scale, work_dir, steps, dtype)
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
     import torch
 
-    print(f"TRL: {torch.get_num_threads()} torch threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    print(
+        f"TRL: {torch.get_num_threads()} torch threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True
+    )
     clock = StepClock()
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match_reward, args=args, train_dataset=dataset, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=exact_match_reward, args=args, train_dataset=dataset, callbacks=[clock]
+    )
     clock.inside = PhaseClock(trainer, ("_generate", "_generate_and_score_completions"))
     clock.ends = [time.perf_counter()]
     trainer.train()
@@ -105,7 +128,13 @@ def trl_step_seconds(model_dir: str, rows: list[dict], scale, work_dir: Path, st
 
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    seconds, phases = trl_step_seconds(request["model_dir"], request["rows"], SimpleNamespace(**request["scale"]),
-                                       Path(request["work_dir"]), request["steps"], request["dtype"])
+    seconds, phases = trl_step_seconds(
+        request["model_dir"],
+        request["rows"],
+        SimpleNamespace(**request["scale"]),
+        Path(request["work_dir"]),
+        request["steps"],
+        request["dtype"],
+    )
     print(PHASES_PREFIX + json.dumps(phases), flush=True)
     print(RESULT_PREFIX + json.dumps(seconds), flush=True)

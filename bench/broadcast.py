@@ -1,6 +1,7 @@
 """Broadcast a DataProto over 4 gloo ranks: ours (schema + per-tensor broadcast) against the pickled way
 (`broadcast_object_list` of the whole batch, as ROLL does) and raw per-tensor `dist.broadcast` with the
-shapes known in advance (the transport's own limit). Run: .venv/bin/python bench/broadcast.py"""
+shapes known in advance (the transport's own limit). Moves float32 and int64 tensors only: no compute dtype.
+Run: .venv/bin/python bench/broadcast.py [--sizes-mib 64 512] [--repeats 3]"""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from _machine import announce
 
-from roll_backend.distributed.cluster import Cluster, RankResources
 from roll_backend.distributed.collectives import broadcast_dataproto
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import RankResources, WorkerGroup
 from roll_backend.protocol import DataProto
 
 COLUMNS = 8  # a batch is 8 float32 columns (plus an int64 id column) adding up to the requested size
@@ -70,14 +72,20 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    announce()
     init_local_ray(num_cpus=8)
-    group = Cluster(BroadcastBenchWorker, "bench", 4, ParallelLayout(), RankResources(num_cpus=0.5))
+    group = WorkerGroup(BroadcastBenchWorker, "bench", 4, ParallelLayout(), RankResources(num_cpus=0.5))
     try:
-        results = {mib: group.time_broadcasts(mib, args.repeats)[0] for mib in args.sizes_mib}
+        results = {
+            mib: group.call(BroadcastBenchWorker.time_broadcasts, mib, args.repeats)[0] for mib in args.sizes_mib
+        }
     finally:
         group.shutdown()
     for mib, t in results.items():
-        print(f"{mib:4d} MiB over 4 gloo ranks: ours {t['ours']:.3f} s, pickled {t['pickled']:.3f} s, raw {t['raw']:.3f} s")
+        print(
+            f"{mib:4d} MiB over 4 gloo ranks: ours {t['ours']:.3f} s, pickled {t['pickled']:.3f} s, "
+            f"raw {t['raw']:.3f} s"
+        )
     mib, t = max(results.items())
     print(f"{mib} MiB: {t['pickled'] / t['ours']:.1f}x faster than pickled, {t['ours'] / t['raw']:.2f}x the raw time")
 

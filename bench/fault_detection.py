@@ -8,42 +8,41 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _machine import announce
+
 SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
 sys.path.insert(0, str(SUPPORT))
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                  if line.startswith("Model name")), platform.processor())
-    return f"{model}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    announce()
     from roll_backend.distributed.ray_env import init_local_ray
 
-    init_local_ray(num_cpus=8, env_vars={"PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])})
+    support_path = os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])
+    init_local_ray(num_cpus=8, env_vars={"PYTHONPATH": support_path})
     from probe_workers import ProbeWorker
     from process_checks import wait_until_gone
-    from roll_backend.distributed.cluster import Cluster, DispatchError
-    from roll_backend.distributed.parallel import ParallelLayout
 
-    print(machine())
+    from roll_backend.distributed.dispatch import DispatchError
+    from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.worker import Worker
+    from roll_backend.distributed.worker_group import WorkerGroup
+
     death, hang, cleanup = [], [], []
     for _ in range(args.repeats):
-        group = Cluster(ProbeWorker, "bench", 4, ParallelLayout(tp=2))
+        group = WorkerGroup(ProbeWorker, "bench", 4, ParallelLayout(tp=2))
         pids = group.call(Worker.pid)
-        future = group.block_in_collective(victim_rank=1)  # rank 1 waits on an event, the others in a barrier
+        # rank 1 waits on an event, the others in a barrier (a non-blocking method: call returns a GroupFuture)
+        future = group.call(ProbeWorker.block_in_collective, 1)
         killed = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         try:
@@ -55,15 +54,18 @@ def main() -> None:
         wait_until_gone(group_pids, within_s=60)
         cleanup.append(time.monotonic() - gone_from)
         group.shutdown()
-        group = Cluster(ProbeWorker, "bench", 2, ParallelLayout(tp=2))
+        group = WorkerGroup(ProbeWorker, "bench", 2, ParallelLayout(tp=2))
         sent = time.monotonic()
         try:
-            group.answer_after(3600.0, timeout_s=5)
+            group.call(ProbeWorker.answer_after, 3600.0, timeout_s=5)
         except DispatchError:
             hang.append(time.monotonic() - sent - 5)
         group.shutdown()
-    for name, values in (("rank killed -> driver's error", death), ("hang: detection after the 5 s deadline", hang),
-                         ("broken group's other ranks gone after the error", cleanup)):
+    for name, values in (
+        ("rank killed -> driver's error", death),
+        ("hang: detection after the 5 s deadline", hang),
+        ("broken group's other ranks gone after the error", cleanup),
+    ):
         print(f"{name}: median {statistics.median(values):.2f} s, max {max(values):.2f} s over {len(values)}")
 
 

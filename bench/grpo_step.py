@@ -3,11 +3,11 @@
 roll-backend runs its product loop (PipelineRun + rl_step: Ray groups, vLLM rollout, Megatron actor and reference,
 rule reward, weight sync); TRL runs GRPOTrainer on CPU (transformers generate). Both: 32 prompts (a JSONL file)
 x 8 samples x exactly 128 new tokens, KL to a reference at 0.04, one optimizer step per step, and the same
-precision: bf16 mixed precision by default (TRL's own default; Megatron bf16 with fp32 main weights and vLLM in
-bf16), or --dtype float32 for both. roll-backend runs as for a long run: use_torch_compile on the Megatron actor and
-reference, vLLM compiled (--no-compile: the product's defaults), one vLLM engine per core (`placement`); TRL with
-its defaults.
-Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--dtype bfloat16|float32] [--quick]
+precision: bf16 mixed precision where the CPU has bf16 natively (TRL's own default; Megatron bf16 with fp32 main
+weights and vLLM in bf16), else float32 for both (bench/_machine.py; --dtype bfloat16|float32 chooses).
+roll-backend runs as for a long run: use_torch_compile on the Megatron actor and reference, vLLM compiled
+(--no-compile: the product's defaults), one vLLM engine per core (`placement`); TRL with its defaults.
+Run: .venv/bin/python bench/grpo_step.py [--steps 2] [--actor-tp 1|2] [--dtype auto|bfloat16|float32] [--quick]
      [--only roll-backend|trl] [--no-compile] [--set key=value ...]
 """
 
@@ -22,6 +22,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _machine import add_dtype_option, announce
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,20 +41,58 @@ class Scale:
         return self.prompts * self.samples * self.new_tokens
 
 
-FULL = Scale(32, 8, 128, 64, dict(hidden_size=512, num_hidden_layers=6, intermediate_size=1024,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
-QUICK = Scale(4, 8, 16, 16, dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320))
+FULL = Scale(
+    32,
+    8,
+    128,
+    64,
+    dict(
+        hidden_size=512,
+        num_hidden_layers=6,
+        intermediate_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+)
+QUICK = Scale(
+    4,
+    8,
+    16,
+    16,
+    dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+    ),
+)
 
 
 def prompt_rows(count: int) -> list[dict]:
     """Short arithmetic prompts with digit answers (the exact_match rule scores them the same on both sides)."""
-    return [{"prompt": f"what is {7 * i % 50} + {13 * i % 40}? answer with the number only.",
-             "answer": str(7 * i % 50 + 13 * i % 40)} for i in range(count)]
+    return [
+        {
+            "prompt": f"what is {7 * i % 50} + {13 * i % 40}? answer with the number only.",
+            "answer": str(7 * i % 50 + 13 * i % 40),
+        }
+        for i in range(count)
+    ]
 
 
-def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: Scale, steps: int, actor_tp: int, dtype: str,
-                        compile_models: bool = False, overrides: list[str] = ()):
+def roll_backend_config(
+    model_dir: str,
+    data_path: Path,
+    out_dir: Path,
+    scale: Scale,
+    steps: int,
+    actor_tp: int,
+    dtype: str,
+    compile_models: bool = False,
+    overrides: list[str] = (),
+):
     """The demo config at the bench's scale: TP`actor_tp` Megatron actor, vLLM rollout, Megatron reference;
     `compile_models`: the Megatron strategies' use_torch_compile and vLLM's compiled model (enforce_eager off);
     `overrides`: key=value pairs applied last, as on the command line of `roll-backend run`."""
@@ -61,11 +101,18 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
     from roll_backend.config.loader import config_from_dict, resolve_yaml
 
     tree = resolve_yaml(REPO / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out_dir}"])
-    tree.update(model_path=model_dir, build_tiny_model=None, max_steps=1 + steps, rollout_batch_size=scale.prompts,
-                num_return_sequences_in_group=scale.samples, response_length=scale.new_tokens)
+    tree.update(
+        model_path=model_dir,
+        build_tiny_model=None,
+        max_steps=1 + steps,
+        rollout_batch_size=scale.prompts,
+        num_return_sequences_in_group=scale.samples,
+        response_length=scale.new_tokens,
+    )
     tree["data"] = {"train_path": str(data_path), "max_prompt_length": 64}
-    tree["algorithm"].update(use_kl_loss=True, kl_loss_coef=0.04, ppo_epochs=1,
-                             ppo_mini_batch_size=scale.prompts * scale.samples)  # one update per step
+    tree["algorithm"].update(
+        use_kl_loss=True, kl_loss_coef=0.04, ppo_epochs=1, ppo_mini_batch_size=scale.prompts * scale.samples
+    )  # one update per step
     tree["reward"] = {"rewards": {"exact_match": 1.0}, "world_size": 1}
     tree["logging"] = {"jsonl": False, "tensorboard": False, "progress_bar": False}
     tree["actor_train"].update(model_path=model_dir, world_size=actor_tp)
@@ -75,9 +122,12 @@ def roll_backend_config(model_dir: str, data_path: Path, out_dir: Path, scale: S
         tree[role]["strategy"].update(params_dtype=dtype, use_torch_compile=compile_models)
     tree["actor_infer"]["strategy"].update(dtype=dtype, enforce_eager=not compile_models)
     tree["actor_infer"]["model_path"] = model_dir
-    tree["actor_infer"]["strategy"].update(max_model_len=64 + scale.new_tokens + 64, max_prompt_length=64,
-                                           max_num_batched_tokens=scale.prompts * scale.samples * 64,  # one prefill step
-                                           sampling={"temperature": 1.0, "min_tokens": scale.new_tokens})
+    tree["actor_infer"]["strategy"].update(
+        max_model_len=64 + scale.new_tokens + 64,
+        max_prompt_length=64,
+        max_num_batched_tokens=scale.prompts * scale.samples * 64,  # one prefill step
+        sampling={"temperature": 1.0, "min_tokens": scale.new_tokens},
+    )
     tree["reference"]["model_path"] = model_dir
     tree["reference"]["strategy"]["micro_batch_size"] = scale.micro_batch
     tree = OmegaConf.to_container(OmegaConf.merge(tree, OmegaConf.from_dotlist(list(overrides))))
@@ -89,8 +139,12 @@ def placement(cores: int, actor_tp: int) -> list[str]:
     decode steps are small kernels between Python scheduling, which a second thread of one engine barely speeds up),
     the actor's TP ranks and the reference splitting all cores into threads. Ray gives each rank
     OMP_NUM_THREADS = its num_cpus_per_rank; the phases run one after another, so each may use every core."""
-    return [f"actor_infer.world_size={cores}", "actor_infer.num_cpus_per_rank=1",
-            f"actor_train.num_cpus_per_rank={max(1, cores // actor_tp)}", f"reference.num_cpus_per_rank={cores}"]
+    return [
+        f"actor_infer.world_size={cores}",
+        "actor_infer.num_cpus_per_rank=1",
+        f"actor_train.num_cpus_per_rank={max(1, cores // actor_tp)}",
+        f"reference.num_cpus_per_rank={cores}",
+    ]
 
 
 def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dict]]:
@@ -117,32 +171,52 @@ def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dic
                 seconds.append(time.perf_counter() - start)
                 step_metrics.append(metrics)
                 phases = " ".join(f"{k.split('/')[1]}={v:.1f}" for k, v in metrics.items() if k.startswith("timing/"))
-                print(f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s [{phases}] "
-                      f"response_length={metrics['response_length/mean']:.0f} "
-                      f"sync_gap={metrics.get('weight_sync/logprob_gap', float('nan')):.1e}", flush=True)
+                print(
+                    f"roll-backend step {step}{' (warm-up)' if step == 1 else ''}: {seconds[-1]:.1f}s [{phases}] "
+                    f"response_length={metrics['response_length/mean']:.0f} "
+                    f"sync_gap={metrics.get('weight_sync/logprob_gap', float('nan')):.1e}",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
     return seconds[1:], step_metrics[1:]
 
 
-def trl_step_seconds_in_subprocess(model_dir: str, rows: list[dict], scale: Scale, work_dir: Path, steps: int,
-                                   dtype: str) -> tuple[list[float], list[dict]]:
+def trl_step_seconds_in_subprocess(
+    model_dir: str, rows: list[dict], scale: Scale, work_dir: Path, steps: int, dtype: str
+) -> tuple[list[float], list[dict]]:
     """TRL's steps and their phases, run by bench/_grpo_step_trl.py in a fresh process with roll-backend's CPU-rank
     allocator env."""
     from _grpo_step_trl import PHASES_PREFIX, RESULT_PREFIX
 
     from roll_backend.distributed.ray_env import cpu_rank_env
 
-    request = dict(model_dir=model_dir, rows=rows, work_dir=str(work_dir), steps=steps, dtype=dtype,
-                   scale=dict(prompts=scale.prompts, samples=scale.samples, new_tokens=scale.new_tokens,
-                              micro_batch=scale.micro_batch))
+    request = dict(
+        model_dir=model_dir,
+        rows=rows,
+        work_dir=str(work_dir),
+        steps=steps,
+        dtype=dtype,
+        scale=dict(
+            prompts=scale.prompts, samples=scale.samples, new_tokens=scale.new_tokens, micro_batch=scale.micro_batch
+        ),
+    )
     env = os.environ | cpu_rank_env()
-    print(f"TRL: a fresh process with {' '.join(f'{k}={v}' for k, v in cpu_rank_env().items()) or 'the inherited env'}", flush=True)
-    process = subprocess.run([sys.executable, str(Path(__file__).with_name("_grpo_step_trl.py")), json.dumps(request)],
-                             env=env, stdout=subprocess.PIPE, text=True, check=True)
+    print(
+        f"TRL: a fresh process with {' '.join(f'{k}={v}' for k, v in cpu_rank_env().items()) or 'the inherited env'}",
+        flush=True,
+    )
+    process = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_grpo_step_trl.py")), json.dumps(request)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
     print("\n".join(line for line in process.stdout.splitlines() if line.startswith("TRL:")), flush=True)
+
     def result(prefix: str):
-        return json.loads([line for line in process.stdout.splitlines() if line.startswith(prefix)][-1][len(prefix):])
+        return json.loads([line for line in process.stdout.splitlines() if line.startswith(prefix)][-1][len(prefix) :])
 
     return result(RESULT_PREFIX), result(PHASES_PREFIX)
 
@@ -155,21 +229,23 @@ def step_model_flops(model_dir: str, rows: list[dict], scale: Scale) -> dict[str
     from roll_backend.perf.flops import ModelFlops
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt_lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)) for r in rows]
+    prompt_lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for r in rows
+    ]
     model = ModelFlops.from_hf_config(AutoConfig.from_pretrained(model_dir))
     samples = [n for n in prompt_lengths for _ in range(scale.samples)]
     sequences = [n + scale.new_tokens for n in samples]
     groups = [i for i in range(len(prompt_lengths)) for _ in range(scale.samples)]
-    return {"generate": model.generation_flops(samples, [scale.new_tokens] * len(samples), groups),
-            "reference": model.forward_flops(sequences), "train": model.train_flops(sequences)}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+    return {
+        "generate": model.generation_flops(samples, [scale.new_tokens] * len(samples), groups),
+        "reference": model.forward_flops(sequences),
+        "train": model.train_flops(sequences),
+    }
 
 
 def machine_peak_tflops(model_dir: str, dtype: str) -> float:
@@ -194,18 +270,46 @@ def print_phases(results: dict[str, tuple[list[float], list[dict]]], flops: dict
         print(f"{phase:<12}{cells}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side, after one warm-up step")
     parser.add_argument("--actor-tp", type=int, default=1, choices=(1, 2), help="Megatron actor world size (= TP)")
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add_dtype_option(parser)
     parser.add_argument("--only", choices=("roll-backend", "trl"), help="run one side only (no ratio)")
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="roll-backend without use_torch_compile and with vLLM in eager mode (both defaults of the product)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a roll-backend config override, e.g. actor_infer.world_size=2 (repeatable)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="roll-backend without use_torch_compile and with vLLM in eager mode (both defaults of the product)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a roll-backend config override, e.g. actor_infer.world_size=2 (repeatable)",
+    )
+    return parser.parse_args()
+
+
+def print_rates(results: dict[str, tuple[list[float], list[dict]]], scale: Scale) -> None:
+    """Generated tokens/s per side over its timed steps, and the ratio when both ran."""
+    rates = {}
+    for name, (seconds, _) in results.items():
+        mean = sum(seconds) / len(seconds)
+        rates[name] = scale.generated_tokens / mean
+        steps = ", ".join(f"{s:.1f}" for s in seconds)
+        print(f"{name}: {mean:.1f} s/step (steps {steps}), {rates[name]:.0f} generated tokens/s")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if len(rates) == 2:
+        print(f"tokens/s vs TRL GRPOTrainer: {rates['roll-backend'] / rates['TRL GRPOTrainer']:.1f}x")
+
+
+def main() -> None:
+    args = parse_args()
+    dtype = announce(args.dtype)
     # Neither side inherits a thread count: roll-backend's ranks take theirs from num_cpus_per_rank (`placement`),
     # TRL's process uses every core, whichever sides run.
     os.environ.pop("OMP_NUM_THREADS", None)
@@ -218,37 +322,48 @@ def main() -> None:
     rows = prompt_rows(scale.prompts)
     data_path = work / "prompts.jsonl"
     data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-    print(f"model: {params / 1e6:.1f}M params; {scale.prompts} prompts x {scale.samples} samples x {scale.new_tokens} "
-          f"new tokens = {scale.generated_tokens} tokens/step; {cpu_model()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}",
-          flush=True)
+    params = sum(
+        p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters()
+    )
+    print(
+        f"model: {params / 1e6:.1f}M params; {scale.prompts} prompts x {scale.samples} samples x "
+        f"{scale.new_tokens} new tokens = {scale.generated_tokens} tokens/step",
+        flush=True,
+    )
 
-    peak = machine_peak_tflops(model_dir, args.dtype)
+    peak = machine_peak_tflops(model_dir, dtype)
     flops = step_model_flops(model_dir, rows, scale)
-    print(f"GEMM peak: {peak * 1e3:.0f} GFLOP/s in {args.dtype} on {os.cpu_count()} threads (this run, model's MLP shapes); "
-          f"model FLOPs per step: " + ", ".join(f"{k} {v / 1e12:.2f}T" for k, v in flops.items()), flush=True)
+    print(
+        f"GEMM peak: {peak * 1e3:.0f} GFLOP/s in {dtype} on {os.cpu_count()} threads (this run, model's MLP shapes); "
+        "model FLOPs per step: " + ", ".join(f"{k} {v / 1e12:.2f}T" for k, v in flops.items()),
+        flush=True,
+    )
 
     results = {}
     if args.only in (None, "roll-backend"):
         overrides = placement(os.cpu_count() or 1, args.actor_tp) + args.overrides
         print(f"roll-backend: {' '.join(overrides)}", flush=True)
-        config = roll_backend_config(model_dir, data_path, work / "rb", scale, args.steps, args.actor_tp, args.dtype,
-                                     compile_models=args.compile, overrides=overrides)
+        config = roll_backend_config(
+            model_dir,
+            data_path,
+            work / "rb",
+            scale,
+            args.steps,
+            args.actor_tp,
+            dtype,
+            compile_models=args.compile,
+            overrides=overrides,
+        )
         seconds, metrics = roll_backend_step_seconds(config, args.steps)
         results["roll-backend"] = seconds, [{p: m[f"timing/{p}"] for p in flops} for m in metrics]
     if args.only in (None, "trl"):
-        results["TRL GRPOTrainer"] = trl_step_seconds_in_subprocess(model_dir, rows, scale, work / "trl", args.steps, args.dtype)
+        results["TRL GRPOTrainer"] = trl_step_seconds_in_subprocess(
+            model_dir, rows, scale, work / "trl", args.steps, dtype
+        )
         print(f"TRL steps: {' '.join(f'{s:.1f}s' for s in results['TRL GRPOTrainer'][0])}", flush=True)
 
     print_phases(results, flops, peak)
-    rates = {}
-    for name, (seconds, _) in results.items():
-        mean = sum(seconds) / len(seconds)
-        rates[name] = scale.generated_tokens / mean
-        print(f"{name}: {mean:.1f} s/step (steps {', '.join(f'{s:.1f}' for s in seconds)}), {rates[name]:.0f} generated tokens/s")
-    print(f"load average after: {os.getloadavg()[0]:.1f}")
-    if len(rates) == 2:
-        print(f"tokens/s vs TRL GRPOTrainer: {rates['roll-backend'] / rates['TRL GRPOTrainer']:.1f}x")
+    print_rates(results, scale)
 
 
 if __name__ == "__main__":
