@@ -1,4 +1,4 @@
-.PHONY: setup demo test bench
+.PHONY: setup demo test lint bench
 
 setup:
 	@scripts/setup.sh
@@ -6,8 +6,12 @@ setup:
 demo: setup
 	.venv/bin/roll-backend run configs/grpo_tiny_cpu.yaml
 
-test: setup
+test: setup lint
 	.venv/bin/python -m pytest tests
+
+lint: setup
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
 
 bench: setup
 	.venv/bin/python bench/dataproto.py

@@ -21,8 +21,8 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron_config import MegatronTrainConfig
-from roll_backend.strategies.vllm_rollout import SamplingConfig, VllmRolloutConfig
+from roll_backend.strategies.megatron.config import MegatronTrainConfig
+from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.workers.actor import ActorConfig, ActorWorker
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 

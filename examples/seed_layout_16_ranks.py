@@ -24,7 +24,7 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron_config import MegatronTrainConfig, OptimizerSettings
+from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 
 TOLERANCE = 1e-5

@@ -56,7 +56,7 @@ def main() -> None:
     from roll_backend.distributed import parallel
     from roll_backend.distributed.parallel import ParallelLayout
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
-    from roll_backend.strategies.megatron_config import MegatronTrainConfig, OptimizerSettings
+    from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
     from roll_backend.strategies.registry import create_strategy
     from roll_backend.workers.actor import ActorLossConfig, actor_loss
 

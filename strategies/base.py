@@ -1,7 +1,8 @@
-"""The interfaces roles program against: `InferStrategy` (forward only) and `TrainStrategy` (updates weights).
+"""The interfaces roles program against: `InferStrategy` (forward only), `TrainStrategy` (updates weights) and
+`RolloutStrategy` (generates), plus what every strategy config answers (`StrategyConfig`, `RunFacts`).
 
-They are separate on purpose: a train strategy also computes log-probs, but it is not an infer strategy;
-implementations share code through helper functions (see `megatron_common`), not inheritance.
+Infer and train are separate on purpose: a train strategy also computes log-probs, but it is not an infer
+strategy; implementations share code through helper functions (see `megatron/schedule.py`), not inheritance.
 Every method runs on every rank of the role; results are meaningful on the ranks the dispatch collects
 (tp0/cp0/last pipeline stage) and `None` elsewhere.
 """
@@ -9,10 +10,13 @@ Every method runs on every rank of the role; results are meaningful on the ranks
 from __future__ import annotations
 
 import abc
-from typing import Callable, Iterator
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 
+from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 
 # loss_fn(per_token, micro_batch) -> (loss, metrics). `per_token` holds [B_mb, T_resp] tensors (keys.LOG_PROBS,
@@ -22,8 +26,52 @@ from roll_backend.protocol import DataProto
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run decides for one role's strategy, in backend-neutral terms.
+
+    Built by the config layer (`roll_backend.config.validate.run_facts`); a strategy config checks itself
+    against it (`problems`) before Ray starts and takes the run's settings from it (`for_run`).
+    """
+
+    role: str  # the role's name (roll_backend.roles); problems name their keys under it
+    layout: ParallelLayout = ParallelLayout()  # the role's tp, pp, cp, vpp, ep, etp
+    world_size: int = 1  # ranks of the role
+    device: str = "cpu"  # "cuda" where the role's ranks take GPUs
+    samples_per_prompt: int = 1  # responses generated per prompt (num_return_sequences_in_group)
+    max_prompt_length: int | None = None  # the longest prompt in tokens (data.max_prompt_length); None: unknown
+    response_length: int = 1  # the most tokens a response may have
+    train_batch_size: int | None = None  # responses per optimizer step where the run trains the role, else None
+    optimizer_steps: int | None = None  # optimizer steps over the whole run where it trains the role, else None
+    saves_checkpoints: bool = False  # the run checkpoints this role's training state
+    value_head: bool = False  # the role scores values (the critic): its model ends in a value head
+    model_config: Mapping[str, Any] | None = None  # the model's Hugging Face config fields; None: unknown
+
+
+class StrategyConfig(Protocol):
+    """What every strategy's typed config answers, whatever its backend."""
+
+    model_path: str
+
+    def problems(self, run: RunFacts) -> list[str]:
+        """Every problem this config has in this run (empty when it can run), each naming the key and the fix."""
+
+    def for_run(self, run: RunFacts) -> StrategyConfig:
+        """This config with what the run decides (e.g. samples per prompt, response length, the training horizon)."""
+
+
+def no_call_context(device: str) -> contextlib.AbstractContextManager:
+    """Nothing to enter around a strategy's calls (the default of every interface below)."""
+    return contextlib.nullcontext()
+
+
 class InferStrategy(abc.ABC):
     """A forward-only backend for one rank of a role."""
+
+    @classmethod
+    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
+        """What a rank enters around each call into this strategy on `device` (nothing by default)."""
+        return no_call_context(device)
 
     @abc.abstractmethod
     def initialize(self) -> None:
@@ -40,6 +88,11 @@ class InferStrategy(abc.ABC):
 
 class TrainStrategy(abc.ABC):
     """A training backend for one rank of a role: forward, backward, optimizer step, checkpoints, weight export."""
+
+    @classmethod
+    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
+        """What a rank enters around each call into this strategy on `device` (nothing by default)."""
+        return no_call_context(device)
 
     @abc.abstractmethod
     def initialize(self) -> None:
@@ -72,3 +125,28 @@ class TrainStrategy(abc.ABC):
     @abc.abstractmethod
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket)."""
+
+
+class RolloutStrategy(abc.ABC):
+    """A generation backend for one rank of the rollout role: sample responses, take new weights, probe log-probs."""
+
+    @classmethod
+    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
+        """What a rank enters around each call into this strategy on `device` (nothing by default)."""
+        return no_call_context(device)
+
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Start the engine; called once the rank has joined its process group."""
+
+    @abc.abstractmethod
+    def generate(self, batch: DataProto) -> DataProto:
+        """Prompts [B] -> rollout batch [B*n] (responses, masks, sampling log-probs)."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into the engine in place; returns how many it loaded."""
+
+    @abc.abstractmethod
+    def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
+        """The engine's log-probs of fixed responses given their prompts: [B, T_resp] float32."""

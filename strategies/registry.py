@@ -6,16 +6,16 @@ import importlib
 from typing import Any
 
 STRATEGIES: dict[str, str] = {
-    "megatron_train": "roll_backend.strategies.megatron_train:MegatronTrainStrategy",
-    "megatron_infer": "roll_backend.strategies.megatron_infer:MegatronInferStrategy",
-    "vllm_rollout": "roll_backend.strategies.vllm_rollout:VllmRolloutStrategy",
+    "megatron_train": "roll_backend.strategies.megatron.train:MegatronTrainStrategy",
+    "megatron_infer": "roll_backend.strategies.megatron.infer:MegatronInferStrategy",
+    "vllm_rollout": "roll_backend.strategies.vllm.rollout:VllmRolloutStrategy",
 }
 
 # The typed config class of each strategy (modules without heavy imports).
 STRATEGY_CONFIGS: dict[str, str] = {
-    "megatron_train": "roll_backend.strategies.megatron_config:MegatronTrainConfig",
-    "megatron_infer": "roll_backend.strategies.megatron_config:MegatronInferConfig",
-    "vllm_rollout": "roll_backend.strategies.vllm_rollout:VllmRolloutConfig",
+    "megatron_train": "roll_backend.strategies.megatron.config:MegatronTrainConfig",
+    "megatron_infer": "roll_backend.strategies.megatron.config:MegatronInferConfig",
+    "vllm_rollout": "roll_backend.strategies.vllm.config:VllmRolloutConfig",
 }
 
 

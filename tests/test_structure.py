@@ -10,6 +10,7 @@ import is still a dependency. `from roll_backend.x import y` where `y` is a modu
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
@@ -249,7 +250,7 @@ def test_no_module_import_cycles():
     cycles = find_cycles({name: set(edges) for name, edges in graph.items()})
     lines = []
     for cycle in cycles:
-        hops = [f"{_short(a)} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+        hops = [f"{_short(a)} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle)]
         lines.append("  " + " -> ".join([*hops, _short(cycle[-1])]))
     if cycles:
         header = f"{len(cycles)} import cycle(s) between modules (line = where the import is):"
@@ -281,7 +282,8 @@ def test_no_package_import_cycles():
     lines = []
     for cycle in cycles:
         lines.append("  " + " -> ".join(_short(u) for u in cycle))
-        lines.extend(f"      {_short(a)} -> {_short(b)}: {_examples(units[a][b])}" for a, b in zip(cycle, cycle[1:]))
+        for a, b in itertools.pairwise(cycle):
+            lines.append(f"      {_short(a)} -> {_short(b)}: {_examples(units[a][b])}")
     if cycles:
         pytest.fail(f"{len(cycles)} import cycle(s) between top packages:\n" + "\n".join(lines), pytrace=False)
 

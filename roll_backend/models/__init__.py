@@ -1,1 +1,1 @@
-"""Model building: HF <-> Megatron weight conversion, tiny model and tokenizer builders."""
+"""Models that are not a backend: the tiny HF model and tokenizer builders (tests, demos, benchmarks)."""

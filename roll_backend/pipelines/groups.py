@@ -3,12 +3,12 @@ config says."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from roll_backend import roles
+from roll_backend.config.run_facts import run_facts
 from roll_backend.config.schema import PipelineConfig, RoleConfig
 from roll_backend.distributed.placement import create_placement_group
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup
@@ -35,22 +35,9 @@ def _actor_loss_config(config: PipelineConfig) -> ActorLossConfig:
     )
 
 
-def _with_run_settings(config: PipelineConfig, role: RoleConfig) -> Any:
-    """The role's strategy config with what the run decides: sampling n / max tokens, train horizon."""
-    strategy = role.strategy.config
-    if role.strategy.name == "vllm_rollout":
-        sampling = dataclasses.replace(
-            strategy.sampling, n=config.num_return_sequences_in_group, max_tokens=config.response_length
-        )
-        validation = dataclasses.replace(strategy.validation, max_tokens=config.response_length)
-        return dataclasses.replace(strategy, sampling=sampling, validation=validation)
-    if role.strategy.name == "megatron_train":
-        updates_per_step = config.algorithm.ppo_epochs * (
-            config.rollout_batch_size * config.num_return_sequences_in_group
-            // (config.algorithm.ppo_mini_batch_size or config.rollout_batch_size * config.num_return_sequences_in_group)
-        )
-        return dataclasses.replace(strategy, total_steps=max(1, config.max_steps * updates_per_step))
-    return strategy
+def _strategy_for_run(config: PipelineConfig, name: str) -> Any:
+    """The role's strategy config with what the run decides (the strategy config's own `for_run`)."""
+    return getattr(config, name).strategy.config.for_run(run_facts(config, name))
 
 
 @dataclass
@@ -119,17 +106,16 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
     """Start every role's group into `groups` (so a failure part-way can shut down what started)."""
     starter = _GroupStarter(config)
     groups[roles.ACTOR_TRAIN] = starter.start(ActorWorker, roles.ACTOR_TRAIN, ActorConfig(
-        strategy=_with_run_settings(config, config.actor_train), strategy_name=config.actor_train.strategy.name,
+        strategy=_strategy_for_run(config, roles.ACTOR_TRAIN), strategy_name=config.actor_train.strategy.name,
         loss=_actor_loss_config(config)))
     groups[roles.ACTOR_INFER] = starter.start(RolloutWorker, roles.ACTOR_INFER, RolloutWorkerConfig(
-        strategy=_with_run_settings(config, config.actor_infer), strategy_name=config.actor_infer.strategy.name))
+        strategy=_strategy_for_run(config, roles.ACTOR_INFER), strategy_name=config.actor_infer.strategy.name))
     if config.reference is not None:
         groups[roles.REFERENCE] = starter.start(ReferenceWorker, roles.REFERENCE, ReferenceConfig(
-            strategy=config.reference.strategy.config, strategy_name=config.reference.strategy.name))
+            strategy=_strategy_for_run(config, roles.REFERENCE), strategy_name=config.reference.strategy.name))
     if config.critic is not None:
-        critic_strategy = dataclasses.replace(_with_run_settings(config, config.critic), value_head=True)
         groups[roles.CRITIC] = starter.start(CriticWorker, roles.CRITIC, CriticConfig(
-            strategy=critic_strategy, strategy_name=config.critic.strategy.name,
+            strategy=_strategy_for_run(config, roles.CRITIC), strategy_name=config.critic.strategy.name,
             loss=CriticLossConfig(clip_range=config.algorithm.value_clip)))
     groups[roles.REWARD] = starter.start_reward()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roll_backend.strategies.megatron_config import MegatronInferConfig, MegatronTrainConfig
+from roll_backend.strategies.megatron.config import MegatronInferConfig, MegatronTrainConfig
 from roll_backend.strategies.registry import STRATEGIES, UnknownStrategyError, config_class, strategy_class
 
 

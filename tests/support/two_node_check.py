@@ -22,7 +22,7 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb2n", dir="/tmp")
 os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
 
 import ray  # noqa: E402
-from ray.cluster_utils import WorkerGroup as RayCluster  # noqa: E402
+from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 from probe_workers import ProbeWorker  # noqa: E402
 from roll_backend.config.loader import load_config  # noqa: E402

@@ -11,7 +11,7 @@ from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_reward_model
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron_config import MegatronInferConfig
+from roll_backend.strategies.megatron.config import MegatronInferConfig
 from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker
 
 PROMPT_LEN, RESPONSE_LEN = 6, 5

