@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.protocol import DataProto
 
 
@@ -32,7 +32,9 @@ class SquareWorker(Worker):
     def square(self, batch: DataProto) -> DataProto:
         """x [B] float32 -> x_squared [B] float32 and dp_rank [B] int64 (every rank of a DP group gets the chunk)."""
         x = batch.batch["x"]
-        return DataProto.from_dict(tensors={"x_squared": x * x, "dp_rank": torch.full_like(x, self.coords.dp, dtype=torch.int64)})
+        return DataProto.from_dict(
+            tensors={"x_squared": x * x, "dp_rank": torch.full_like(x, self.coords.dp, dtype=torch.int64)}
+        )
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import numpy as np
 import ray
 
 from roll_backend import keys
-from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
@@ -36,7 +36,9 @@ def main() -> None:
     start = time.perf_counter()
 
     with tempfile.TemporaryDirectory(prefix="tiny_model_") as tmp:
-        model_dir = build_tiny_model(tmp, TinyModelSpec(hidden_size=128, intermediate_size=256))  # vLLM CPU attention needs head_dim >= 32
+        model_dir = build_tiny_model(
+            tmp, TinyModelSpec(hidden_size=128, intermediate_size=256)
+        )  # vLLM CPU attention needs head_dim >= 32
         init_local_ray(num_cpus=8)  # CPU shares, not cores: each rank asks for 0.5
         try:
             run(model_dir, args, start)
@@ -48,14 +50,20 @@ def run(model_dir, args: argparse.Namespace, start: float) -> None:
     # The trained policy: two ranks, one tensor-parallel pair. The layout is the group's; the strategy's
     # config holds only the backend settings.
     actor = WorkerGroup(
-        ActorWorker, "actor", world_size=2, layout=ParallelLayout(tp=2),
+        ActorWorker,
+        "actor",
+        world_size=2,
+        layout=ParallelLayout(tp=2),
         worker_config=ActorConfig(strategy=MegatronTrainConfig(model_path=str(model_dir), micro_batch_size=4)),
     )
     rollout = WorkerGroup(
-        RolloutWorker, "rollout", world_size=1,
+        RolloutWorker,
+        "rollout",
+        world_size=1,
         worker_config=RolloutWorkerConfig(
             strategy=VllmRolloutConfig(
-                model_path=str(model_dir), max_model_len=256,
+                model_path=str(model_dir),
+                max_model_len=256,
                 sampling=SamplingConfig(n=args.samples, temperature=1.0, max_tokens=args.max_tokens),
             )
         ),
@@ -66,9 +74,13 @@ def run(model_dir, args: argparse.Namespace, start: float) -> None:
 
     prompts = [f"what is {a} + {a + 1}?" for a in range(args.prompts)]
     batch = DataProto.from_dict(non_tensors={keys.PROMPT_TEXT: np.array(prompts, dtype=object)})
-    samples = rollout.call(RolloutWorker.generate, batch)  # DP_MP_COMPUTE: [prompts * samples] rows, n per prompt adjacent
+    samples = rollout.call(
+        RolloutWorker.generate, batch
+    )  # DP_MP_COMPUTE: [prompts * samples] rows, n per prompt adjacent
     columns = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
-    scored = actor.call(ActorWorker.compute_log_probs, samples.select(batch_keys=columns))  # DP_MP_DISPATCH_FIRST: tp0 gets tensors
+    scored = actor.call(
+        ActorWorker.compute_log_probs, samples.select(batch_keys=columns)
+    )  # DP_MP_DISPATCH_FIRST: tp0 gets tensors
 
     mask = samples.batch[keys.RESPONSE_MASK].bool()  # [B*n, T_resp]
     gap = (scored.batch[keys.LOG_PROBS] - samples.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from roll_backend import keys
-from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
+from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
@@ -38,12 +38,15 @@ def make_batch(vocab_size: int, rows: int = 8, prompt_len: int = 20, response_le
     attention = torch.ones_like(input_ids)
     for row in range(rows):
         attention[row, : row % 5] = 0  # left padding of the prompt
-        attention[row, prompt_len + response_len - row % 4:] = 0  # right padding of the response
+        attention[row, prompt_len + response_len - row % 4 :] = 0  # right padding of the response
     input_ids = input_ids * attention
     responses = input_ids[:, prompt_len:]
     return {
-        keys.PROMPTS: input_ids[:, :prompt_len], keys.RESPONSES: responses, keys.INPUT_IDS: input_ids,
-        keys.ATTENTION_MASK: attention, keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
+        keys.PROMPTS: input_ids[:, :prompt_len],
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: input_ids,
+        keys.ATTENTION_MASK: attention,
+        keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
         keys.RESPONSE_MASK: attention[:, prompt_len:],
         keys.ADVANTAGES: torch.randn(responses.shape, generator=gen),
     }
@@ -68,7 +71,9 @@ def resident_gib(group: WorkerGroup) -> float:
 def run(work_dir: Path) -> bool:
     started = time.perf_counter()
     init_local_ray(num_cpus=32)
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    spec = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
     model_dir = str(build_tiny_model(work_dir / "tiny", spec))
     tensors = make_batch(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
@@ -85,7 +90,9 @@ def run(work_dir: Path) -> bool:
     for name, group in (("seed", seed), ("tp1", single)):
         batch = DataProto.from_dict(tensors=dict(tensors))
         old = group.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
-        step = group.call(ActorWorker.train_step, DataProto.from_dict(tensors=dict(tensors, **{keys.OLD_LOG_PROBS: old})))[0]
+        step = group.call(
+            ActorWorker.train_step, DataProto.from_dict(tensors=dict(tensors, **{keys.OLD_LOG_PROBS: old}))
+        )[0]
         after = group.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
         results[name] = (old, step, after)
     mask = tensors[keys.RESPONSE_MASK].bool()

@@ -32,7 +32,9 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, T_resp] float32, scores after
 ADVANTAGES = "advantages"  # [B, T_resp] float32
 RETURNS = "returns"  # [B, T_resp] float32
 SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (reward model)
-ROLLOUT_CORRECTION_WEIGHTS = "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
+ROLLOUT_CORRECTION_WEIGHTS = (
+    "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
+)
 POLICY_VERSION = "policy_version"  # [B] int64, trainer updates applied to the weights that generated the row
 
 # Added by dispatch when a batch does not divide by the DP size; removed again on collect.
@@ -41,7 +43,9 @@ DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to
 # meta_info keys.
 META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
-META_PREPARED = "prepared"  # dict, pipelines.rl_step.mark_prepared: a batch already scored and given reference log-probs
+META_PREPARED = (
+    "prepared"  # dict, pipelines.rl_step.mark_prepared: a batch already scored and given reference log-probs
+)
 META_SAMPLING_SEED = "sampling_seed"  # int, reseeds the rollout engine's sampler before generate (resumable runs)
 META_GLOBAL_TOKEN_COUNT = "global_token_count"  # int, loss tokens across the whole DP mini-batch
 META_GLOBAL_SEQUENCE_COUNT = "global_sequence_count"  # int, sequences with a loss token across the DP mini-batch

@@ -1,7 +1,7 @@
 """Write docs/configuration.md from the config schema (roll_backend/config/reference_doc.py).
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/gen_config_docs.py          # regenerate
-    PYTHONPATH=$PWD .venv/bin/python scripts/gen_config_docs.py --check  # exit 1 if the file is out of date
+PYTHONPATH=$PWD .venv/bin/python scripts/gen_config_docs.py          # regenerate
+PYTHONPATH=$PWD .venv/bin/python scripts/gen_config_docs.py --check  # exit 1 if the file is out of date
 """
 
 from __future__ import annotations

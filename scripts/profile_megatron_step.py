@@ -38,11 +38,18 @@ def rl_batch(vocab_size: int):
     prompts = torch.randint(3, vocab_size, (rows, PROMPT_TOKENS), generator=gen)
     responses = torch.randint(3, vocab_size, (rows, FULL.new_tokens), generator=gen)
     attention = torch.ones(rows, PROMPT_TOKENS + FULL.new_tokens, dtype=torch.long)
-    return DataProto.from_dict(tensors={
-        keys.PROMPTS: prompts, keys.RESPONSES: responses, keys.INPUT_IDS: torch.cat([prompts, responses], 1),
-        keys.ATTENTION_MASK: attention, keys.POSITION_IDS: attention.cumsum(-1) - 1,
-        keys.RESPONSE_MASK: torch.ones_like(responses), keys.ADVANTAGES: torch.randn(responses.shape, generator=gen),
-        keys.REF_LOG_PROBS: -5 * torch.rand(responses.shape, generator=gen)})
+    return DataProto.from_dict(
+        tensors={
+            keys.PROMPTS: prompts,
+            keys.RESPONSES: responses,
+            keys.INPUT_IDS: torch.cat([prompts, responses], 1),
+            keys.ATTENTION_MASK: attention,
+            keys.POSITION_IDS: attention.cumsum(-1) - 1,
+            keys.RESPONSE_MASK: torch.ones_like(responses),
+            keys.ADVANTAGES: torch.randn(responses.shape, generator=gen),
+            keys.REF_LOG_PROBS: -5 * torch.rand(responses.shape, generator=gen),
+        }
+    )
 
 
 def main() -> None:
@@ -62,17 +69,30 @@ def main() -> None:
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="profile_step_")) / "model", TinyModelSpec(seed=0, **FULL.model))
+    model_dir = build_tiny_model(
+        Path(tempfile.mkdtemp(prefix="profile_step_")) / "model", TinyModelSpec(seed=0, **FULL.model)
+    )
     parallel.init_distributed(0, 1, *parallel.local_address(), ParallelLayout(), "cpu")
     with parallel.device_call_context("cpu"):
-        config = MegatronTrainConfig(model_path=str(model_dir), micro_batch_size=FULL.micro_batch, params_dtype=args.dtype,
-                                     optimizer=OptimizerSettings(lr=1e-6), use_torch_compile=args.use_torch_compile)
+        config = MegatronTrainConfig(
+            model_path=str(model_dir),
+            micro_batch_size=FULL.micro_batch,
+            params_dtype=args.dtype,
+            optimizer=OptimizerSettings(lr=1e-6),
+            use_torch_compile=args.use_torch_compile,
+        )
         strategy = create_strategy("megatron_train", config, layout=ParallelLayout(), device="cpu")
         strategy.initialize()
         batch = rl_batch(FULL.model["vocab_size"])
         loss_fn = functools.partial(actor_loss, ActorLossConfig(kl_loss_coef=0.04))
-        calls = {"train_step": lambda: strategy.train_step(batch, loss_fn), "log_probs": lambda: strategy.compute_log_probs(batch)}
-        print(f"{cpu_model()}, {threads} threads, {args.dtype}; {len(batch)} sequences x {PROMPT_TOKENS + FULL.new_tokens} tokens")
+        calls = {
+            "train_step": lambda: strategy.train_step(batch, loss_fn),
+            "log_probs": lambda: strategy.compute_log_probs(batch),
+        }
+        print(
+            f"{cpu_model()}, {threads} threads, {args.dtype}; {len(batch)} sequences x "
+            f"{PROMPT_TOKENS + FULL.new_tokens} tokens"
+        )
         for name, call in calls.items():
             call()  # warm-up
             start = time.perf_counter()
@@ -83,9 +103,18 @@ def main() -> None:
             ops = prof.key_averages(group_by_input_shape=args.by_shape)
             total = sum(op.self_cpu_time_total for op in ops)
             gemm = sum(op.self_cpu_time_total for op in ops if op.key in GEMM_OPS)
-            print(f"\n{name}: {seconds:.2f} s unprofiled; profiled self CPU {total / 1e6:.2f} s, GEMM ops {gemm / total:.0%}")
-            print(ops.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=40,
-                            max_shapes_column_width=80))
+            print(
+                f"\n{name}: {seconds:.2f} s unprofiled; profiled self CPU {total / 1e6:.2f} s, GEMM ops "
+                f"{gemm / total:.0%}"
+            )
+            print(
+                ops.table(
+                    sort_by="self_cpu_time_total",
+                    row_limit=args.rows,
+                    max_name_column_width=40,
+                    max_shapes_column_width=80,
+                )
+            )
     parallel.destroy_distributed()
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 

@@ -24,7 +24,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is not None and available < (marker.args[0] if marker.args else 1):
-            item.add_marker(pytest.mark.skip(reason=f"needs {marker.args[0] if marker.args else 1} GPUs, found {available}"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {marker.args[0] if marker.args else 1} GPUs, found {available}")
+            )
 
 
 @pytest.fixture(scope="session")
@@ -44,16 +46,25 @@ def ray_session():
 @pytest.fixture(scope="module")
 def make_group(ray_session):
     """Build an actor group once per (worker class, world size, layout, ...) and reuse it in the module."""
-    from roll_backend.distributed.worker_group import WorkerGroup, RankResources
     from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.worker_group import RankResources, WorkerGroup
 
     groups: dict[tuple, WorkerGroup] = {}
 
-    def make(worker_cls, world_size: int, layout: ParallelLayout = ParallelLayout(), role: str = "test",
-             resources: RankResources = RankResources(), worker_config=None, **cluster_kwargs) -> WorkerGroup:
+    def make(
+        worker_cls,
+        world_size: int,
+        layout: ParallelLayout = ParallelLayout(),
+        role: str = "test",
+        resources: RankResources = RankResources(),
+        worker_config=None,
+        **cluster_kwargs,
+    ) -> WorkerGroup:
         key = (worker_cls, role, world_size, layout, resources, repr(worker_config), repr(cluster_kwargs))
         if key not in groups:
-            groups[key] = WorkerGroup(worker_cls, role, world_size, layout, resources, worker_config=worker_config, **cluster_kwargs)
+            groups[key] = WorkerGroup(
+                worker_cls, role, world_size, layout, resources, worker_config=worker_config, **cluster_kwargs
+            )
         return groups[key]
 
     yield make

@@ -1,4 +1,6 @@
-"""The stack imports in one process: the CPU torch build, megatron-core, vLLM, Ray, tensordict, omegaconf, transformers."""
+"""The stack imports in one process: the CPU torch build, megatron-core, vLLM, Ray, tensordict, omegaconf,
+transformers.
+"""
 
 import importlib
 
@@ -29,8 +31,10 @@ def test_a_plain_source_checkout_imports_workers_and_strategies():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    code = (f"import sys; sys.path.insert(0, {str(root)!r}); import roll_backend.workers, roll_backend.strategies; "
-            "print(roll_backend.workers.__file__, roll_backend.strategies.__file__)")
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); import roll_backend.workers, roll_backend.strategies; "
+        "print(roll_backend.workers.__file__, roll_backend.strategies.__file__)"
+    )
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(root / "workers" / "__init__.py"), str(root / "strategies" / "__init__.py")]
 
@@ -42,9 +46,10 @@ def test_a_plain_source_checkout_maps_only_workers_and_strategies_into_the_packa
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    code = (f"import sys, importlib.util; sys.path.insert(0, {str(root)!r}); import roll_backend; "
-            "print([importlib.util.find_spec('roll_backend.' + n) is not None "
-            "for n in ('tests', 'bench', 'roll_backend', 'examples', 'workers', 'strategies')])")
+    code = (
+        f"import sys, importlib.util; sys.path.insert(0, {str(root)!r}); import roll_backend; "
+        "print([importlib.util.find_spec('roll_backend.' + n) is not None "
+        "for n in ('tests', 'bench', 'roll_backend', 'examples', 'workers', 'strategies')])"
+    )
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[False, False, False, False, True, True]"
-

@@ -1,4 +1,6 @@
-"""`ActorWorker`: the policy being trained. Log-probs, PPO/GSPO train steps, checkpoints and HF export via its strategy."""
+"""`ActorWorker`: the policy being trained. Log-probs, PPO/GSPO train steps, checkpoints and HF export via its
+strategy.
+"""
 
 from __future__ import annotations
 
@@ -54,20 +56,37 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
     # Rollout-mismatch correction (the pipeline adds the column only when it is on): detached per-token weights.
     correction = batch[keys.ROLLOUT_CORRECTION_WEIGHTS] if keys.ROLLOUT_CORRECTION_WEIGHTS in batch.keys() else None
     policy = get_policy_loss(cfg.policy_loss)(
-        old_log_probs, log_probs, batch[keys.ADVANTAGES], mask,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg_mode=cfg.agg_mode,
-        dp_size=1, batch_num_tokens=global_tokens, global_batch_size=micro_batch.meta_info.get(keys.META_GLOBAL_SEQUENCE_COUNT),
+        old_log_probs,
+        log_probs,
+        batch[keys.ADVANTAGES],
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        clip_c=cfg.clip_c,
+        agg_mode=cfg.agg_mode,
+        dp_size=1,
+        batch_num_tokens=global_tokens,
+        global_batch_size=micro_batch.meta_info.get(keys.META_GLOBAL_SEQUENCE_COUNT),
         token_weights=correction,
     )
     loss = policy.loss
-    metrics = {"pg_loss": policy.loss.detach(), "pg_clipfrac": policy.clipfrac.detach(), "ppo_kl": policy.approx_kl.detach()}
+    metrics = {
+        "pg_loss": policy.loss.detach(),
+        "pg_clipfrac": policy.clipfrac.detach(),
+        "ppo_kl": policy.approx_kl.detach(),
+    }
     if keys.ENTROPY in per_token:
         entropy = agg_loss(per_token[keys.ENTROPY], mask, "token-mean", dp_size=1, batch_num_tokens=global_tokens)
         metrics["entropy"] = entropy.detach()
         loss = loss - cfg.entropy_coef * entropy
     if cfg.kl_loss_coef:
-        kl = agg_loss(kl_estimate(log_probs, batch[keys.REF_LOG_PROBS], cfg.kl_estimator), mask, "token-mean",
-                      dp_size=1, batch_num_tokens=global_tokens)
+        kl = agg_loss(
+            kl_estimate(log_probs, batch[keys.REF_LOG_PROBS], cfg.kl_estimator),
+            mask,
+            "token-mean",
+            dp_size=1,
+            batch_num_tokens=global_tokens,
+        )
         metrics["kl_loss"] = kl.detach()
         loss = loss + cfg.kl_loss_coef * kl
     return loss, metrics

@@ -34,8 +34,13 @@ def critic_loss(cfg: CriticLossConfig, per_token: dict[str, torch.Tensor], micro
     """LossFn of the critic: clipped value loss on VALUES (old values), RETURNS and RESPONSE_MASK."""
     batch = micro_batch.batch
     loss, clipfrac = value_loss(
-        per_token[keys.VALUES], batch[keys.RETURNS], batch[keys.VALUES], batch[keys.RESPONSE_MASK].float(),
-        clip_range=cfg.clip_range, agg_mode="token-mean", dp_size=1,
+        per_token[keys.VALUES],
+        batch[keys.RETURNS],
+        batch[keys.VALUES],
+        batch[keys.RESPONSE_MASK].float(),
+        clip_range=cfg.clip_range,
+        agg_mode="token-mean",
+        dp_size=1,
         batch_num_tokens=micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT],
     )
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach()}

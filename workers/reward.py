@@ -3,8 +3,8 @@ scoring its share of the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -34,17 +34,23 @@ class RewardWorkerConfig:
     def __post_init__(self):
         object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions)))
         if not self.rewards and not self.functions:
-            raise ValueError("no rewards: name a built-in in reward.rewards (e.g. {'math_verify': 1.0}) or add reward.functions.")
+            raise ValueError(
+                "no rewards: name a built-in in reward.rewards (e.g. {'math_verify': 1.0}) or add reward.functions."
+            )
         for name in self.rewards:
             get_reward_fn(name)  # an unknown name fails here, before any actor starts
         if self.on_function_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"reward.on_function_error={self.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}")
+            raise ValueError(
+                f"reward.on_function_error={self.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}"
+            )
         if not self.function_timeout_s > 0:
             raise ValueError(f"reward.function_timeout_s={self.function_timeout_s} must be > 0")
         labels = [spec.label for spec in self.functions]
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
-            raise ValueError(f"reward.functions: {repeated} appear more than once; each function's metrics need their own name")
+            raise ValueError(
+                f"reward.functions: {repeated} appear more than once; each function's metrics need their own name"
+            )
 
 
 class RewardWorker(Worker):
@@ -55,14 +61,20 @@ class RewardWorker(Worker):
         if self.config is None:
             self.config = RewardWorkerConfig()
         if not isinstance(self.config, RewardWorkerConfig):
-            raise TypeError(f"RewardWorker takes a RewardWorkerConfig as worker_config, got {type(self.config).__name__}")
+            raise TypeError(
+                f"RewardWorker takes a RewardWorkerConfig as worker_config, got {type(self.config).__name__}"
+            )
         # User code is loaded on the first call (in this process), so its import errors travel like its other errors.
-        self.scorers = [FunctionScorer(spec, self.config.on_function_error, self.config.function_timeout_s)
-                        for spec in self.config.functions]
+        self.scorers = [
+            FunctionScorer(spec, self.config.on_function_error, self.config.function_timeout_s)
+            for spec in self.config.functions
+        ]
 
     @register(Dispatch.DP_MP_COMPUTE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
-        """RESPONSE_TEXT + ANSWER + RESPONSE_MASK -> TOKEN_LEVEL_SCORES [B, T_resp] float32 (score on the last token)."""
+        """RESPONSE_TEXT + ANSWER + RESPONSE_MASK -> TOKEN_LEVEL_SCORES [B, T_resp] float32 (score on the last
+        token).
+        """
         for name in (keys.RESPONSE_TEXT, keys.ANSWER):
             if name not in batch.non_tensor_batch:
                 raise KeyError(f"compute_rewards needs the non-tensor column '{name}'")
@@ -70,11 +82,15 @@ class RewardWorker(Worker):
             raise KeyError(f"compute_rewards needs the tensor column '{keys.RESPONSE_MASK}'")
         texts, answers = batch.non_tensor_batch[keys.RESPONSE_TEXT], batch.non_tensor_batch[keys.ANSWER]
         per_reward = {  # name -> [B] float32
-            name: torch.tensor([get_reward_fn(name)(str(t), str(a)) for t, a in zip(texts, answers)], dtype=torch.float32)
+            name: torch.tensor(
+                [get_reward_fn(name)(str(t), str(a)) for t, a in zip(texts, answers)], dtype=torch.float32
+            )
             for name in self.config.rewards
         }
         metrics = {f"reward/{name}_mean": _mean(values) for name, values in per_reward.items()}
-        scores = sum((weight * per_reward[name] for name, weight in self.config.rewards.items()), torch.zeros(len(batch)))
+        scores = sum(
+            (weight * per_reward[name] for name, weight in self.config.rewards.items()), torch.zeros(len(batch))
+        )
         if self.scorers:
             real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
             rows = reward_rows(batch, real)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,9 @@ class RolloutWorker(Worker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.config, RolloutWorkerConfig):
-            raise TypeError(f"RolloutWorker takes a RolloutWorkerConfig as worker_config, got {type(self.config).__name__}")
+            raise TypeError(
+                f"RolloutWorker takes a RolloutWorkerConfig as worker_config, got {type(self.config).__name__}"
+            )
         self.strategy = None
 
     def call_context(self):

@@ -12,10 +12,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from roll_backend import roles
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
-from roll_backend.config.typed import ConfigError, suggest, build, to_dict
+from roll_backend.config.typed import ConfigError, build, suggest, to_dict
 from roll_backend.config.validate import validate
 from roll_backend.distributed.parallel import ParallelLayout
-
 
 
 def _strategy_config_class(name: str):
@@ -117,6 +116,10 @@ def config_to_yaml(config: PipelineConfig) -> str:
         section = getattr(config, role)
         if section is not None:
             strategy = section.strategy
-            flat = {"name": strategy.name, **{k: v for k, v in to_dict(strategy.layout).items()}, **to_dict(strategy.config)}
+            flat = {
+                "name": strategy.name,
+                **{k: v for k, v in to_dict(strategy.layout).items()},
+                **to_dict(strategy.config),
+            }
             tree[role]["strategy"] = flat
     return OmegaConf.to_yaml(OmegaConf.create(tree))

@@ -112,7 +112,9 @@ def _cell(text: str) -> str:
 
 def _section_class(hint: Any) -> type | None:
     """The dataclass a field holds (also through `X | None`), else None."""
-    candidates = [hint, *typing.get_args(hint)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    candidates = (
+        [hint, *typing.get_args(hint)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    )
     for candidate in candidates:
         if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
             return candidate
@@ -141,8 +143,16 @@ class _Writer:
         lines += [f"| `{key}` | {_cell(tp)} | {default} | {_cell(meaning)} |" for key, tp, default, meaning in rows]
         self.sections.append("\n".join(lines) + "\n")
 
-    def walk(self, cls: type, prefix: str, title: str, skip: tuple[str, ...] = (), filled: dict[str, str] | None = None,
-             instance: Any = None, intro: str | None = None) -> None:
+    def walk(
+        self,
+        cls: type,
+        prefix: str,
+        title: str,
+        skip: tuple[str, ...] = (),
+        filled: dict[str, str] | None = None,
+        instance: Any = None,
+        intro: str | None = None,
+    ) -> None:
         """One table for `cls` under key `prefix`, then one per nested dataclass section, depth first.
         `filled`: field name -> (default, meaning) for keys the loader fills in when the YAML leaves them out."""
         hints = typing.get_type_hints(cls)
@@ -156,7 +166,14 @@ class _Writer:
             section = _section_class(hint)
             meaning = comments.get(f.name) or (_class_doc(section) if section else "") or NO_MEANING
             if section is StrategySection:
-                rows.append((f"{key}.name", "str", "required", "the backend: one of the strategies below; its other keys follow"))
+                rows.append(
+                    (
+                        f"{key}.name",
+                        "str",
+                        "required",
+                        "the backend: one of the strategies below; its other keys follow",
+                    )
+                )
                 continue
             if section is not None:
                 nested.append((section, f"{key}.", key, _default_value(f, instance)))
@@ -165,7 +182,12 @@ class _Writer:
             rows.append((key, type_name(hint), default, meaning))
         self.table(title, intro if intro is not None else _class_doc(cls), rows)
         for section, sub_prefix, sub_title, section_default in nested:
-            self.walk(section, sub_prefix, f"`{sub_title}`", instance=section_default if dataclasses.is_dataclass(section_default) else None)
+            self.walk(
+                section,
+                sub_prefix,
+                f"`{sub_title}`",
+                instance=section_default if dataclasses.is_dataclass(section_default) else None,
+            )
 
 
 def render() -> str:
@@ -179,18 +201,36 @@ def render() -> str:
     writer.walk(PipelineConfig, "", "Top level (`PipelineConfig`)", skip=tuple(role_fields))
     role_cls = _section_class(top_hints[role_fields[0]])
     fields = {f.name: f for f in dataclasses.fields(PipelineConfig)}
-    which = ", ".join(f"`{r}` ({'required' if default_text(fields[r]) == 'required' else 'optional'})" for r in role_fields)
-    writer.walk(role_cls, "<role>.", f"Roles: {', '.join(f'`{r}`' for r in role_fields)}",
-                intro=f"{_class_doc(role_cls)} Role blocks: {which}; `<role>` below stands for each.")
+    which = ", ".join(
+        f"`{r}` ({'required' if default_text(fields[r]) == 'required' else 'optional'})" for r in role_fields
+    )
+    writer.walk(
+        role_cls,
+        "<role>.",
+        f"Roles: {', '.join(f'`{r}`' for r in role_fields)}",
+        intro=f"{_class_doc(role_cls)} Role blocks: {which}; `<role>` below stands for each.",
+    )
     layout_comments = field_comments(ParallelLayout)
     layout_hints = typing.get_type_hints(ParallelLayout)
     layout_rows = [
-        (f"<role>.strategy.{f.name}", type_name(layout_hints[f.name]), default_text(f), layout_comments.get(f.name, NO_MEANING))
-        for f in dataclasses.fields(ParallelLayout) if f.name in LAYOUT_KEYS
+        (
+            f"<role>.strategy.{f.name}",
+            type_name(layout_hints[f.name]),
+            default_text(f),
+            layout_comments.get(f.name, NO_MEANING),
+        )
+        for f in dataclasses.fields(ParallelLayout)
+        if f.name in LAYOUT_KEYS
     ]
     writer.table("`<role>.strategy`: parallel layout (every strategy)", _class_doc(ParallelLayout), layout_rows)
     for name in sorted(STRATEGY_CONFIGS):
         cls = config_class(name)
-        writer.walk(cls, "<role>.strategy.", f"`<role>.strategy` with `name: {name}` (`{cls.__name__}`)",
-                    filled={"model_path": ("the role's `model_path`", "the model folder; the loader fills in the role's model_path")})
+        writer.walk(
+            cls,
+            "<role>.strategy.",
+            f"`<role>.strategy` with `name: {name}` (`{cls.__name__}`)",
+            filled={
+                "model_path": ("the role's `model_path`", "the model folder; the loader fills in the role's model_path")
+            },
+        )
     return HEADER + "\n" + "\n".join(writer.sections)

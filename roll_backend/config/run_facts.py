@@ -13,8 +13,17 @@ from roll_backend.config.schema import PipelineConfig, RoleConfig
 from roll_backend.strategies.base import RunFacts
 
 TRAINED_ROLES = (roles.ACTOR_TRAIN, roles.CRITIC)
-_TINY_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+_TINY_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def model_fields(config: PipelineConfig, model_path: str) -> dict[str, Any] | None:

@@ -22,8 +22,10 @@ def _check_model_path(config: PipelineConfig, what: str, model_path: str, proble
     folder = Path(model_path)
     tiny_hint = " (or set build_tiny_model to write a tiny random model there)" if what == "model_path" else ""
     if folder.is_file():
-        problems.append(f"{what}={model_path!r} is a file; point it at the folder that holds the model (config.json, "
-                        "weights, tokenizer)")
+        problems.append(
+            f"{what}={model_path!r} is a file; point it at the folder that holds the model (config.json, "
+            "weights, tokenizer)"
+        )
         return
     if not folder.is_dir():
         problems.append(
@@ -60,8 +62,9 @@ def _check_role(config: PipelineConfig, name: str, role: RoleConfig, problems: l
     for what in ("num_attention_heads", "num_key_value_heads"):
         count = fields.get(what) or (fields.get("num_attention_heads") if what == "num_key_value_heads" else None)
         if count and count % layout.tp:
-            problems.append(f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of "
-                            f"{_divisors(count)}")
+            problems.append(
+                f"{name}.strategy.tp={layout.tp} does not divide {what}={count}; choose one of {_divisors(count)}"
+            )
     problems.extend(f"{name}.strategy: {problem}" for problem in layout.expert_problems(role.world_size))
     problems.extend(role.strategy.config.problems(run))
 
@@ -70,7 +73,9 @@ def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
     algo = config.algorithm
     n = config.num_return_sequences_in_group
     if config.rollout_batch_size < 1 or n < 1:
-        problems.append(f"rollout_batch_size={config.rollout_batch_size} and num_return_sequences_in_group={n} must be >= 1")
+        problems.append(
+            f"rollout_batch_size={config.rollout_batch_size} and num_return_sequences_in_group={n} must be >= 1"
+        )
         return
     step_batch = config.rollout_batch_size * n
     mini = algo.ppo_mini_batch_size or step_batch
@@ -113,25 +118,44 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
         if value not in known:
             problems.append(f"algorithm.{field_name}={value!r} is unknown; known: {', '.join(known)}")
     if algo.reward_norm is not None and algo.reward_norm not in alg.REWARD_NORM_MODES:
-        problems.append(f"algorithm.reward_norm={algo.reward_norm!r}; choose one of {', '.join(alg.REWARD_NORM_MODES)} or null")
+        problems.append(
+            f"algorithm.reward_norm={algo.reward_norm!r}; choose one of {', '.join(alg.REWARD_NORM_MODES)} or null"
+        )
     if algo.adv_estimator == "remax":
-        problems.append("algorithm.adv_estimator=remax needs greedy-rollout baselines, which the pipelines do not produce yet; pick grpo, rloo or reinforce_plus_plus")
+        problems.append(
+            "algorithm.adv_estimator=remax needs greedy-rollout baselines, which the pipelines do not produce yet; "
+            "pick grpo, rloo or reinforce_plus_plus"
+        )
     if algo.adv_estimator == "gae" and config.critic is None:
-        problems.append("algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick grpo/rloo/reinforce_plus_plus")
+        problems.append(
+            "algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick "
+            "grpo/rloo/reinforce_plus_plus"
+        )
     if (algo.use_kl_loss or algo.use_kl_in_reward) and config.reference is None:
-        problems.append("KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off")
+        problems.append(
+            "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"
+        )
     if algo.ppo_epochs < 1:
         problems.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
     correction = algo.rollout_correction
-    for field_name, value, known in (("is_level", correction.is_level, alg.IS_LEVELS),
-                                      ("rejection", correction.rejection, alg.REJECTION_LEVELS)):
+    for field_name, value, known in (
+        ("is_level", correction.is_level, alg.IS_LEVELS),
+        ("rejection", correction.rejection, alg.REJECTION_LEVELS),
+    ):
         if value is not None and value not in known:
-            problems.append(f"algorithm.rollout_correction.{field_name}={value!r}; choose one of {', '.join(known)} or null")
+            problems.append(
+                f"algorithm.rollout_correction.{field_name}={value!r}; choose one of {', '.join(known)} or null"
+            )
     if correction.is_level is not None and not correction.is_cap >= 1.0:
-        problems.append(f"algorithm.rollout_correction.is_cap={correction.is_cap} must be >= 1 (IS weights are truncated at it; 2.0 is usual)")
+        problems.append(
+            f"algorithm.rollout_correction.is_cap={correction.is_cap} must be >= 1 (IS weights are truncated at it; "
+            "2.0 is usual)"
+        )
     if correction.rejection is not None and not correction.rejection_threshold > 1.0:
-        problems.append(f"algorithm.rollout_correction.rejection_threshold={correction.rejection_threshold} must be > 1 "
-                        "(ratios inside [1/C, C] are kept; 2.0 is usual)")
+        problems.append(
+            f"algorithm.rollout_correction.rejection_threshold={correction.rejection_threshold} must be > 1 "
+            "(ratios inside [1/C, C] are kept; 2.0 is usual)"
+        )
 
 
 def _check_async(config: PipelineConfig, problems: list[str]) -> None:
@@ -140,23 +164,34 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
     async_cfg = config.async_generation
     if not async_cfg.enabled:
         if async_cfg.prepare_ahead:
-            problems.append("async_generation.prepare_ahead=true prepares the next batch while the actor trains, which only "
-                            "the asynchronous loop does; set async_generation.enabled=true as well, or drop prepare_ahead")
+            problems.append(
+                "async_generation.prepare_ahead=true prepares the next batch while the actor trains, which only "
+                "the asynchronous loop does; set async_generation.enabled=true as well, or drop prepare_ahead"
+            )
         return
     if async_cfg.max_staleness < 1:
-        problems.append(f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "
-                        "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training")
+        problems.append(
+            f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "
+            "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training"
+        )
     infer, train = config.actor_infer, config.actor_train
     if infer.colocate_with is not None or train.colocate_with == roles.ACTOR_INFER:
-        problems.append("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
-                        f"colocate_with (actor_infer.colocate_with={infer.colocate_with!r}, actor_train.colocate_with="
-                        f"{train.colocate_with!r}) or turn async_generation off")
+        problems.append(
+            "async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
+            f"colocate_with (actor_infer.colocate_with={infer.colocate_with!r}, actor_train.colocate_with="
+            f"{train.colocate_with!r}) or turn async_generation off"
+        )
     reference = config.reference
-    if async_cfg.prepare_ahead and reference is not None and (
-            reference.colocate_with == roles.ACTOR_TRAIN or train.colocate_with == roles.REFERENCE):
-        problems.append("async_generation.prepare_ahead=true runs the reference while the actor trains, but the reference "
-                        "shares actor_train's devices; place it elsewhere (reference.colocate_with: actor_infer, or its "
-                        "own resources) or set async_generation.prepare_ahead=false")
+    if (
+        async_cfg.prepare_ahead
+        and reference is not None
+        and (reference.colocate_with == roles.ACTOR_TRAIN or train.colocate_with == roles.REFERENCE)
+    ):
+        problems.append(
+            "async_generation.prepare_ahead=true runs the reference while the actor trains, but the reference "
+            "shares actor_train's devices; place it elsewhere (reference.colocate_with: actor_infer, or its "
+            "own resources) or set async_generation.prepare_ahead=false"
+        )
 
 
 def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
@@ -168,8 +203,10 @@ def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
     if ft.max_restarts < 0:
         problems.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0 (0: no automatic restart)")
     if ft.max_restarts and not config.checkpoint.save_steps:
-        problems.append(f"fault_tolerance.max_restarts={ft.max_restarts} restarts from checkpoints, but checkpoint.save_steps=0 "
-                        f"saves none; set checkpoint.save_steps (a restart would otherwise start over from step 1)")
+        problems.append(
+            f"fault_tolerance.max_restarts={ft.max_restarts} restarts from checkpoints, but checkpoint.save_steps=0 "
+            f"saves none; set checkpoint.save_steps (a restart would otherwise start over from step 1)"
+        )
     for phase in fields(ft.timeouts):
         seconds = getattr(ft.timeouts, phase.name)
         if not seconds > 0:
@@ -184,7 +221,10 @@ def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
         sizes = {name: role.world_size for name, role in model_roles.items() if role is not None}
         sizes[roles.REWARD] = config.reward.world_size
         if fault.role not in sizes:
-            problems.append(f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of {', '.join(sizes)}")
+            problems.append(
+                f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of "
+                f"{', '.join(sizes)}"
+            )
         elif fault.rank >= sizes[fault.role]:
             problems.append(f"fault_tolerance.inject={ft.inject!r}: {fault.role} has ranks 0..{sizes[fault.role] - 1}")
 
@@ -198,11 +238,15 @@ def _check_reward(config: PipelineConfig, problems: list[str]) -> None:
         if name not in REWARDS:
             problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
     if not reward.builtin_weights() and not reward.functions:
-        problems.append("reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}) or add reward.functions")
+        problems.append(
+            "reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}) or add reward.functions"
+        )
     for index, spec in enumerate(reward.functions):
         problems.extend(check_spec(spec, f"reward.functions[{index}]"))
     if reward.on_function_error not in ON_ERROR_CHOICES:
-        problems.append(f"reward.on_function_error={reward.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}")
+        problems.append(
+            f"reward.on_function_error={reward.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}"
+        )
     if not reward.function_timeout_s > 0:
         problems.append(f"reward.function_timeout_s={reward.function_timeout_s} must be > 0")
     if reward.world_size < 1:
@@ -212,7 +256,9 @@ def _check_reward(config: PipelineConfig, problems: list[str]) -> None:
 def _check_perf(config: PipelineConfig, problems: list[str]) -> None:
     perf = config.perf
     if perf.peak_tflops is not None and not perf.peak_tflops > 0:
-        problems.append(f"perf.peak_tflops={perf.peak_tflops} must be > 0 (TFLOP/s of one rank's device) or null to measure it")
+        problems.append(
+            f"perf.peak_tflops={perf.peak_tflops} must be > 0 (TFLOP/s of one rank's device) or null to measure it"
+        )
     if perf.probe_seconds <= 0:
         problems.append(f"perf.probe_seconds={perf.probe_seconds} must be > 0")
 
@@ -221,7 +267,9 @@ def validate(config: PipelineConfig) -> list[str]:
     """Every cross-field problem of `config` (empty when it can run)."""
     problems: list[str] = []
     if config.max_steps < 1:
-        problems.append(f"max_steps={config.max_steps} must be >= 1 (the number of RL steps to run); set e.g. max_steps=10")
+        problems.append(
+            f"max_steps={config.max_steps} must be >= 1 (the number of RL steps to run); set e.g. max_steps=10"
+        )
     if config.pipeline not in PIPELINES:
         problems.append(f"pipeline={config.pipeline!r} is unknown; choose one of {', '.join(PIPELINES)}")
     if config.pipeline == "ppo" and config.critic is None:
@@ -236,9 +284,15 @@ def validate(config: PipelineConfig) -> list[str]:
             if role.colocate_with is not None:
                 other = model_roles.get(role.colocate_with)
                 if other is None:
-                    problems.append(f"{name}.colocate_with={role.colocate_with!r} names no role in this config; known: {', '.join(n for n, r in model_roles.items() if r)}")
+                    problems.append(
+                        f"{name}.colocate_with={role.colocate_with!r} names no role in this config; known: "
+                        f"{', '.join(n for n, r in model_roles.items() if r)}"
+                    )
                 elif other.world_size != role.world_size:
-                    problems.append(f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs {other.world_size}); colocated roles share bundles rank by rank")
+                    problems.append(
+                        f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs "
+                        f"{other.world_size}); colocated roles share bundles rank by rank"
+                    )
     if config.data.train_path is None and config.data.synthetic is None:
         problems.append("data: set data.train_path (JSONL or parquet) or data.synthetic")
     if config.data.train_path is not None and not Path(config.data.train_path).exists():

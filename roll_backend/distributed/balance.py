@@ -10,8 +10,8 @@ modes (distributed/dispatch.py) apply it and undo it on collect.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

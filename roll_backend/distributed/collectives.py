@@ -60,7 +60,9 @@ def broadcast_obj(obj, group: dist.ProcessGroup | None = None, src: int | None =
 
 
 def _comm_device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
 
 
 def _schema_of(batch: DataProto) -> dict:
@@ -107,7 +109,9 @@ def broadcast_dataproto(
         received[key] = buffer.view(dtype) if wire_dtype != dtype else buffer
     # Every rank (the source too) returns tensors on its own device, in the same layout.
     tensors = TensorDict(received, batch_size=[schema["batch_size"]], device=None) if received else None
-    return DataProto(batch=tensors, non_tensor_batch=dict(schema["non_tensor_batch"]), meta_info=dict(schema["meta_info"]))
+    return DataProto(
+        batch=tensors, non_tensor_batch=dict(schema["non_tensor_batch"]), meta_info=dict(schema["meta_info"])
+    )
 
 
 def broadcast_over_hops(

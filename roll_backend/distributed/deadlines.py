@@ -18,7 +18,7 @@ class Deadline:
     label: str = ""
 
     @classmethod
-    def after(cls, seconds: float | None, label: str = "") -> "Deadline | None":
+    def after(cls, seconds: float | None, label: str = "") -> Deadline | None:
         return None if seconds is None else cls(time.monotonic() + seconds, float(seconds), label)
 
     def remaining(self) -> float:

@@ -8,12 +8,12 @@ DP modes order rows with the token-balancing math of `balance.py` and undo the o
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import Any
 
 import numpy as np
+import torch
 
 from roll_backend import keys
 from roll_backend.distributed.balance import balanced_order, row_tokens
@@ -52,6 +52,7 @@ class DispatchMode:
 
 # ---- split / collect building blocks ----------------------------------------------------------------
 
+
 def _split_one_to_all(coords, args, kwargs) -> SplitResult:
     return SplitResult([(args, kwargs)] * len(coords))
 
@@ -64,10 +65,10 @@ def _split_all_to_all(coords, args, kwargs) -> SplitResult:
     world = len(coords)
     for value in (*args, *kwargs.values()):
         if not isinstance(value, (list, tuple)) or len(value) != world:
-            raise DispatchError(f"ALL_TO_ALL needs every argument as a list of {world} items (one per rank); got {type(value).__name__}")
-    return SplitResult(
-        [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)]
-    )
+            raise DispatchError(
+                f"ALL_TO_ALL needs every argument as a list of {world} items (one per rank); got {type(value).__name__}"
+            )
+    return SplitResult([(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)])
 
 
 def _meta_only(batch: DataProto) -> DataProto:
@@ -98,9 +99,7 @@ def _split_by_dp(coords: Sequence[RankCoords], args, kwargs, tensors_to_first_on
             chunk = chunks_of[key][c.dp]
             return chunk if gets_tensors else _meta_only(chunk)
 
-        per_rank.append(
-            (tuple(pick(i, a) for i, a in enumerate(args)), {k: pick(k, v) for k, v in kwargs.items()})
-        )
+        per_rank.append((tuple(pick(i, a) for i, a in enumerate(args)), {k: pick(k, v) for k, v in kwargs.items()}))
     return SplitResult(per_rank, {"input_len": pad_sizes[0][0], "pad_size": pad_sizes[0][1], "dp_size": dp_size})
 
 
@@ -147,8 +146,13 @@ def _balanced_split(base_split: SplitFn) -> SplitFn:
         new_args = tuple(reordered if i == key else a for i, a in enumerate(args))
         new_kwargs = {k: reordered if k == key else v for k, v in kwargs.items()}
         result = base_split(coords, new_args, new_kwargs)
-        context = dict(result.context, balance_order=balanced.order, input_len=len(batch), pad_size=pad,
-                       balance_metrics=balanced.metrics)
+        context = dict(
+            result.context,
+            balance_order=balanced.order,
+            input_len=len(batch),
+            pad_size=pad,
+            balance_metrics=balanced.metrics,
+        )
         return SplitResult(result.per_rank, context)
 
     return split
@@ -195,7 +199,9 @@ class Dispatch:
         "dp_mp_compute_balanced", _balanced_split(_split_dp_compute), _balanced_collect(_collect_dp)
     )
     DP_MP_DISPATCH_FIRST_BALANCED = DispatchMode(
-        "dp_mp_dispatch_first_balanced", _balanced_split(_split_dp_first), _balanced_collect(_collect_dp),
+        "dp_mp_dispatch_first_balanced",
+        _balanced_split(_split_dp_first),
+        _balanced_collect(_collect_dp),
         broadcast_in_actor=True,
     )
 

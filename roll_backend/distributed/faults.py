@@ -32,7 +32,7 @@ class FaultSpec:
     step: int
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         """`action:role:rank:phase:step`; raises ValueError saying which part is wrong."""
         parts = text.split(":")
         example = "e.g. kill:actor_train:1:train:3"
@@ -73,4 +73,7 @@ class FaultTrigger:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.spec.action == "hang":
             threading.Event().wait()  # never set: the rank stops answering, like a stuck collective
-        raise InjectedFault(f"{rank_tag} injected fault in {self.spec.phase} at call {self.calls} ({FAULT_ENV} / fault_tolerance.inject)")
+        raise InjectedFault(
+            f"{rank_tag} injected fault in {self.spec.phase} at call {self.calls} ({FAULT_ENV} / "
+            "fault_tolerance.inject)"
+        )

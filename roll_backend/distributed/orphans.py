@@ -16,7 +16,9 @@ import sys
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # bounds how long descendants outlive the process
-WATCHDOG = """
+WATCHDOG = (
+    f"POLL_S = {POLL_S}\n"
+    """
 import os, signal, sys, time
 import psutil
 parent, own_group, me = int(sys.argv[1]), sys.argv[2] == "1", os.getpid()
@@ -30,7 +32,7 @@ def note_descendants():
         pass
 while os.getppid() == parent:
     note_descendants()
-    time.sleep(%s)
+    time.sleep(POLL_S)
 for pid, started in seen.items():
     try:
         child = psutil.Process(pid)
@@ -44,7 +46,8 @@ for pid, started in seen.items():
         pass
 if own_group and os.getpgid(0) == parent:
     os.killpg(parent, signal.SIGKILL)
-""" % POLL_S
+"""
+)
 
 
 def kill_children_with_this_process(own_group: bool = True) -> subprocess.Popen | None:
@@ -59,5 +62,8 @@ def kill_children_with_this_process(own_group: bool = True) -> subprocess.Popen 
                 os.setpgid(0, 0)
         except OSError as exc:  # e.g. a session leader already: its children are still noted and killed
             logger.warning("cannot give pid %d its own process group (%s)", os.getpid(), exc)
-    return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), "1" if own_group else "0"],
-                            stdin=subprocess.DEVNULL, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", WATCHDOG, str(os.getpid()), "1" if own_group else "0"],
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+    )

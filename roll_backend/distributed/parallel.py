@@ -21,7 +21,9 @@ class ParallelLayout:
     cp: int = 1  # context-parallel size
     vpp: int | None = None  # virtual (interleaved) pipeline stages per rank
     ep: int = 1  # expert parallel: MoE experts split over this many ranks, carved out of data parallelism
-    etp: int | None = None  # expert tensor parallel: each expert split over this many ranks; None = tp (Megatron's default)
+    etp: int | None = (
+        None  # expert tensor parallel: each expert split over this many ranks; None = tp (Megatron's default)
+    )
 
     @property
     def model_parallel_size(self) -> int:
@@ -40,7 +42,8 @@ class ParallelLayout:
         ranks_per_stage = world_size // self.pp if world_size % self.pp == 0 else None
         if ranks_per_stage is None or ranks_per_stage % (self.ep * self.expert_tp):
             return [
-                f"etp*ep = {self.expert_tp}*{self.ep} does not divide the {ranks_per_stage or world_size} ranks of a pipeline "
+                f"etp*ep = {self.expert_tp}*{self.ep} does not divide the {ranks_per_stage or world_size} ranks of a "
+                "pipeline "
                 f"stage (world_size={world_size}, pp={self.pp}); megatron-core carves expert parallelism out of "
                 "tp x cp x dp, so choose ep and etp whose product divides world_size / pp"
             ]
@@ -111,11 +114,16 @@ def init_distributed(
 ) -> RankCoords:
     """Join the role's process group (NCCL on cuda, gloo on cpu) and start Megatron's parallel state."""
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if device == "cpu" else os.environ.get("LOCAL_RANK", "0"),
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0" if device == "cpu" else os.environ.get("LOCAL_RANK", "0"),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
     )
     # megatron-core 0.16 calls the collectives torch 2.13 renamed; the warning repeats every step on every rank.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
     if device == "cpu":
         from roll_backend.patches import gloo_shared_device, megatron_cpu
 

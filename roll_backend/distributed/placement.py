@@ -16,8 +16,13 @@ class PlacementError(DispatchError):
     """The cluster cannot hold a role as asked (not enough free resources, or a TP group would span nodes)."""
 
 
-def create_placement_group(num_bundles: int, cpus_per_bundle: float, gpus_per_bundle: float = 0.0,
-                           timeout_s: float = 120.0, strategy: str = "PACK") -> PlacementGroup:
+def create_placement_group(
+    num_bundles: int,
+    cpus_per_bundle: float,
+    gpus_per_bundle: float = 0.0,
+    timeout_s: float = 120.0,
+    strategy: str = "PACK",
+) -> PlacementGroup:
     """Reserve `num_bundles` bundles (one per rank). Roles that share a group are colocated rank by rank.
     Waits `timeout_s` at most (less inside a shorter deadline scope)."""
     bundle = {"CPU": cpus_per_bundle} | ({"GPU": gpus_per_bundle} if gpus_per_bundle else {})
@@ -46,7 +51,9 @@ class RankPlacement:
         self.owned = []
 
 
-def reserve_rank_bundles(world_size: int, block: int, cpus: float, gpus: float, timeout_s: float = 120.0) -> RankPlacement:
+def reserve_rank_bundles(
+    world_size: int, block: int, cpus: float, gpus: float, timeout_s: float = 120.0
+) -> RankPlacement:
     """One STRICT_PACK placement group per model-parallel block of `block` consecutive ranks (Megatron orders
     ranks TP fastest, then CP), so a block always shares a node; blocks may land on different nodes."""
     if block <= 1 or block >= world_size:
@@ -68,7 +75,9 @@ def shared_rank_bundles(group: PlacementGroup, world_size: int, block: int, role
     """Rank r on bundle r of a placement group shared with colocated roles; refuses a layout whose TP x CP
     block would span two nodes there."""
     if group.bundle_count < world_size:
-        raise PlacementError(f"{role}: placement group has {group.bundle_count} bundles, world_size={world_size} needs one per rank")
+        raise PlacementError(
+            f"{role}: placement group has {group.bundle_count} bundles, world_size={world_size} needs one per rank"
+        )
     if block > 1:
         nodes = placement_group_table(group).get("bundles_to_node_id", {})
         for start in range(0, world_size, block):
@@ -77,5 +86,6 @@ def shared_rank_bundles(group: PlacementGroup, world_size: int, block: int, role
                 raise PlacementError(
                     f"{role}: ranks {start}..{start + block - 1} form one TP x CP group but their shared placement "
                     f"group put them on {len(spanned)} nodes; give the colocated roles nodes with room for "
-                    f"{block} ranks each or use a smaller tp*cp")
+                    f"{block} ranks each or use a smaller tp*cp"
+                )
     return RankPlacement([(group, rank) for rank in range(world_size)], [])

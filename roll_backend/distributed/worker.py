@@ -44,8 +44,16 @@ class NotRestartableRankError(RankError, NotRestartableError):
 class Worker:
     """Base class of role actors (actor, critic, reference, reward, rollout)."""
 
-    def __init__(self, role: str, rank: int, world_size: int, layout: ParallelLayout, use_gpu: bool, config: Any = None,
-                 fault: str | None = None):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        layout: ParallelLayout,
+        use_gpu: bool,
+        config: Any = None,
+        fault: str | None = None,
+    ):
         self.role = role
         self.rank = rank
         self.world_size = world_size

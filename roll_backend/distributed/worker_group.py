@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -73,7 +74,7 @@ def strip_ansi(text: str) -> str:
     return _ANSI_ESCAPE.sub("", text)
 
 
-def rank_failure_line(role: str, method_name: str, where: str, error: "ray.exceptions.RayTaskError") -> str:
+def rank_failure_line(role: str, method_name: str, where: str, error: ray.exceptions.RayTaskError) -> str:
     """One readable line for a rank's exception: role, method, the rank's coordinates, the rank's own exception
     type and message; no Ray banner or colour codes (the full remote traceback stays on the DispatchError's
     __cause__ and in the driver's log)."""
@@ -92,7 +93,7 @@ class GroupFuture:
     """The pending result of a non-blocking group call; `get()` collects it, `wait_all` waits on many.
     The call's deadline (its `timeout_s` or the enclosing deadline scope's) counts from when it was sent."""
 
-    def __init__(self, group: "WorkerGroup", method_name: str, refs: list, collect, deadline: Deadline | None = None):
+    def __init__(self, group: WorkerGroup, method_name: str, refs: list, collect, deadline: Deadline | None = None):
         self._group, self._method_name, self.refs, self._collect = group, method_name, refs, collect
         self.deadline = deadline
 
@@ -149,7 +150,8 @@ class WorkerGroup:
         self._bundles: RankPlacement = (
             reserve_rank_bundles(world_size, block, resources.num_cpus, resources.num_gpus, placement_timeout_s)
             if placement_group is None
-            else shared_rank_bundles(placement_group, world_size, block, role))
+            else shared_rank_bundles(placement_group, world_size, block, role)
+        )
         actor_cls = ray.remote(worker_cls)
         rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray
         self.workers = [
@@ -163,7 +165,9 @@ class WorkerGroup:
         ]
         try:
             started = earliest(call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)"))
-            master_addr, master_port = self._gather("rendezvous_address", [self.workers[0].rendezvous_address.remote()], started)[0]
+            master_addr, master_port = self._gather(
+                "rendezvous_address", [self.workers[0].rendezvous_address.remote()], started
+            )[0]
             self.coords = self._gather(
                 "init_distributed", [w.init_distributed.remote(master_addr, master_port) for w in self.workers], started
             )
@@ -191,19 +195,23 @@ class WorkerGroup:
             raise TypeError(f"{self.role}: {name} is not a @register-ed worker method; tag it with @register(mode)")
         owner = method.__qualname__.rpartition(".")[0]
         if owner not in {cls.__qualname__ for cls in self.worker_cls.__mro__}:
-            raise TypeError(f"{self.role}: {method.__qualname__} is not a method of this group's worker "
-                            f"{self.worker_cls.__name__}")
+            raise TypeError(
+                f"{self.role}: {method.__qualname__} is not a method of this group's worker {self.worker_cls.__name__}"
+            )
         return spec
 
-    def _submit(self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict,
-                deadline: Deadline | None) -> GroupFuture:
+    def _submit(
+        self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict, deadline: Deadline | None
+    ) -> GroupFuture:
         self._check_usable(method_name)
         try:
             split = spec.mode.split(self.coords, args, kwargs)
         except DispatchError:
             raise
         except Exception as exc:
-            raise DispatchError(f"{self.role}.{method_name}: cannot split arguments for {spec.mode.name}: {exc}") from exc
+            raise DispatchError(
+                f"{self.role}.{method_name}: cannot split arguments for {spec.mode.name}: {exc}"
+            ) from exc
         refs = [
             getattr(worker, method_name).remote(*rank_args, **rank_kwargs)
             for worker, (rank_args, rank_kwargs) in zip(self.workers, split.per_rank)
@@ -215,12 +223,16 @@ class WorkerGroup:
         if self.broken is not None:
             raise GroupBrokenError(
                 f"{self.role}.{method_name}: the group is broken since an earlier call failed ({self.broken}); "
-                f"its ranks were stopped. Shut it down and build it again", self.broken)
+                f"its ranks were stopped. Shut it down and build it again",
+                self.broken,
+            )
 
     def _ranks(self, ranks: Sequence[int]) -> str:
         """Ranks with their parallel coordinates when known: `[rank 1/4, dp=0 tp=1 pp=0 cp=0]`."""
+
         def one(rank: int) -> str:
             return f"[{self.coords[rank].describe() if rank < len(self.coords) else f'rank {rank}/{self.world_size}'}]"
+
         return " ".join(one(rank) for rank in ranks)
 
     def _gather(self, method_name: str, refs: list, deadline: Deadline | None = None) -> list:
@@ -232,27 +244,42 @@ class WorkerGroup:
             wait_s = None if deadline is None else deadline.remaining()
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
-                self._break(GroupTimeoutError(
-                    f"{self.role}.{method_name}: no answer from {self._ranks(sorted(rank_of[r] for r in pending))} "
-                    f"within {deadline.describe()}"))
+                self._break(
+                    GroupTimeoutError(
+                        f"{self.role}.{method_name}: no answer from {self._ranks(sorted(rank_of[r] for r in pending))} "
+                        f"within {deadline.describe()}"
+                    )
+                )
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, UserCodeError):  # the user's code failed, not the group: say only that
                     raise UserCodeError(f"{self.role}.{method_name}: {exc.cause}") from exc
                 rank = rank_of[ready[0]]
-                logger.error("%s.%s failed on rank %d; the rank's traceback:\n%s", self.role, method_name, rank, strip_ansi(str(exc)))
+                logger.error(
+                    "%s.%s failed on rank %d; the rank's traceback:\n%s",
+                    self.role,
+                    method_name,
+                    rank,
+                    strip_ansi(str(exc)),
+                )
                 coords = getattr(self, "coords", None)  # unset while init_distributed itself runs
                 where = coords[rank].describe() if coords else f"rank {rank}/{len(refs)}"
-                failure = RankRaisedError(rank_failure_line(self.role, method_name, where, exc),
-                                          restartable=not isinstance(exc, NotRestartableError))
+                failure = RankRaisedError(
+                    rank_failure_line(self.role, method_name, where, exc),
+                    restartable=not isinstance(exc, NotRestartableError),
+                )
                 if pending and not self._others_finish(pending, deadline):
                     self._break(failure, cause=exc)
                 raise failure from exc
             except ray.exceptions.RayActorError as exc:
-                self._break(RankDiedError(
-                    f"{self.role}.{method_name}: the actor of {self._ranks([rank_of[ready[0]]])} died "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"), cause=exc)
+                self._break(
+                    RankDiedError(
+                        f"{self.role}.{method_name}: the actor of {self._ranks([rank_of[ready[0]]])} died "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                    ),
+                    cause=exc,
+                )
         return ray.get(refs)
 
     def _others_finish(self, pending: list, deadline: Deadline | None) -> bool:

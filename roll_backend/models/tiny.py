@@ -59,7 +59,9 @@ class TinyModelSpec:
 
     def __post_init__(self):
         if self.family not in MODEL_FAMILIES:
-            raise ValueError(f"TinyModelSpec.family={self.family!r} is unknown; choose one of {', '.join(MODEL_FAMILIES)}.")
+            raise ValueError(
+                f"TinyModelSpec.family={self.family!r} is unknown; choose one of {', '.join(MODEL_FAMILIES)}."
+            )
 
 
 def default_corpus() -> list[str]:
@@ -94,7 +96,10 @@ def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
     specials = [PAD_TOKEN, IM_START, IM_END]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + len(specials):
-        raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus specials ({len(alphabet) + len(specials)}); raise it.")
+        raise ValueError(
+            f"vocab_size={vocab_size} is below the byte alphabet plus specials ({len(alphabet) + len(specials)}); "
+            "raise it."
+        )
     # Byte-level BPE (GPT-2/Qwen style): every string round-trips, which vLLM's detokenizer relies on.
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -107,7 +112,8 @@ def build_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
-    """A byte-level tokenizer with one token per character of `alphabet` (plus the chat template's characters) and no merges.
+    """A byte-level tokenizer with one token per character of `alphabet` (plus the chat template's characters) and
+    no merges.
 
     Same pipeline as `build_tokenizer` (byte-level BPE, pad/eos, chat template), just no merges and a tiny
     vocabulary: transformers 5 reloads a qwen2 model's tokenizer as `Qwen2Tokenizer`, which rebuilds a
@@ -121,7 +127,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
     chars = sorted(set(alphabet) | set(template_chars))
     not_single_byte = [char for char in chars if char not in byte_to_unicode]
     if not_single_byte:
-        raise ValueError(f"char_alphabet has characters outside Latin-1 {not_single_byte!r}; use single-byte characters.")
+        raise ValueError(
+            f"char_alphabet has characters outside Latin-1 {not_single_byte!r}; use single-byte characters."
+        )
     specials = [PAD_TOKEN, IM_START, IM_END]
     vocab = {token: index for index, token in enumerate(specials + [byte_to_unicode[char] for char in chars])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -133,7 +141,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_CHAR_ALPHABET):
 
 def _byte_level_chars() -> list[str]:
     """The printable stand-in of each byte 0..255 that byte-level BPE (GPT-2) uses in its vocabulary."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapped, extra = {}, 0
     for code in range(256):
         if code in printable:
@@ -190,7 +200,9 @@ def _hf_config(spec: TinyModelSpec, tokenizer):
     return AutoConfig.for_model(spec.family, **common)
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), corpus: list[str] | None = None
+) -> Path:
     """Write a random-init model of `spec.family` (float32, safetensors) and its tokenizer to `out_dir`."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -208,7 +220,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
     return out_dir
 
 
-def build_tiny_reward_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), model_type: str = "qwen2") -> Path:
+def build_tiny_reward_model(
+    out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), model_type: str = "qwen2"
+) -> Path:
     """Write a random-init Qwen2ForSequenceClassification or LlamaForSequenceClassification with one label (a
     scalar reward: the shape of a trained reward model, score head included) and its tokenizer to `out_dir`."""
     import dataclasses
@@ -220,9 +234,20 @@ def build_tiny_reward_model(out_dir: str | Path, spec: TinyModelSpec = TinyModel
     tokenizer = tokenizer_for(spec)
     config = _hf_config(dataclasses.replace(spec, family="qwen2"), tokenizer)
     if model_type == "llama":  # the same shape without qkv bias
-        shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps",
-                  "bos_token_id", "eos_token_id", "pad_token_id")
+        shared = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "rms_norm_eps",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        )
         config = LlamaConfig(**{key: getattr(config, key) for key in shared}, torch_dtype="float32")
     config.num_labels = 1
     torch.manual_seed(spec.seed)

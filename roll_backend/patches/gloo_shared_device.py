@@ -38,7 +38,9 @@ def apply() -> None:
     if getattr(gloo, "shares_one_device", False):
         return
     if not torch.__version__.startswith(TESTED_TORCH_VERSIONS):
-        logger.warning("the shared gloo device is tested on torch %s, found %s", TESTED_TORCH_VERSIONS, torch.__version__)
+        logger.warning(
+            "the shared gloo device is tested on torch %s, found %s", TESTED_TORCH_VERSIONS, torch.__version__
+        )
 
     class SharedDeviceProcessGroupGloo(gloo):
         """ProcessGroupGloo(store, rank, size, timeout=...) as torch's group factory calls it, on the shared device."""

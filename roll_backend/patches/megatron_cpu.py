@@ -29,7 +29,8 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites `device="cuda"` to cpu, drops `pin_memory=True`, makes `.cuda()` a no-op, and reports CPU float tensors as cuda types.
+    """Rewrites `device="cuda"` to cpu, drops `pin_memory=True`, makes `.cuda()` a no-op, and reports CPU float
+    tensors as cuda types.
 
     Megatron hard-codes `device="cuda"` (schedules' token counts, the causal mask, grad clipping) and checks
     `param.type() == "torch.cuda.FloatTensor"` (distributed optimizer, grad clipping).

@@ -9,8 +9,8 @@ output layer over the vocabulary. Norms, activations and softmax are left out, a
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ModelFlops:
     mtp_layers: int = 0
 
     @classmethod
-    def from_hf_config(cls, hf_config, mtp_layers: int = 0) -> "ModelFlops":
+    def from_hf_config(cls, hf_config, mtp_layers: int = 0) -> ModelFlops:
         hidden = hf_config.hidden_size
         heads = hf_config.num_attention_heads
         return cls(
@@ -60,16 +60,24 @@ class ModelFlops:
         positions = (first_position + last_position) * (last_position - first_position + 1) / 2
         return 4.0 * self.num_heads * self.head_dim * positions
 
-    def span_flops(self, context: int, new_tokens: int, output_tokens: int | None = None, with_mtp: bool = False) -> float:
+    def span_flops(
+        self, context: int, new_tokens: int, output_tokens: int | None = None, with_mtp: bool = False
+    ) -> float:
         """Forward FLOPs of `new_tokens` tokens that follow `context` already-computed tokens of one sequence,
         with the output layer run on `output_tokens` of them (default: all)."""
         output_tokens = new_tokens if output_tokens is None else output_tokens
-        per_layer = self.layer_linear_flops_per_token * new_tokens + self.attention_flops(context + 1, context + new_tokens)
+        per_layer = self.layer_linear_flops_per_token * new_tokens + self.attention_flops(
+            context + 1, context + new_tokens
+        )
         layers = self.num_layers + (self.mtp_layers if with_mtp else 0)
         flops = layers * per_layer + self.output_flops_per_token * output_tokens
         if with_mtp and self.mtp_layers:
             # each MTP layer projects [embedding; hidden] (2h -> h) and has its own pass through the output layer
-            flops += self.mtp_layers * (2.0 * 2 * self.hidden_size * self.hidden_size + self.output_flops_per_token) * new_tokens
+            flops += (
+                self.mtp_layers
+                * (2.0 * 2 * self.hidden_size * self.hidden_size + self.output_flops_per_token)
+                * new_tokens
+            )
         return flops
 
     def forward_flops(self, sequence_lengths: Iterable[int], with_mtp: bool = False) -> float:
@@ -80,8 +88,12 @@ class ModelFlops:
         """Forward + backward (2x the forward) of one pass over the sequences, MTP layers included."""
         return 3.0 * self.forward_flops(sequence_lengths, with_mtp=True)
 
-    def generation_flops(self, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                         prompt_group: Sequence[object] | None = None) -> float:
+    def generation_flops(
+        self,
+        prompt_lengths: Sequence[int],
+        response_lengths: Sequence[int],
+        prompt_group: Sequence[object] | None = None,
+    ) -> float:
         """Sampling: each prompt's prefill once per prompt group (its n samples share it; the output layer runs on
         its last token only), then each response token as a decode step attending to everything before it."""
         prompt_group = list(range(len(prompt_lengths))) if prompt_group is None else list(prompt_group)

@@ -21,9 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from roll_backend import keys, roles
 from roll_backend.pipelines import phases
+from roll_backend.pipelines.perf import SequenceLengths
 from roll_backend.pipelines.rl_step import mark_prepared, prepare_batch, step_perf, sync_rollout_weights, train_on_batch
 from roll_backend.pipelines.run import PipelineRun
-from roll_backend.pipelines.perf import SequenceLengths
 from roll_backend.pipelines.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 
@@ -59,8 +59,11 @@ class OneStepOffPolicyLoop:
     def __init__(self, run: PipelineRun):
         self.run = run
         self.in_flight: _InFlight | None = None
-        self.preparer = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare-ahead")
-                         if run.config.async_generation.prepare_ahead else None)
+        self.preparer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare-ahead")
+            if run.config.async_generation.prepare_ahead
+            else None
+        )
         # Of run.next_batch when this loop collected it (after a resume: unknown, and recounted from the batch).
         self.next_generation_seconds = math.nan
         self.next_generated: SequenceLengths | None = None
@@ -85,14 +88,19 @@ class OneStepOffPolicyLoop:
         metrics, trained = train_on_batch(run, batch, step, timer, generation_seconds)
         if self.in_flight is not None:
             start = time.perf_counter()
-            run.next_batch, self.next_generation_seconds, self.next_generated = self._collect()  # engine between batches
+            run.next_batch, self.next_generation_seconds, self.next_generated = (
+                self._collect()
+            )  # engine between batches
             trainer_waited += time.perf_counter() - start
         if len(trained):
             metrics |= sync_rollout_weights(run, trained, timer)
         if math.isfinite(generation_seconds):  # (not known for a batch restored from a checkpoint)
             timer.seconds[roles.GENERATE] = generation_seconds  # overlapped with training: not part of this step's wall
-        metrics |= {"async/trainer_wait_s": trainer_waited, "async/rollout_idle_s": rollout_idle,
-                    "async/prepared_ahead": prepared_ahead}
+        metrics |= {
+            "async/trainer_wait_s": trainer_waited,
+            "async/rollout_idle_s": rollout_idle,
+            "async/prepared_ahead": prepared_ahead,
+        }
         return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
 
     def _submit(self, step: int) -> float:
@@ -124,7 +132,7 @@ class OneStepOffPolicyLoop:
             mark_prepared(batch, metrics, timer.seconds)
         return batch, seconds, generated
 
-    def __enter__(self) -> "OneStepOffPolicyLoop":
+    def __enter__(self) -> OneStepOffPolicyLoop:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,9 @@ each epoch a permutation drawn from its own seed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,10 @@ class PromptDataset:
         if len(kept) < len(rows):
             logger.warning(
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (longest: %d)",
-                len(rows) - len(kept), len(rows), config.max_prompt_length, max(lengths),
+                len(rows) - len(kept),
+                len(rows),
+                config.max_prompt_length,
+                max(lengths),
             )
         self.prompts = _object_column([prompts[index] for index in kept])  # [N] str or list of messages
         self.answers = _object_column([str(rows[index][config.answer_key]) for index in kept])  # [N] str
@@ -73,14 +77,20 @@ class PromptDataset:
         start = step * batch_size
         positions = np.arange(start, start + batch_size)
         epochs, offsets = np.divmod(positions, len(self))
-        return np.array([self._epoch_order(int(epoch))[offset] for epoch, offset in zip(epochs, offsets)], dtype=np.int64)
+        return np.array(
+            [self._epoch_order(int(epoch))[offset] for epoch, offset in zip(epochs, offsets)], dtype=np.int64
+        )
 
     def batch_at(self, step: int, batch_size: int) -> DataProto:
         """The prompts of step `step`: non-tensor PROMPT_TEXT, ANSWER, DATA_SOURCE and EXTRA_INFO, [batch_size] each."""
         indices = self.indices_at(step, batch_size)
         return DataProto.from_dict(
-            non_tensors={keys.PROMPT_TEXT: self.prompts[indices], keys.ANSWER: self.answers[indices],
-                         keys.DATA_SOURCE: self.data_sources[indices], keys.EXTRA_INFO: self.extra_infos[indices]},
+            non_tensors={
+                keys.PROMPT_TEXT: self.prompts[indices],
+                keys.ANSWER: self.answers[indices],
+                keys.DATA_SOURCE: self.data_sources[indices],
+                keys.EXTRA_INFO: self.extra_infos[indices],
+            },
             meta_info={"step": step},
         )
 
@@ -118,7 +128,8 @@ def _check_encodable(tokenizer, prompts: list, locations: list[str]) -> None:
             kept = "".join(char for char in text if char not in dropped)
             problems.append(f"{location}: {', '.join(map(repr, lost))} in {text!r} (would train as {kept!r})")
     raise rows_error(
-        f"{len(problems)} prompts have characters the tokenizer has no token for ({', '.join(map(repr, sorted(dropped)))})",
+        f"{len(problems)} prompts have characters the tokenizer has no token for "
+        f"({', '.join(map(repr, sorted(dropped)))})",
         problems,
         "A char tokenizer knows only build_tiny_model.char_alphabet and its chat template's characters: add the "
         "characters to char_alphabet (and delete the model built at model_path so it is rebuilt), or remove them "
@@ -155,7 +166,9 @@ def check_data(config: PipelineConfig) -> PromptDataset | None:
 
 
 def _extra_info(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:
-    """What a reward function gets as `extra_info`: the row's other columns, then its own `extra_info` dict (as verl)."""
+    """What a reward function gets as `extra_info`: the row's other columns, then its own `extra_info` dict (as
+    verl).
+    """
     skip = {config.prompt_key, config.answer_key, DATA_SOURCE_COLUMN, EXTRA_INFO_COLUMN}
     info = {key: value for key, value in row.items() if key not in skip}
     if isinstance(row.get(EXTRA_INFO_COLUMN), dict):

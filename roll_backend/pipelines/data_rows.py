@@ -61,12 +61,19 @@ def read_rows(path: str, prompt_key: str, answer_key: str, skip_invalid_rows: bo
             problems.append(f"{location}: {problem}")
     if problems and not skip_invalid_rows:
         raise rows_error(
-            f"{path}: {len(problems)} of {len(raw)} rows cannot train", problems,
+            f"{path}: {len(problems)} of {len(raw)} rows cannot train",
+            problems,
             "Fix those rows, or set data.skip_invalid_rows=true to skip them (the count is logged and reported "
             "as the metric data/skipped_rows).",
         )
     if problems:
-        logger.warning("data.skip_invalid_rows: skipped %d of %d rows of %s (first: %s)", len(problems), len(raw), path, problems[0])
+        logger.warning(
+            "data.skip_invalid_rows: skipped %d of %d rows of %s (first: %s)",
+            len(problems),
+            len(raw),
+            path,
+            problems[0],
+        )
         result.skipped = len(problems)
     if not result.rows:
         raise DataError(f"{path}: all {len(raw)} rows are invalid (first: {problems[0]}); nothing is left to train on.")

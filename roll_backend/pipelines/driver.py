@@ -9,7 +9,9 @@ from roll_backend.pipelines.rl_step import rl_step
 from roll_backend.pipelines.run import PipelineRun
 
 
-def run_pipeline(config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None) -> list[dict]:
+def run_pipeline(
+    config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None
+) -> list[dict]:
     """Run `config` to max_steps once (Ray must be initialised); returns the per-step metrics."""
     with PipelineRun(config, run_metrics, history) as run:
         if config.async_generation.enabled:

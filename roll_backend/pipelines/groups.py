@@ -69,8 +69,12 @@ class _GroupStarter:
         self.roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         self.placement_groups: dict[str, Any] = {}
         ft = config.fault_tolerance
-        self.health = {"start_timeout_s": ft.timeouts.startup, "placement_timeout_s": ft.timeouts.placement,
-                       "settle_s": ft.settle_s, "fault": ft.inject}
+        self.health = {
+            "start_timeout_s": ft.timeouts.startup,
+            "placement_timeout_s": ft.timeouts.placement,
+            "settle_s": ft.settle_s,
+            "fault": ft.inject,
+        }
 
     def placement_for(self, name: str, role: RoleConfig):
         """A shared group for a colocation set, else None: the WorkerGroup reserves its own."""
@@ -82,46 +86,91 @@ class _GroupStarter:
         if key not in self.placement_groups:
             members = [r for n, r in members_of.items() if n == key or r.colocate_with == key]
             self.placement_groups[key] = create_placement_group(
-                role.world_size, sum(m.num_cpus_per_rank for m in members), sum(m.num_gpus_per_rank for m in members),
-                timeout_s=self.config.fault_tolerance.timeouts.placement)
+                role.world_size,
+                sum(m.num_cpus_per_rank for m in members),
+                sum(m.num_gpus_per_rank for m in members),
+                timeout_s=self.config.fault_tolerance.timeouts.placement,
+            )
         return self.placement_groups[key]
 
     def start(self, worker_cls, name: str, worker_config) -> WorkerGroup:
         role: RoleConfig = self.roles[name]
         resources = RankResources(num_cpus=role.num_cpus_per_rank, num_gpus=role.num_gpus_per_rank)
-        return WorkerGroup(worker_cls, name, role.world_size, role.strategy.layout, resources,
-                           placement_group=self.placement_for(name, role), worker_config=worker_config, **self.health)
+        return WorkerGroup(
+            worker_cls,
+            name,
+            role.world_size,
+            role.strategy.layout,
+            resources,
+            placement_group=self.placement_for(name, role),
+            worker_config=worker_config,
+            **self.health,
+        )
 
     def start_reward(self) -> WorkerGroup:
         reward = self.config.reward
         worker_config = RewardWorkerConfig(
-            rewards=reward.builtin_weights(), functions=tuple(reward.functions),
-            on_function_error=reward.on_function_error, function_timeout_s=reward.function_timeout_s)
-        return WorkerGroup(RewardWorker, roles.REWARD, reward.world_size,
-                           resources=RankResources(num_cpus=reward.num_cpus_per_rank),
-                           worker_config=worker_config, **self.health)
+            rewards=reward.builtin_weights(),
+            functions=tuple(reward.functions),
+            on_function_error=reward.on_function_error,
+            function_timeout_s=reward.function_timeout_s,
+        )
+        return WorkerGroup(
+            RewardWorker,
+            roles.REWARD,
+            reward.world_size,
+            resources=RankResources(num_cpus=reward.num_cpus_per_rank),
+            worker_config=worker_config,
+            **self.health,
+        )
 
 
 def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
     """Start every role's group into `groups` (so a failure part-way can shut down what started)."""
     starter = _GroupStarter(config)
-    groups[roles.ACTOR_TRAIN] = starter.start(ActorWorker, roles.ACTOR_TRAIN, ActorConfig(
-        strategy=_strategy_for_run(config, roles.ACTOR_TRAIN), strategy_name=config.actor_train.strategy.name,
-        loss=_actor_loss_config(config)))
-    groups[roles.ACTOR_INFER] = starter.start(RolloutWorker, roles.ACTOR_INFER, RolloutWorkerConfig(
-        strategy=_strategy_for_run(config, roles.ACTOR_INFER), strategy_name=config.actor_infer.strategy.name))
+    groups[roles.ACTOR_TRAIN] = starter.start(
+        ActorWorker,
+        roles.ACTOR_TRAIN,
+        ActorConfig(
+            strategy=_strategy_for_run(config, roles.ACTOR_TRAIN),
+            strategy_name=config.actor_train.strategy.name,
+            loss=_actor_loss_config(config),
+        ),
+    )
+    groups[roles.ACTOR_INFER] = starter.start(
+        RolloutWorker,
+        roles.ACTOR_INFER,
+        RolloutWorkerConfig(
+            strategy=_strategy_for_run(config, roles.ACTOR_INFER), strategy_name=config.actor_infer.strategy.name
+        ),
+    )
     if config.reference is not None:
-        groups[roles.REFERENCE] = starter.start(ReferenceWorker, roles.REFERENCE, ReferenceConfig(
-            strategy=_strategy_for_run(config, roles.REFERENCE), strategy_name=config.reference.strategy.name))
+        groups[roles.REFERENCE] = starter.start(
+            ReferenceWorker,
+            roles.REFERENCE,
+            ReferenceConfig(
+                strategy=_strategy_for_run(config, roles.REFERENCE), strategy_name=config.reference.strategy.name
+            ),
+        )
     if config.critic is not None:
-        groups[roles.CRITIC] = starter.start(CriticWorker, roles.CRITIC, CriticConfig(
-            strategy=_strategy_for_run(config, roles.CRITIC), strategy_name=config.critic.strategy.name,
-            loss=CriticLossConfig(clip_range=config.algorithm.value_clip)))
+        groups[roles.CRITIC] = starter.start(
+            CriticWorker,
+            roles.CRITIC,
+            CriticConfig(
+                strategy=_strategy_for_run(config, roles.CRITIC),
+                strategy_name=config.critic.strategy.name,
+                loss=CriticLossConfig(clip_range=config.algorithm.value_clip),
+            ),
+        )
     groups[roles.REWARD] = starter.start_reward()
 
 
-_INIT_MODEL = {roles.ACTOR_TRAIN: ActorWorker.init_model, roles.ACTOR_INFER: RolloutWorker.init_model,
-               roles.REFERENCE: ReferenceWorker.init_model, roles.CRITIC: CriticWorker.init_model}
+_INIT_MODEL = {
+    roles.ACTOR_TRAIN: ActorWorker.init_model,
+    roles.ACTOR_INFER: RolloutWorker.init_model,
+    roles.REFERENCE: ReferenceWorker.init_model,
+    roles.CRITIC: CriticWorker.init_model,
+}
 
 
 def build_role_groups(config: PipelineConfig) -> RoleGroups:

@@ -22,6 +22,7 @@ from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class SequenceLengths:
     """Real token counts of a batch's rows: prompt, response (up to and including EOS), and the whole sequence."""
@@ -31,7 +32,7 @@ class SequenceLengths:
     uid: np.ndarray
 
     @classmethod
-    def of(cls, batch: DataProto) -> "SequenceLengths":
+    def of(cls, batch: DataProto) -> SequenceLengths:
         response = batch.batch[keys.RESPONSE_MASK].sum(-1).numpy()
         total = batch.batch[keys.ATTENTION_MASK].sum(-1).numpy()
         uid = batch.non_tensor_batch.get(keys.UID, np.arange(len(batch)))
@@ -46,8 +47,9 @@ def model_flops_of(role: RoleConfig, value_head: bool = False) -> ModelFlops:
     """The FLOP counter of a role's model (its config.json), with MTP layers and a value head as configured."""
     from transformers import AutoConfig
 
-    counter = ModelFlops.from_hf_config(AutoConfig.from_pretrained(role.model_path),
-                                        mtp_layers=getattr(role.strategy.config, "mtp_num_layers", 0) or 0)
+    counter = ModelFlops.from_hf_config(
+        AutoConfig.from_pretrained(role.model_path), mtp_layers=getattr(role.strategy.config, "mtp_num_layers", 0) or 0
+    )
     return dataclasses.replace(counter, vocab_size=1) if value_head else counter
 
 
@@ -57,10 +59,16 @@ class PhasePerf:
     def __init__(self, config: PipelineConfig, groups):
         model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         self.config = config
-        self.counters = {name: model_flops_of(role, value_head=name == roles.CRITIC)
-                         for name, role in model_roles.items() if role is not None}
-        self.peak_tflops = {name: self._role_peak(name, role, getattr(groups, name))
-                            for name, role in model_roles.items() if role is not None}
+        self.counters = {
+            name: model_flops_of(role, value_head=name == roles.CRITIC)
+            for name, role in model_roles.items()
+            if role is not None
+        }
+        self.peak_tflops = {
+            name: self._role_peak(name, role, getattr(groups, name))
+            for name, role in model_roles.items()
+            if role is not None
+        }
 
     def _role_peak(self, name: str, role: RoleConfig, group) -> float | None:
         """TFLOP/s of all the role's ranks together: configured per rank, or measured by each rank."""
@@ -75,7 +83,9 @@ class PhasePerf:
         shapes = gemm_shapes(hf_config.hidden_size, hf_config.intermediate_size)
         per_rank = group.call(Worker.measure_gemm_tflops, compute_dtype(role), shapes, perf.probe_seconds)
         peak = float(sum(per_rank))
-        logger.info("%s: measured GEMM peak %.3f TFLOP/s over %d ranks (%s)", name, peak, len(per_rank), compute_dtype(role))
+        logger.info(
+            "%s: measured GEMM peak %.3f TFLOP/s over %d ranks (%s)", name, peak, len(per_rank), compute_dtype(role)
+        )
         return peak
 
     def step_flops(self, generated: SequenceLengths, batch: DataProto, phases: set[str]) -> dict[str, float]:
@@ -83,12 +93,14 @@ class PhasePerf:
         others from the batch they processed."""
         lengths = SequenceLengths.of(batch).total
         epochs = self.config.algorithm.ppo_epochs
+
         def counter(phase: str) -> ModelFlops:
             return self.counters[roles.PHASES[phase].role]
 
         counts = {
             roles.GENERATE: lambda: counter(roles.GENERATE).generation_flops(
-                generated.prompt, generated.response, generated.uid),
+                generated.prompt, generated.response, generated.uid
+            ),
             roles.REFERENCE_LOG_PROBS: lambda: counter(roles.REFERENCE_LOG_PROBS).forward_flops(lengths),
             roles.OLD_LOG_PROBS: lambda: counter(roles.OLD_LOG_PROBS).forward_flops(lengths),
             roles.VALUES: lambda: counter(roles.VALUES).forward_flops(lengths),
@@ -108,4 +120,3 @@ class PhasePerf:
             if peak:
                 out[f"perf/{phase}_mfu"] = tflops / peak
         return out
-

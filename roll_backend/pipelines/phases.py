@@ -16,8 +16,8 @@ from roll_backend.algorithms import (
     postprocess_rewards,
     rollout_correction,
 )
-from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
 from roll_backend.algorithms.tokens import place_on_last_token
+from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
 from roll_backend.distributed.worker_group import GroupFuture, WorkerGroup
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.groups import RoleGroups
@@ -87,12 +87,20 @@ def needs_old_log_probs(algo: AlgorithmConfig, batch_size: int) -> bool:
 
 
 def correct_rollout_mismatch(batch: DataProto, algo: AlgorithmConfig) -> dict[str, float]:
-    """batch[ROLLOUT_CORRECTION_WEIGHTS] from the sampler's and the trainer's log-probs; `rollout_correction/` metrics."""
+    """batch[ROLLOUT_CORRECTION_WEIGHTS] from the sampler's and the trainer's log-probs; `rollout_correction/`
+    metrics.
+    """
     cfg = algo.rollout_correction
     tensors = batch.batch
     weights, metrics = rollout_correction(
-        tensors[keys.OLD_LOG_PROBS].float(), tensors[keys.ROLLOUT_LOG_PROBS].float(), tensors[keys.RESPONSE_MASK].float(),
-        is_level=cfg.is_level, is_cap=cfg.is_cap, rejection=cfg.rejection, rejection_threshold=cfg.rejection_threshold)
+        tensors[keys.OLD_LOG_PROBS].float(),
+        tensors[keys.ROLLOUT_LOG_PROBS].float(),
+        tensors[keys.RESPONSE_MASK].float(),
+        is_level=cfg.is_level,
+        is_cap=cfg.is_cap,
+        rejection=cfg.rejection,
+        rejection_threshold=cfg.rejection_threshold,
+    )
     batch[keys.ROLLOUT_CORRECTION_WEIGHTS] = weights
     return {f"rollout_correction/{name}": float(value) for name, value in metrics.items()}
 
@@ -135,11 +143,15 @@ def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[
     rewards = scores
     if keys.REF_LOG_PROBS in tensors.keys():
         # On-policy steps skip the old log-probs; the sampler's own are then the policy's log-probs.
-        policy_log_probs = tensors[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in tensors.keys() else tensors[keys.ROLLOUT_LOG_PROBS]
+        policy_log_probs = (
+            tensors[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in tensors.keys() else tensors[keys.ROLLOUT_LOG_PROBS]
+        )
         kl = masked_mean(kl_estimate(policy_log_probs, tensors[keys.REF_LOG_PROBS], "k1"), mask)
         metrics["actor/reference_kl"] = float(kl)
         if algo.use_kl_in_reward:
-            rewards = kl_penalized_rewards(scores, tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], kl_coef, mask=mask)
+            rewards = kl_penalized_rewards(
+                scores, tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], kl_coef, mask=mask
+            )
             metrics["actor/kl_coef"] = kl_coef
     estimator = get_advantage_estimator(algo.adv_estimator)
     inputs = {"group_ids": group_ids, "gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std}
@@ -161,8 +173,9 @@ def train_critic(groups: RoleGroups, batch: DataProto, algo: AlgorithmConfig, se
     return train(groups.critic, CriticWorker.train_step, batch, algo, seed, "critic/")
 
 
-def train(group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfig, seed: int,
-          prefix: str) -> dict[str, float]:
+def train(
+    group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str
+) -> dict[str, float]:
     """`ppo_epochs` passes over the batch in shuffled mini-batches; one optimizer step (`train_step`, a worker
     method) per mini-batch; metrics averaged over mini-batches and DP ranks, named `prefix` + metric."""
     mini = algo.ppo_mini_batch_size or len(batch)
@@ -177,14 +190,24 @@ def train(group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfi
     return {f"{prefix}{name}": float(np.mean(vals)) for name, vals in collected.items()}
 
 
-def sync_weights(groups: RoleGroups, probe_rows: DataProto | None, bucket_bytes: int, max_gap: float) -> dict[str, float]:
+def sync_weights(
+    groups: RoleGroups, probe_rows: DataProto | None, bucket_bytes: int, max_gap: float
+) -> dict[str, float]:
     """Trainer weights -> rollout engine, then a probe: both score the same sequences; the gap must stay small."""
     bucket_refs = groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes)
     loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, next(refs for refs in bucket_refs if refs))
     if probe_rows is None:
         return {"weight_sync/tensors": float(loaded[0])}
-    probe = probe_rows.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.PROMPTS,
-                                          keys.RESPONSES, keys.RESPONSE_MASK])
+    probe = probe_rows.select(
+        batch_keys=[
+            keys.INPUT_IDS,
+            keys.ATTENTION_MASK,
+            keys.POSITION_IDS,
+            keys.PROMPTS,
+            keys.RESPONSES,
+            keys.RESPONSE_MASK,
+        ]
+    )
     probe.meta_info[keys.META_TEMPERATURE] = 1.0
     engine = groups.actor_infer.call(RolloutWorker.probe_log_probs, probe).batch[keys.LOG_PROBS]
     trainer = groups.actor_train.call(ActorWorker.compute_log_probs, probe).batch[keys.LOG_PROBS]

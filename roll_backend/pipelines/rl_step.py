@@ -27,7 +27,9 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
 
 
-def prepare_batch(run: PipelineRun, batch: DataProto, timer: PhaseTimer, seconds_generating: float) -> tuple[dict, DataProto]:
+def prepare_batch(
+    run: PipelineRun, batch: DataProto, timer: PhaseTimer, seconds_generating: float
+) -> tuple[dict, DataProto]:
     """What a generated batch needs from models that do not train: reward scores, batch metrics, dynamic sampling,
     reference log-probs. Returns (metrics, the batch kept). The asynchronous loop can run it on the next batch
     while the actor trains (async_generation.prepare_ahead); it then stores the result with `mark_prepared`."""
@@ -87,8 +89,12 @@ def sync_rollout_weights(run: PipelineRun, trained, timer: PhaseTimer) -> dict[s
     """Trainer -> rollout engine, probed on the first rows of the batch just trained on."""
     config = run.config
     with timer.phase(roles.WEIGHT_SYNC):
-        metrics = phases.sync_weights(run.groups, trained.select_idxs(list(range(min(PROBE_ROWS, len(trained))))),
-                                     config.weight_sync_bucket_bytes, config.logprob_gap_limit())
+        metrics = phases.sync_weights(
+            run.groups,
+            trained.select_idxs(list(range(min(PROBE_ROWS, len(trained))))),
+            config.weight_sync_bucket_bytes,
+            config.logprob_gap_limit(),
+        )
     run.rollout_version = run.policy_version
     return metrics
 

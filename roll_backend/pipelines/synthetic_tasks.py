@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 # A generator takes (num_prompts, rng) and returns that many {"prompt": str, "answer": str} rows.
 TaskGenerator = Callable[[int, random.Random], list[dict[str, str]]]
@@ -14,7 +14,7 @@ COPY_DIGIT_ALPHABET = "0123456789 copy"
 
 
 def copy_digit(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
-    """"copy 7" -> "7": the answer is the prompt's digit (scored by the `copy_digit` reward)."""
+    """ "copy 7" -> "7": the answer is the prompt's digit (scored by the `copy_digit` reward)."""
     digits = [rng.randrange(10) for _ in range(num_prompts)]
     return [{"prompt": f"copy {digit}", "answer": str(digit)} for digit in digits]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 # A response that ends with its final answer in \boxed{...} (trailing whitespace/period allowed).
 BOXED_AT_END = r"(?s).*\\boxed\{.+\}\s*\.?\s*"

@@ -39,5 +39,7 @@ def score(response_text: str, answer: str, timeout_s: int | None = DEFAULT_TIMEO
             return 0.0
         return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
     except TimeoutException:
-        logger.warning("math-verify timed out after %ss on a response of %d chars; scoring 0", timeout, len(response_text))
+        logger.warning(
+            "math-verify timed out after %ss on a response of %d chars; scoring 0", timeout, len(response_text)
+        )
         return 0.0

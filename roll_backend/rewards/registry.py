@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from roll_backend.rewards import copy_digit, exact_match, format_rules, math_answer
 
@@ -21,7 +21,9 @@ DEFAULT_REWARDS = {"math_verify": 1.0}
 
 
 def builtin_weights(rewards: Mapping[str, float] | None, has_functions: bool) -> dict[str, float]:
-    """The built-in rewards a reward section asks for: as given, else math_verify alone unless user functions are set."""
+    """The built-in rewards a reward section asks for: as given, else math_verify alone unless user functions are
+    set.
+    """
     if rewards is not None:
         return dict(rewards)
     return {} if has_functions else dict(DEFAULT_REWARDS)

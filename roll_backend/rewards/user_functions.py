@@ -21,9 +21,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +70,7 @@ def is_file_path(path: str) -> bool:
 
 # ---- finding and loading the code ---------------------------------------------------------------------------
 
+
 def _source_file(path: str) -> Path | None:
     """The .py file behind `path` (a file, or a module found without running it); None when there is none."""
     if is_file_path(path):
@@ -87,17 +89,31 @@ def check_spec(spec: RewardFunctionSpec, where: str) -> list[str]:
     source = _source_file(spec.path)
     if source is None:
         kind = f"file (looked in {os.getcwd()})" if is_file_path(spec.path) else "importable module"
-        return [f"{where}.path={spec.path!r} is no {kind}; give a .py file inside the working dir or a module on PYTHONPATH"]
+        return [
+            f"{where}.path={spec.path!r} is no {kind}; give a .py file inside the working dir or a module on PYTHONPATH"
+        ]
     try:
         tree = ast.parse(source.read_text(), filename=str(source))
     except SyntaxError as exc:
         return [f"{where}.path={spec.path!r} does not parse: line {exc.lineno}: {exc.msg}"]
-    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-    defined |= {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    defined = {
+        node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    defined |= {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+    }
+    defined |= {
+        a.asname or a.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
     if spec.name not in defined:
         functions = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
-        return [f"{where}.name={spec.name!r}: {spec.path} defines no such name; functions there: {', '.join(functions) or 'none'}"]
+        return [
+            f"{where}.name={spec.name!r}: {spec.path} defines no such name; functions there: "
+            f"{', '.join(functions) or 'none'}"
+        ]
     return []
 
 
@@ -111,7 +127,9 @@ def load_function(spec: RewardFunctionSpec) -> Callable:
     try:
         module = _import_file(Path(spec.path)) if is_file_path(spec.path) else importlib.import_module(spec.path)
     except Exception as exc:
-        raise UserCodeError(f"loading reward function {spec.label} from {spec.path!r} raised {type(exc).__name__}: {exc}") from exc
+        raise UserCodeError(
+            f"loading reward function {spec.label} from {spec.path!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         raise ValueError(f"reward function {spec.label}: {spec.path!r} has no callable named {spec.name!r}")
@@ -137,6 +155,7 @@ def _import_file(file: Path):
 
 # ---- calling it ---------------------------------------------------------------------------------------------
 
+
 class DeadlineExceeded(Exception):
     """A user function's call ran past its deadline."""
 
@@ -152,6 +171,7 @@ def call_with_deadline(fn: Callable, timeout_s: float, **kwargs):
     threads the call runs in a helper thread that is abandoned at the deadline (Python cannot stop a thread).
     """
     if threading.current_thread() is threading.main_thread():
+
         def on_alarm(signum, frame):
             raise DeadlineExceeded()
 
@@ -247,20 +267,30 @@ class FunctionScorer:
         return out
 
     def _score_row(self, rows: RewardRows, index: int, out: FunctionScores) -> None:
-        kwargs = dict(data_source=rows.data_sources[index], solution_str=rows.responses[index],
-                      ground_truth=rows.answers[index], extra_info=rows.extra_infos[index])
+        kwargs = dict(
+            data_source=rows.data_sources[index],
+            solution_str=rows.responses[index],
+            ground_truth=rows.answers[index],
+            extra_info=rows.extra_infos[index],
+        )
         with self._failures_on(rows.describe(index), out, [index]):
             self._record(out, index, as_score(self._call(kwargs)))
 
     def _score_batch(self, rows: RewardRows, out: FunctionScores) -> None:
-        kwargs = dict(data_sources=rows.data_sources, solution_strs=rows.responses,
-                      ground_truths=rows.answers, extra_infos=rows.extra_infos)
+        kwargs = dict(
+            data_sources=rows.data_sources,
+            solution_strs=rows.responses,
+            ground_truths=rows.answers,
+            extra_infos=rows.extra_infos,
+        )
         where = f"a batch of {len(rows)} rows (first: {rows.describe(0)})"
         values: list = []
         with self._failures_on(where, out, range(len(rows))):
             returned = list(self._call(kwargs))
             if len(returned) != len(rows):
-                raise BadReturnValue(f"returned {len(returned)} scores for {len(rows)} rows; a batched function returns one per row")
+                raise BadReturnValue(
+                    f"returned {len(returned)} scores for {len(rows)} rows; a batched function returns one per row"
+                )
             values = returned
         for index, value in enumerate(values):
             with self._failures_on(rows.describe(index), out, [index]):
@@ -290,8 +320,16 @@ class FunctionScorer:
                 out.scores[list(indices)] = 0.0
                 out.error_count += len(indices)
                 return
-            problem = str(exc) if isinstance(exc, (BadReturnValue, DeadlineExceeded)) else f"raised {type(exc).__name__}: {exc}"
-            hint = " (a reward is a finite number, or a dict with a numeric 'score')" if isinstance(exc, BadReturnValue) else ""
+            problem = (
+                str(exc)
+                if isinstance(exc, (BadReturnValue, DeadlineExceeded))
+                else f"raised {type(exc).__name__}: {exc}"
+            )
+            hint = (
+                " (a reward is a finite number, or a dict with a numeric 'score')"
+                if isinstance(exc, BadReturnValue)
+                else ""
+            )
             raise UserCodeError(
                 f"reward function {self.spec.label} {problem} on {where}{hint}. Fix the function, or set "
                 f"reward.on_function_error=zero to score such rows 0 (counted in reward/{self.spec.label}/error_count)"

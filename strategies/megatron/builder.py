@@ -33,12 +33,14 @@ def use_transformer_engine(transformer_impl: str, device: str) -> bool:
         return False
     try:
         import transformer_engine  # noqa: F401
+
         have_te = True
     except ImportError:
         have_te = False
     if transformer_impl == "transformer_engine" and not (have_te and device == "cuda"):
-        raise ValueError("transformer_impl='transformer_engine' needs TransformerEngine and a cuda device; "
-                         "use 'local' or 'auto'.")
+        raise ValueError(
+            "transformer_impl='transformer_engine' needs TransformerEngine and a cuda device; use 'local' or 'auto'."
+        )
     return have_te and device == "cuda"
 
 
@@ -72,8 +74,9 @@ class HFArch:
     @classmethod
     def from_hf_config(cls, hf_config) -> HFArch:
         model_type = getattr(hf_config, "model_type", "")
-        fields = {name: getattr(hf_config, name) for name in _CHECKED_FIELDS
-                  if getattr(hf_config, name, None) is not None}
+        fields = {
+            name: getattr(hf_config, name) for name in _CHECKED_FIELDS if getattr(hf_config, name, None) is not None
+        }
         problems = hf_model_problems({"model_type": model_type, **fields})
         if problems:
             raise ValueError("; ".join(problems) + ".")
@@ -105,14 +108,23 @@ class HFArch:
         """The vocabulary rounded up to a multiple of TP (VocabParallelEmbedding splits it evenly)."""
         return -(-self.vocab_size // tp) * tp
 
-    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None, vpp: int | None = None,
-                     first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+    def check_layout(
+        self,
+        tp: int,
+        pp: int,
+        ep: int = 1,
+        etp: int | None = None,
+        vpp: int | None = None,
+        first_stage_layers: int | None = None,
+        last_stage_layers: int | None = None,
+    ) -> None:
         # ep/etp only shape MoE layers: a dense model in an expert-parallel group ignores them.
         problems = self.moe.layout_problems(tp, ep, tp if etp is None else etp) if self.moe else []
         if self.num_kv_heads % tp:
             divisors = [d for d in range(1, self.num_kv_heads + 1) if self.num_kv_heads % d == 0]
-            problems.append(f"tp={tp} does not divide num_key_value_heads={self.num_kv_heads}; "
-                            f"choose one of {divisors}")
+            problems.append(
+                f"tp={tp} does not divide num_key_value_heads={self.num_kv_heads}; choose one of {divisors}"
+            )
         if self.ffn_hidden_size % tp and self.moe is None:
             problems.append(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
         split_problem = stage_split_problem(self.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
@@ -244,8 +256,15 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    arch.check_layout(options.tp, options.pp, options.ep, options.etp, options.vpp, options.first_stage_layers,
-                      options.last_stage_layers)
+    arch.check_layout(
+        options.tp,
+        options.pp,
+        options.ep,
+        options.etp,
+        options.vpp,
+        options.first_stage_layers,
+        options.last_stage_layers,
+    )
     value_problem = value_head_problem(options.value_head, arch.moe is not None, options.mtp_num_layers, options.tp)
     if value_problem:
         raise ValueError(value_problem + ".")
@@ -255,8 +274,9 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
     post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     mtp_spec = None
     if options.mtp_num_layers:
-        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=options.use_transformer_engine,
-                                          vp_stage=vp_stage)
+        mtp_spec = get_gpt_mtp_block_spec(
+            config, spec, use_transformer_engine=options.use_transformer_engine, vp_stage=vp_stage
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -37,8 +37,14 @@ class CompiledRMSNorm(RMSNorm):
         return compiled(rms_norm)(hidden_states, self.weight, self.eps)
 
 
-def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                   softmax_scale: float, softmax_in_fp32: bool) -> torch.Tensor:
+def attention_core(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    softmax_scale: float,
+    softmax_in_fp32: bool,
+) -> torch.Tensor:
     """DotProductAttention's math: query [sq, b, heads, d], key/value [sk, b, groups, d], attention_mask
     [b, 1, sq, sk] bool (True = masked) -> context [sq, b, heads * d]."""
     sq, batch, heads, head_dim = query.shape
@@ -46,8 +52,13 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if heads != groups:  # GQA: each K/V group serves heads // groups query heads, as Megatron repeats them
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-    scores = torch.bmm(query.reshape(sq, batch * heads, head_dim).transpose(0, 1),
-                       key.reshape(sk, batch * heads, head_dim).permute(1, 2, 0)) * softmax_scale
+    scores = (
+        torch.bmm(
+            query.reshape(sq, batch * heads, head_dim).transpose(0, 1),
+            key.reshape(sk, batch * heads, head_dim).permute(1, 2, 0),
+        )
+        * softmax_scale
+    )
     scores = scores.view(batch, heads, sq, sk)
     if softmax_in_fp32:
         scores = scores.float()
@@ -66,15 +77,23 @@ def compiled_attention_class():
         attention bias, packed sequences, a softmax offset or scale, sliding windows, dropout in training) runs
         DotProductAttention's own forward."""
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
             softmax = self.scale_mask_softmax
-            stock = (attention_mask is None or attention_bias is not None or packed_seq_params is not None
-                     or self.softmax_offset is not None or softmax.scale is not None or softmax.window_size is not None
-                     or (self.training and self.config.attention_dropout > 0))
+            stock = (
+                attention_mask is None
+                or attention_bias is not None
+                or packed_seq_params is not None
+                or self.softmax_offset is not None
+                or softmax.scale is not None
+                or softmax.window_size is not None
+                or (self.training and self.config.attention_dropout > 0)
+            )
             if stock:
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                       packed_seq_params)
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
             softmax_in_fp32 = softmax.input_in_float16 and softmax.softmax_in_fp32
             return compiled(attention_core)(query, key, value, attention_mask, self.softmax_scale, softmax_in_fp32)
 

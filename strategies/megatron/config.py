@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.strategies.base import RunFacts
@@ -28,6 +29,7 @@ MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 # ---- pipeline stage splits ---------------------------------------------------------------------------------
+
 
 def stage_split_problem(num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None) -> str | None:
     """Why Megatron cannot split `num_layers` over `pp` stages (x `vpp` model chunks) this way, or None.
@@ -51,13 +53,17 @@ def stage_split_problem(num_layers: int, pp: int, vpp: int | None, first: int | 
         middle_stages -= 1
     if middle_stages == 0:
         if middle_layers:
-            return (f"first_stage_layers={first} + last_stage_layers={last} = {num_layers - middle_layers} differs from "
-                    f"num_hidden_layers={num_layers} at pp=2")
+            return (
+                f"first_stage_layers={first} + last_stage_layers={last} = {num_layers - middle_layers} differs from "
+                f"num_hidden_layers={num_layers} at pp=2"
+            )
         return None
     if middle_layers < middle_stages * chunks or middle_layers % (middle_stages * chunks):
-        return (f"{num_layers} layers: after first_stage_layers={first} and last_stage_layers={last}, {middle_layers} "
-                f"layers cannot be split evenly over {middle_stages} stage(s) x {chunks} model chunk(s); "
-                f"set first_stage_layers/last_stage_layers so that they can")
+        return (
+            f"{num_layers} layers: after first_stage_layers={first} and last_stage_layers={last}, {middle_layers} "
+            f"layers cannot be split evenly over {middle_stages} stage(s) x {chunks} model chunk(s); "
+            f"set first_stage_layers/last_stage_layers so that they can"
+        )
     return None
 
 
@@ -78,8 +84,10 @@ def default_stage_split(num_layers: int, pp: int, vpp: int | None) -> tuple[int 
             if best is None or key < best[0]:
                 best = (key, first, last)
     if best is None:
-        raise ValueError(f"num_hidden_layers={num_layers} cannot be split over pp={pp} stages with vpp={vpp}: every "
-                         f"stage needs at least {chunks} layer(s); lower pp or vpp")
+        raise ValueError(
+            f"num_hidden_layers={num_layers} cannot be split over pp={pp} stages with vpp={vpp}: every "
+            f"stage needs at least {chunks} layer(s); lower pp or vpp"
+        )
     return best[1], best[2]
 
 
@@ -91,6 +99,7 @@ def stage_split(cfg, num_layers: int, layout: ParallelLayout) -> tuple[int | Non
 
 
 # ---- what a model and a layout must satisfy (the ranks check the same) ------------------------------------
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -121,8 +130,9 @@ def hf_model_problems(fields: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def expert_layout_problems(num_experts: int, expert_ffn: int | None, shared_ffn: int | None, tp: int, ep: int,
-                           etp: int) -> list[str]:
+def expert_layout_problems(
+    num_experts: int, expert_ffn: int | None, shared_ffn: int | None, tp: int, ep: int, etp: int
+) -> list[str]:
     """What megatron-core requires of (tp, ep, etp) for a model's routed experts; [] when the layout fits."""
     problems = []
     if num_experts % ep:
@@ -139,11 +149,15 @@ def value_head_problem(value_head: bool, moe: bool, mtp_num_layers: int, tp: int
     if value_head and mtp_num_layers:
         return "a critic (value_head=True) cannot use MTP; set mtp_num_layers=0"
     if value_head and moe and tp > 1:
-        return f"a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); got tp={tp}"
+        return (
+            "a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); "
+            f"got tp={tp}"
+        )
     return None
 
 
 # ---- a config's own settings (checked when it is built) ---------------------------------------------------
+
 
 def _settings_problems(cfg) -> list[str]:
     problems: list[str] = []
@@ -163,14 +177,20 @@ def _settings_problems(cfg) -> list[str]:
         problems.append("value_head=True (a critic) cannot use MTP; set mtp_num_layers=0")
     budget = cfg.max_tokens_per_microbatch
     if budget is not None and (not isinstance(budget, int) or budget < 8):
-        problems.append(f"max_tokens_per_microbatch={budget!r} must be an integer >= 8 (padded tokens per micro-batch "
-                        "and rank), or null for micro-batches of micro_batch_size rows")
+        problems.append(
+            f"max_tokens_per_microbatch={budget!r} must be an integer >= 8 (padded tokens per micro-batch "
+            "and rank), or null for micro-batches of micro_batch_size rows"
+        )
     if cfg.use_sequence_packing and budget is None:
-        problems.append("use_sequence_packing=True packs sequences into rows of max_tokens_per_microbatch tokens; set "
-                        "max_tokens_per_microbatch (e.g. the longest prompt + response) or turn packing off")
+        problems.append(
+            "use_sequence_packing=True packs sequences into rows of max_tokens_per_microbatch tokens; set "
+            "max_tokens_per_microbatch (e.g. the longest prompt + response) or turn packing off"
+        )
     if cfg.use_sequence_packing and cfg.mtp_num_layers:
-        problems.append("use_sequence_packing=True with mtp_num_layers > 0: MTP labels would cross packed sequences; "
-                        "turn one of them off")
+        problems.append(
+            "use_sequence_packing=True with mtp_num_layers > 0: MTP labels would cross packed sequences; "
+            "turn one of them off"
+        )
     if cfg.value_head_init not in VALUE_HEAD_INITS:
         problems.append(f"value_head_init={cfg.value_head_init!r}; choose one of {', '.join(VALUE_HEAD_INITS)}")
     return problems
@@ -186,9 +206,12 @@ class MegatronInferConfig:
     """Forward-only Megatron (reference log-probs, critic values without training). The layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = 1  # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    micro_batch_size: int = (
+        1  # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    )
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
-    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies/megatron/micro_batches.py.
+    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
+    # strategies/megatron/micro_batches.py.
     max_tokens_per_microbatch: int | None = None
     use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
     temperature: float = 1.0  # log-probs use logits / temperature; batch.meta_info["temperature"] overrides it
@@ -250,9 +273,12 @@ class MegatronTrainConfig:
     """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = 1  # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    micro_batch_size: int = (
+        1  # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    )
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
-    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See strategies/megatron/micro_batches.py.
+    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
+    # strategies/megatron/micro_batches.py.
     max_tokens_per_microbatch: int | None = None
     use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -298,8 +324,10 @@ def _training_settings_problems(cfg: MegatronTrainConfig) -> list[str]:
     if schedule.decay_style not in DECAY_STYLES:
         problems.append(f"lr_schedule.decay_style={schedule.decay_style!r}; choose one of {', '.join(DECAY_STYLES)}")
     elif schedule.decay_style == "WSD":
-        problems.append("lr_schedule.decay_style='WSD' needs a WSD decay length, which this backend does not pass to "
-                        "Megatron's scheduler; choose constant, linear, cosine or inverse-square-root")
+        problems.append(
+            "lr_schedule.decay_style='WSD' needs a WSD decay length, which this backend does not pass to "
+            "Megatron's scheduler; choose constant, linear, cosine or inverse-square-root"
+        )
     for name, value in (("lr", opt.lr), ("min_lr", opt.min_lr), ("eps", opt.eps), ("weight_decay", opt.weight_decay)):
         if not value >= 0:
             problems.append(f"optimizer.{name}={value} must be >= 0")
@@ -309,18 +337,23 @@ def _training_settings_problems(cfg: MegatronTrainConfig) -> list[str]:
         problems.append(f"optimizer.betas={list(opt.betas)} must both be in [0, 1) (0.9, 0.999 is usual)")
     factor = cfg.mtp_loss_scaling_factor
     if cfg.mtp_num_layers and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-        problems.append(f"mtp_loss_scaling_factor={factor!r} must be a finite number > 0 with MTP "
-                        "(the MTP loss is added to the main loss with this weight; 0.1 is usual); "
-                        "set mtp_num_layers=0 to turn MTP off")
+        problems.append(
+            f"mtp_loss_scaling_factor={factor!r} must be a finite number > 0 with MTP "
+            "(the MTP loss is added to the main loss with this weight; 0.1 is usual); "
+            "set mtp_num_layers=0 to turn MTP off"
+        )
     if schedule.warmup_steps < 0:
         problems.append(f"lr_schedule.warmup_steps={schedule.warmup_steps} must be >= 0")
     if schedule.decay_steps and schedule.decay_steps <= schedule.warmup_steps:
-        problems.append(f"lr_schedule.decay_steps={schedule.decay_steps} must be above lr_schedule.warmup_steps="
-                        f"{schedule.warmup_steps} (the decay ends after the warm-up); raise it or leave it null")
+        problems.append(
+            f"lr_schedule.decay_steps={schedule.decay_steps} must be above lr_schedule.warmup_steps="
+            f"{schedule.warmup_steps} (the decay ends after the warm-up); raise it or leave it null"
+        )
     return problems
 
 
 # ---- a config against the run (`problems`: the ranks' start-up rules, before Ray starts) ------------------
+
 
 def _run_problems(cfg, run: RunFacts) -> list[str]:
     """The rules every Megatron strategy's ranks enforce at start-up, checked against what the run decides."""
@@ -331,8 +364,10 @@ def _run_problems(cfg, run: RunFacts) -> list[str]:
         return [f"{where}: {exc}"]
     problems = []
     if cfg.transformer_impl == "transformer_engine" and run.device != "cuda":
-        problems.append(f"{where}.transformer_impl=transformer_engine needs TransformerEngine on a cuda device "
-                        f"(num_gpus_per_rank > 0); use 'local' or 'auto' on {run.device}")
+        problems.append(
+            f"{where}.transformer_impl=transformer_engine needs TransformerEngine on a cuda device "
+            f"(num_gpus_per_rank > 0); use 'local' or 'auto' on {run.device}"
+        )
     problems += _split_problems(cfg, run)
     if run.model_config:
         problems += _model_problems(cfg, run, run.model_config)
@@ -346,8 +381,10 @@ def _split_problems(cfg, run: RunFacts) -> list[str]:
     layout, where = run.layout, f"{run.role}.strategy"
     problems = []
     if layout.vpp is not None and cfg.max_tokens_per_microbatch is not None:
-        problems.append(f"{where}: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
-                        f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size")
+        problems.append(
+            f"{where}: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
+            f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size"
+        )
     num_layers = (run.model_config or {}).get("num_hidden_layers")
     if num_layers is None:
         if layout.vpp is not None and (layout.vpp < 2 or layout.pp < 2):
@@ -380,8 +417,9 @@ def _model_problems(cfg, run: RunFacts, fields: Mapping[str, Any]) -> list[str]:
         problems.append(f"{where}.ep={layout.ep}: the model ({model_type}) has no experts; set ep=1 and drop etp")
     elif experts and moe:
         shared = fields.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
-        expert_problems = expert_layout_problems(experts, fields.get("moe_intermediate_size"), shared, layout.tp,
-                                                 layout.ep, layout.expert_tp)
+        expert_problems = expert_layout_problems(
+            experts, fields.get("moe_intermediate_size"), shared, layout.tp, layout.ep, layout.expert_tp
+        )
         problems += [f"{where}.{problem}" for problem in expert_problems]
     value_problem = value_head_problem(cfg.value_head, moe, 0, layout.tp)
     if value_problem:
@@ -416,6 +454,8 @@ def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]
                 f"ppo_mini_batch_size a multiple of {dp * micro} or change micro_batch_size to one of {choices}"
             )
     if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":
-        problems.append("checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot "
-                        f"save its state there; set {run.role}.strategy.optimizer.use_distributed_optimizer=false")
+        problems.append(
+            "checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot "
+            f"save its state there; set {run.role}.strategy.optimizer.use_distributed_optimizer=false"
+        )
     return problems

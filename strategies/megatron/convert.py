@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -34,9 +34,13 @@ LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
     "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),  # TE spec
     "self_attention.linear_qkv.weight": (
-        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
     "self_attention.linear_qkv.bias": (
-        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),  # TE spec
@@ -56,7 +60,9 @@ class ParamMapping:
     expert: bool = False  # a routed expert's weight: split over expert-tensor-parallel ranks, one expert per EP slot
 
 
-def param_mapping(megatron_name: str, arch: HFArch, layer_offset: int, first_local_expert: int = 0) -> ParamMapping | None:
+def param_mapping(
+    megatron_name: str, arch: HFArch, layer_offset: int, first_local_expert: int = 0
+) -> ParamMapping | None:
     """The HF counterpart of a Megatron parameter name (local layer index + `layer_offset`, local expert index +
     `first_local_expert`); None if it has none."""
     if megatron_name == "embedding.word_embeddings.weight":
@@ -96,8 +102,9 @@ def stage_layer_offset(model) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def shard_from_hf(kind: str, hf_tensors: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int,
-                  swap_gate_up: bool = False) -> torch.Tensor:
+def shard_from_hf(
+    kind: str, hf_tensors: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int, swap_gate_up: bool = False
+) -> torch.Tensor:
     """HF tensors -> this TP rank's shard of the Megatron parameter."""
     if kind == "replicated":
         return hf_tensors[0]
@@ -120,7 +127,9 @@ def shard_from_hf(kind: str, hf_tensors: list[torch.Tensor], arch: HFArch, tp_ra
         q, k, v = hf_tensors
         groups, d = arch.num_kv_heads, arch.head_dim
         rest = q.shape[1:]
-        fused = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1)
+        fused = torch.cat(
+            [q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1
+        )
         return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *rest)
     raise ValueError(f"unknown parameter kind {kind!r}")
 
@@ -156,24 +165,44 @@ def _full_hf_shapes(mapping: ParamMapping, param: torch.Tensor, arch: HFArch, tp
     return [tuple(t.shape) for t in hf_from_shards(mapping.kind, shards, arch)]
 
 
-def _hf_sources(reader: SafetensorsReader, mapping: ParamMapping, param: torch.Tensor, arch: HFArch, tp_size: int,
-                seed: int, model_config) -> tuple[list[torch.Tensor], bool]:
+def _hf_sources(
+    reader: SafetensorsReader,
+    mapping: ParamMapping,
+    param: torch.Tensor,
+    arch: HFArch,
+    tp_size: int,
+    seed: int,
+    model_config,
+) -> tuple[list[torch.Tensor], bool]:
     """The full HF tensors of one parameter and whether they were freshly initialised (MTP weights the folder lacks)."""
     present = [n in reader for n in mapping.hf_names]
     if all(present) or not mtp.is_mtp_param(mapping.megatron_name):
         return [reader.get(n) for n in mapping.hf_names], False
     if any(present):
-        raise ValueError(f"the checkpoint at {reader.model_dir} has only some of {list(mapping.hf_names)}; "
-                         "an MTP parameter needs all of them or none (none: initialised from the seed)")
+        raise ValueError(
+            f"the checkpoint at {reader.model_dir} has only some of {list(mapping.hf_names)}; "
+            "an MTP parameter needs all of them or none (none: initialised from the seed)"
+        )
     shapes = _full_hf_shapes(mapping, param, arch, tp_size)
-    return [mtp.initial_hf_tensor(n, shape, seed, model_config.init_method_std, model_config.num_layers)
-            for n, shape in zip(mapping.hf_names, shapes)], True
+    return [
+        mtp.initial_hf_tensor(n, shape, seed, model_config.init_method_std, model_config.num_layers)
+        for n, shape in zip(mapping.hf_names, shapes)
+    ], True
 
 
 @torch.no_grad()
-def load_hf_weights(model, model_dir: str | Path, arch: HFArch, tp_rank: int, tp_size: int,
-                    swap_gate_up: bool = False, etp_rank: int | None = None, etp_size: int | None = None,
-                    seed: int = 0, value_head_from_score: bool = False) -> list[str]:
+def load_hf_weights(
+    model,
+    model_dir: str | Path,
+    arch: HFArch,
+    tp_rank: int,
+    tp_size: int,
+    swap_gate_up: bool = False,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
+    seed: int = 0,
+    value_head_from_score: bool = False,
+) -> list[str]:
     """Copy HF weights into this rank's stage `model` (an unwrapped GPTModel); returns the names left as initialised.
 
     Routed experts are split over the expert-tensor-parallel ranks (`etp_rank`/`etp_size`, default: TP's). MTP
@@ -201,7 +230,9 @@ def load_hf_weights(model, model_dir: str | Path, arch: HFArch, tp_rank: int, tp
             fresh.append(name)
         shard = shard_from_hf(mapping.kind, hf_tensors, arch, rank, size, swap_gate_up)
         if shard.shape != param.shape:
-            raise ValueError(f"{name}: converted shard has shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: converted shard has shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}"
+            )
         param.copy_(shard.to(param.dtype))
     if untouched:
         logger.info("parameters without a Hugging Face counterpart keep their initialisation: %s", untouched)
@@ -235,9 +266,15 @@ def _single(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor]
 
 
-def iter_stage_hf_tensors(model, arch: HFArch, all_gather_tp: Gather, all_gather_etp: Gather = _single,
-                          all_gather_ep: Gather = _single, ep_size: int = 1,
-                          include_mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_stage_hf_tensors(
+    model,
+    arch: HFArch,
+    all_gather_tp: Gather,
+    all_gather_etp: Gather = _single,
+    all_gather_ep: Gather = _single,
+    ep_size: int = 1,
+    include_mtp: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors of this stage; each `all_gather_*(shard)` returns every rank's shard of its group
     (TP, expert TP, expert parallel) in rank order. Routed experts come out for every EP rank; MTP layers
     only with `include_mtp`."""
@@ -246,14 +283,17 @@ def iter_stage_hf_tensors(model, arch: HFArch, all_gather_tp: Gather, all_gather
         shard = params[mapping.megatron_name].detach()
         if mapping.expert:
             full = hf_from_shards(mapping.kind, all_gather_etp(shard), arch)
-            yield from moe_convert.gather_expert_tensors(mapping.hf_names, full, arch.moe.num_experts // ep_size, all_gather_ep)
+            yield from moe_convert.gather_expert_tensors(
+                mapping.hf_names, full, arch.moe.num_experts // ep_size, all_gather_ep
+            )
             continue
         shards = [shard] if mapping.kind == "replicated" else all_gather_tp(shard)
         yield from zip(mapping.hf_names, hf_from_shards(mapping.kind, shards, arch))
 
 
-def stage_hf_metadata(model, arch: HFArch, tp_size: int, etp_size: int = 1, ep_size: int = 1, include_mtp: bool = False
-                      ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def stage_hf_metadata(
+    model, arch: HFArch, tp_size: int, etp_size: int = 1, ep_size: int = 1, include_mtp: bool = False
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of the HF tensors `iter_stage_hf_tensors` yields, computed without communication."""
     params = dict(model.named_parameters())
     meta = []
@@ -265,7 +305,9 @@ def stage_hf_metadata(model, arch: HFArch, tp_size: int, etp_size: int = 1, ep_s
         full = hf_from_shards(mapping.kind, shards, arch)
         if mapping.expert:
             gather_ep = lambda tensor: [tensor] * ep_size  # noqa: E731 (shapes only)
-            named = list(moe_convert.gather_expert_tensors(mapping.hf_names, full, arch.moe.num_experts // ep_size, gather_ep))
+            named = list(
+                moe_convert.gather_expert_tensors(mapping.hf_names, full, arch.moe.num_experts // ep_size, gather_ep)
+            )
         else:
             named = list(zip(mapping.hf_names, full))
         meta.extend((hf_name, tuple(tensor.shape), param.dtype) for hf_name, tensor in named)

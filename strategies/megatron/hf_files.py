@@ -23,8 +23,9 @@ class SafetensorsReader:
             with safe_open(model_dir / "model.safetensors", framework="pt") as f:
                 weight_map = {name: "model.safetensors" for name in f.keys()}
         else:
-            raise FileNotFoundError(f"no model.safetensors(.index.json) in {model_dir}; "
-                                    "export the model as safetensors.")
+            raise FileNotFoundError(
+                f"no model.safetensors(.index.json) in {model_dir}; export the model as safetensors."
+            )
         self.model_dir = model_dir
         self._weight_map = weight_map
         self._open = safe_open
@@ -49,8 +50,10 @@ def score_head_problem(model_dir: str | Path) -> str | None:
     except FileNotFoundError as exc:
         return str(exc)
     if SCORE_HEAD not in reader:
-        return (f"{model_dir} has no {SCORE_HEAD!r} (a Hugging Face *ForSequenceClassification reward model has one); "
-                f"use value_head_init=fresh to start the value head from scratch")
+        return (
+            f"{model_dir} has no {SCORE_HEAD!r} (a Hugging Face *ForSequenceClassification reward model has one); "
+            f"use value_head_init=fresh to start the value head from scratch"
+        )
     labels = reader.get(SCORE_HEAD).shape[0]
     if labels != 1:
         return f"{model_dir}: {SCORE_HEAD} has {labels} labels; a value head reads a reward model with num_labels=1"

@@ -1,4 +1,6 @@
-"""`MegatronInferStrategy`: forward-only megatron-core (TP/PP/CP, interleaved PP) for reference log-probs and critic values."""
+"""`MegatronInferStrategy`: forward-only megatron-core (TP/PP/CP, interleaved PP) for reference log-probs and critic
+values.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +10,8 @@ import logging
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import InferStrategy
-from roll_backend.strategies.megatron import schedule
+from roll_backend.strategies.megatron import model_setup, schedule
 from roll_backend.strategies.megatron.config import MegatronInferConfig
-from roll_backend.strategies.megatron import model_setup
 from roll_backend.strategies.megatron.model_setup import build_model_chunks
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ class MegatronInferStrategy(InferStrategy):
 
     def initialize(self) -> None:
         # One model chunk per virtual pipeline stage (a single one without vpp).
-        self.model, self.arch, self.hf_config = build_model_chunks(self.config, self.layout, self.device, self.config.test_swap_gate_up)
+        self.model, self.arch, self.hf_config = build_model_chunks(
+            self.config, self.layout, self.device, self.config.test_swap_gate_up
+        )
         self.capture = schedule.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
 
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:

@@ -35,7 +35,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Under sequence parallelism each TP rank normalises its slice of the sequence: finalize_model_grads sums
         # the weight's gradient over TP for parameters marked like this (as Megatron's own norms mark theirs).
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, self.eps)

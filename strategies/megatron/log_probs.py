@@ -12,8 +12,9 @@ from roll_backend.strategies.megatron.builder import HFArch
 from roll_backend.strategies.megatron.micro_batches import MicroBatch
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, with_entropy: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits)[label] and the entropy of softmax(logits), without gathering the vocabulary.
 
     logits: [b, t, V/TP] this rank's vocabulary slice (columns past `vocab_size` are padding and ignored);
@@ -52,8 +53,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     return log_probs, entropy
 
 
-def per_token_outputs(micro: MicroBatch, head_output: torch.Tensor, arch: HFArch, temperature: float,
-                      value_head: bool, with_entropy: bool) -> dict[str, torch.Tensor]:
+def per_token_outputs(
+    micro: MicroBatch, head_output: torch.Tensor, arch: HFArch, temperature: float, value_head: bool, with_entropy: bool
+) -> dict[str, torch.Tensor]:
     """Response-side tensors from the head's output [T, b, ...] (under CP: this rank's [T/CP, b, ...] in
     Megatron's chunk order): {LOG_PROBS, ENTROPY} or {VALUES}, each [b, T_resp] in token order on every CP rank.
     Token-budget and packed micro-batches (`micro.gather`) pick each response token's output position."""
@@ -77,8 +79,7 @@ def per_token_outputs(micro: MicroBatch, head_output: torch.Tensor, arch: HFArch
     if value_head:
         out = {keys.VALUES: to_responses(positions[..., 0].float())}
     else:
-        log_probs, entropy = vocab_parallel_log_probs(positions / temperature, labels, arch.vocab_size,
-                                                      with_entropy)
+        log_probs, entropy = vocab_parallel_log_probs(positions / temperature, labels, arch.vocab_size, with_entropy)
         out = {keys.LOG_PROBS: to_responses(log_probs)}
         if entropy is not None:
             out[keys.ENTROPY] = to_responses(entropy)

@@ -57,7 +57,7 @@ def model_width(attention_mask: torch.Tensor, multiple: int = SEQUENCE_MULTIPLE)
 def _left_fit(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
     """The last `width` columns of `tensor`, left-padded with `value` where it has fewer."""
     if width <= tensor.shape[1]:
-        return tensor[:, tensor.shape[1] - width:]
+        return tensor[:, tensor.shape[1] - width :]
     return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0), value=value)
 
 
@@ -128,8 +128,9 @@ def micro_batch_count_multiple() -> int:
     return mpu.get_pipeline_model_parallel_world_size() if vpp and vpp > 1 else 1
 
 
-def split_micro_batches(batch: DataProto, micro_batch_size: int, device: str,
-                        what: str) -> tuple[list[MicroBatch], int]:
+def split_micro_batches(
+    batch: DataProto, micro_batch_size: int, device: str, what: str
+) -> tuple[list[MicroBatch], int]:
     """Cut `batch` into as few equal micro-batches of at most `micro_batch_size` rows as it needs (under vpp a
     multiple of PP of them), padded with zero rows to the equal size; returns (micro-batches, real rows).
     Equal sizes rather than full ones: 4 rows are one micro-batch of 4, not 4 rows and 60 of padding."""
@@ -174,15 +175,16 @@ def model_inputs(proto: DataProto, device: str, width: int) -> MicroBatch:
     if keys.RESPONSE_MASK in proto.batch.keys():
         response_mask = proto.batch[keys.RESPONSE_MASK].to(device)
     else:
-        response_mask = attention[:, total - resp_len:]
+        response_mask = attention[:, total - resp_len :]
     loss_mask = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
-    loss_mask[:, total - resp_len - 1: total - 1] = response_mask.float()
+    loss_mask[:, total - resp_len - 1 : total - 1] = response_mask.float()
     labels = torch.roll(input_ids, shifts=-1, dims=1)
     labels[:, -1] = 0
     return MicroBatch(proto, input_ids, position_ids, ~visible, labels, loss_mask, responses)
 
 
 # ---- token budgets and packing -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class BatchingPlan:
@@ -200,11 +202,14 @@ class BatchingPlan:
         max_tokens = meta_info.get(keys.META_MAX_TOKENS_PER_MICROBATCH, config.max_tokens_per_microbatch)
         packing = bool(meta_info.get(keys.META_SEQUENCE_PACKING, config.use_sequence_packing))
         if packing and max_tokens is None:
-            raise ValueError("use_sequence_packing=True needs max_tokens_per_microbatch (the length of a packed row); "
-                             "set it")
+            raise ValueError(
+                "use_sequence_packing=True needs max_tokens_per_microbatch (the length of a packed row); set it"
+            )
         if packing and config.mtp_num_layers:
-            raise ValueError("use_sequence_packing with mtp_num_layers > 0: MTP labels would cross packed sequences; "
-                             "leave packing off for this model")
+            raise ValueError(
+                "use_sequence_packing with mtp_num_layers > 0: MTP labels would cross packed sequences; "
+                "leave packing off for this model"
+            )
         if max_tokens is not None and int(max_tokens) < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens} must be >= 1 (or None for fixed micro-batches)")
         return cls(config.micro_batch_size, None if max_tokens is None else int(max_tokens), packing, thd and packing)
@@ -215,9 +220,11 @@ def batching_plan(strategy, batch: DataProto) -> BatchingPlan:
     thd = use_transformer_engine(strategy.config.transformer_impl, strategy.device)
     plan = BatchingPlan.from_config(strategy.config, batch.meta_info, thd)
     if plan.max_tokens is not None and micro_batch_count_multiple() > 1:
-        raise ValueError("max_tokens_per_microbatch with interleaved stages (vpp) is not supported yet: the "
-                         "interleaved schedule needs a multiple of pp micro-batches; set vpp=null or use "
-                         "micro_batch_size")
+        raise ValueError(
+            "max_tokens_per_microbatch with interleaved stages (vpp) is not supported yet: the "
+            "interleaved schedule needs a multiple of pp micro-batches; set vpp=null or use "
+            "micro_batch_size"
+        )
     # CP cuts every sequence into 2 x CP equal chunks.
     return dataclasses.replace(plan, width_multiple=math.lcm(SEQUENCE_MULTIPLE, 2 * cp.cp_group_and_size()[1]))
 
@@ -229,7 +236,7 @@ def round_up(value: int, multiple: int = SEQUENCE_MULTIPLE) -> int:
 def sequence_extents(attention_mask: torch.Tensor, response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt tokens used, response tokens used) per row of a left-padded prompt + right-padded response batch."""
     mask = attention_mask.bool()
-    prompt, response = mask[:, : mask.shape[1] - response_width], mask[:, mask.shape[1] - response_width:]
+    prompt, response = mask[:, : mask.shape[1] - response_width], mask[:, mask.shape[1] - response_width :]
     # Columns from the first used prompt column / up to the last used response column (holes count as used).
     prompt_used = torch.where(prompt.any(1), prompt.shape[1] - prompt.long().argmax(1), 0)
     last = response.shape[1] - 1 - response.flip(1).long().argmax(1)
@@ -241,13 +248,19 @@ def _warn_over_budget(length: int, budget: int) -> None:
     global _warned_over_budget
     if not _warned_over_budget:
         _warned_over_budget = True
-        logger.warning("a sequence of %d tokens exceeds max_tokens_per_microbatch=%d: it gets a micro-batch of its own "
-                       "(warned once; raise the budget to keep micro-batches within it)", length, budget)
+        logger.warning(
+            "a sequence of %d tokens exceeds max_tokens_per_microbatch=%d: it gets a micro-batch of its own "
+            "(warned once; raise the budget to keep micro-batches within it)",
+            length,
+            budget,
+        )
 
 
-def group_by_token_budget(prompt_used: list[int], response_used: list[int], budget: int,
-                          multiple: int = SEQUENCE_MULTIPLE) -> list[list[int]]:
+def group_by_token_budget(
+    prompt_used: list[int], response_used: list[int], budget: int, multiple: int = SEQUENCE_MULTIPLE
+) -> list[list[int]]:
     """Row indices per micro-batch, longest rows first, each group's rows x padded width within `budget`."""
+
     def width(prompt: int, response: int) -> int:  # as `_trimmed` builds it
         return round_up(max(prompt, 1) + response, multiple)
 
@@ -299,23 +312,33 @@ def split(batch: DataProto, plan: BatchingPlan, device: str, what: str) -> tuple
         # A prompt needs at least one token: its last column predicts the first response token.
         lengths = [max(p, 1) + r for p, r in zip(prompt_used, response_used)]
         groups = pack_by_token_budget(lengths, plan.max_tokens)
-        return [_packed(batch, g, [max(prompt_used[i], 1) for i in g], [response_used[i] for i in g], device, plan)
-                for g in groups], len(batch)
+        return [
+            _packed(batch, g, [max(prompt_used[i], 1) for i in g], [response_used[i] for i in g], device, plan)
+            for g in groups
+        ], len(batch)
     groups = group_by_token_budget(prompt_used, response_used, plan.max_tokens, plan.width_multiple)
-    return [_trimmed(batch, g, max(prompt_used[i] for i in g), max(response_used[i] for i in g), device,
-                     plan.width_multiple) for g in groups], len(batch)
+    return [
+        _trimmed(
+            batch, g, max(prompt_used[i] for i in g), max(response_used[i] for i in g), device, plan.width_multiple
+        )
+        for g in groups
+    ], len(batch)
 
 
-def _trimmed(batch: DataProto, rows: list[int], prompt_width: int, response_width: int, device: str,
-             multiple: int) -> MicroBatch:
+def _trimmed(
+    batch: DataProto, rows: list[int], prompt_width: int, response_width: int, device: str, multiple: int
+) -> MicroBatch:
     """The rows cut to the columns they use: prompt_width before the response, response_width of it."""
     proto = batch.select_idxs(rows)
     full = proto.batch[keys.RESPONSES].shape[1]
     prompt_width = max(prompt_width, 1)
     total = proto.batch[keys.INPUT_IDS].shape[1]
     columns = slice(total - full - prompt_width, total - full + response_width)
-    inputs = {name: proto.batch[name][:, columns] for name in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)
-              if name in proto.batch.keys()}
+    inputs = {
+        name: proto.batch[name][:, columns]
+        for name in (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)
+        if name in proto.batch.keys()
+    }
     inputs[keys.RESPONSES] = proto.batch[keys.RESPONSES][:, :response_width]
     if keys.RESPONSE_MASK in proto.batch.keys():
         inputs[keys.RESPONSE_MASK] = proto.batch[keys.RESPONSE_MASK][:, :response_width]
@@ -334,8 +357,9 @@ def _trimmed(batch: DataProto, rows: list[int], prompt_width: int, response_widt
     return micro
 
 
-def _packed(batch: DataProto, rows: list[int], prompt_used: list[int], response_used: list[int], device: str,
-            plan: BatchingPlan) -> MicroBatch:
+def _packed(
+    batch: DataProto, rows: list[int], prompt_used: list[int], response_used: list[int], device: str, plan: BatchingPlan
+) -> MicroBatch:
     """The rows' used tokens end to end in one row, each sequence with its own positions, attending only within
     itself."""
     proto = batch.select_idxs(rows)
@@ -352,11 +376,11 @@ def _packed(batch: DataProto, rows: list[int], prompt_used: list[int], response_
     offset = 0
     for i, (prompt, response) in enumerate(zip(prompt_used, response_used)):
         length = prompt + response
-        pieces.append(input_ids[i, prompt_end - prompt: prompt_end + response])
+        pieces.append(input_ids[i, prompt_end - prompt : prompt_end + response])
         segments.append(torch.full((length,), i))
         positions.append(torch.arange(length))
         predicts = torch.zeros(length)  # 1 where the next token is a response token in the loss
-        predicts[prompt - 1: prompt - 1 + response] = response_mask[i, :response].float()
+        predicts[prompt - 1 : prompt - 1 + response] = response_mask[i, :response].float()
         loss_mask.append(predicts)
         cols[i] = offset + prompt - 1 + torch.arange(full).clamp(max=max(response - 1, 0))
         valid[i, :response] = True
@@ -402,8 +426,9 @@ def _thd_params(lengths: list[int], device: str):
     lengths = [n for n in lengths if n > 0]
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def collect_rows(micro_batches: list[MicroBatch], stored: list[dict], num_rows: int) -> dict[str, torch.Tensor]:

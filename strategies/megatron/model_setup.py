@@ -8,7 +8,14 @@ import torch
 
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.strategies.megatron import convert
-from roll_backend.strategies.megatron.builder import DTYPES, HFArch, ModelBuildOptions, build_gpt_stage, unwrap, use_transformer_engine
+from roll_backend.strategies.megatron.builder import (
+    DTYPES,
+    HFArch,
+    ModelBuildOptions,
+    build_gpt_stage,
+    unwrap,
+    use_transformer_engine,
+)
 from roll_backend.strategies.megatron.config import stage_split
 
 
@@ -67,14 +74,20 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     chunks = []
-    for vp_stage in (range(layout.vpp) if layout.vpp else [None]):
+    for vp_stage in range(layout.vpp) if layout.vpp else [None]:
         model = build_gpt_stage(arch, options, vp_stage=vp_stage)
         model.to(device)
         convert.load_hf_weights(
-            model, cfg.model_path, arch, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
-            swap_gate_up=swap_gate_up, seed=cfg.seed,
+            model,
+            cfg.model_path,
+            arch,
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_world_size(),
+            swap_gate_up=swap_gate_up,
+            seed=cfg.seed,
             value_head_from_score=cfg.value_head and cfg.value_head_init == "score_head",
-            etp_rank=mpu.get_expert_tensor_parallel_rank(), etp_size=mpu.get_expert_tensor_parallel_world_size(),
+            etp_rank=mpu.get_expert_tensor_parallel_rank(),
+            etp_size=mpu.get_expert_tensor_parallel_world_size(),
         )
         chunks.append(model)
     return chunks, arch, hf_config

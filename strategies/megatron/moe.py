@@ -39,9 +39,13 @@ class MoEArch:
         model_type = getattr(hf_config, "model_type", "")
         if model_type not in MOE_MODEL_TYPES:
             return None
-        problems = hf_model_problems({"model_type": model_type,
-                                      "decoder_sparse_step": getattr(hf_config, "decoder_sparse_step", 1),
-                                      "mlp_only_layers": getattr(hf_config, "mlp_only_layers", None)})
+        problems = hf_model_problems(
+            {
+                "model_type": model_type,
+                "decoder_sparse_step": getattr(hf_config, "decoder_sparse_step", 1),
+                "mlp_only_layers": getattr(hf_config, "mlp_only_layers", None),
+            }
+        )
         if problems:
             raise ValueError("; ".join(problems) + ".")
         shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
@@ -56,8 +60,9 @@ class MoEArch:
 
     def layout_problems(self, tp: int, ep: int, etp: int) -> list[str]:
         """What megatron-core requires of (tp, ep, etp) for these experts; [] when the layout fits."""
-        return expert_layout_problems(self.num_experts, self.expert_ffn_hidden_size,
-                                      self.shared_expert_ffn_hidden_size, tp, ep, etp)
+        return expert_layout_problems(
+            self.num_experts, self.expert_ffn_hidden_size, self.shared_expert_ffn_hidden_size, tp, ep, etp
+        )
 
 
 def token_dispatcher_type(device: str) -> str:
@@ -109,7 +114,7 @@ def mark_expert_params(model) -> None:
     """
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
-            setattr(param, "allreduce", False)
+            param.allreduce = False
 
 
 class RouterMetrics:

@@ -12,7 +12,7 @@ Inside `decoder.layers.{i}.` (megatron-core local spec with SequentialMLP, i.e. 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -21,7 +21,10 @@ LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
-    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "gate_up",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    ),
     "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_expert.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
@@ -59,8 +62,12 @@ def expert_index(hf_name: str) -> int:
     return int(_HF_EXPERT_RE.search(hf_name).group(1))
 
 
-def gather_expert_tensors(hf_names: tuple[str, ...], full_tensors: list[torch.Tensor], num_local_experts: int,
-                          all_gather_ep: Callable[[torch.Tensor], list[torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_expert_tensors(
+    hf_names: tuple[str, ...],
+    full_tensors: list[torch.Tensor],
+    num_local_experts: int,
+    all_gather_ep: Callable[[torch.Tensor], list[torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """This EP rank's full expert tensors -> the same local slot of every EP rank, named by global expert index.
 
     Local expert j of EP rank r is global expert r * num_local_experts + j (megatron-core's SequentialMLP).

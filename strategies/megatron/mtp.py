@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -59,8 +59,8 @@ def mtp_param_mapping(megatron_name: str, decoder_layer_map: Mapping[str, tuple[
     if suffix in _OWN_PARAMS:
         kind, hf_suffix = _OWN_PARAMS[suffix]
         return kind, (prefix + hf_suffix,)
-    if suffix.startswith(_TRANSFORMER_LAYER) and suffix[len(_TRANSFORMER_LAYER):] in decoder_layer_map:
-        kind, hf_suffixes = decoder_layer_map[suffix[len(_TRANSFORMER_LAYER):]]
+    if suffix.startswith(_TRANSFORMER_LAYER) and suffix[len(_TRANSFORMER_LAYER) :] in decoder_layer_map:
+        kind, hf_suffixes = decoder_layer_map[suffix[len(_TRANSFORMER_LAYER) :]]
         return kind, tuple(prefix + s for s in hf_suffixes)
     return None
 
@@ -75,8 +75,9 @@ def _seed_for(seed: int, hf_name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(hf_name.encode())) % (2**63)
 
 
-def initial_hf_tensor(hf_name: str, shape: tuple[int, ...], seed: int, init_std: float,
-                      num_layers: int) -> torch.Tensor:
+def initial_hf_tensor(
+    hf_name: str, shape: tuple[int, ...], seed: int, init_std: float, num_layers: int
+) -> torch.Tensor:
     """The fresh float32 value of one full HF-named MTP tensor: a function of (seed, name, shape) only."""
     if hf_name.endswith("norm.weight"):
         return torch.ones(shape)
@@ -93,6 +94,11 @@ def drop_unused_output_weight(model) -> None:
     megatron-core 0.16.1 also allocates `output_layer.weight` there: a parameter no forward uses, which
     `tie_embeddings_and_output_weights_state_dict` refuses to checkpoint (it asserts the key is absent).
     Remove it, as the first stage does for a tied output layer."""
-    if (getattr(model, "mtp_process", False) and model.post_process and not model.pre_process
-            and model.share_embeddings_and_output_weights and model.output_layer.weight is not None):
+    if (
+        getattr(model, "mtp_process", False)
+        and model.post_process
+        and not model.pre_process
+        and model.share_embeddings_and_output_weights
+        and model.output_layer.weight is not None
+    ):
         model.output_layer.weight = None

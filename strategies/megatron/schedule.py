@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -51,15 +51,25 @@ class HeadCapture:
         return output
 
 
-def run_pipeline(chunks: list, capture: HeadCapture, micro_batches: list[MicroBatch], forward_only: bool, mtp: bool,
-                 loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]) -> list[dict]:
+def run_pipeline(
+    chunks: list,
+    capture: HeadCapture,
+    micro_batches: list[MicroBatch],
+    forward_only: bool,
+    mtp: bool,
+    loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
+) -> list[dict]:
     """Run Megatron's schedule (interleaved with several model chunks) over the micro-batches; returns the
     loss_func dicts (last PP stage only, else []). Under CP each rank feeds the model its chunks of the sequence."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         micro = next(data_iterator)
-        inputs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids, "attention_mask": micro.attention_mask}
+        inputs = {
+            "input_ids": micro.input_ids,
+            "position_ids": micro.position_ids,
+            "attention_mask": micro.attention_mask,
+        }
         if mtp:
             inputs.update(labels=micro.labels, loss_mask=micro.loss_mask)
         extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
@@ -110,8 +120,19 @@ def is_last_stage() -> bool:
     return mpu.is_pipeline_last_stage(ignore_virtual=True)
 
 
-def forward_per_token(model, capture: HeadCapture, batch: DataProto, arch: HFArch, plan, device: str,
-                      temperature: float, value_head: bool, with_entropy: bool, mtp: bool, what: str) -> DataProto | None:
+def forward_per_token(
+    model,
+    capture: HeadCapture,
+    batch: DataProto,
+    arch: HFArch,
+    plan,
+    device: str,
+    temperature: float,
+    value_head: bool,
+    with_entropy: bool,
+    mtp: bool,
+    what: str,
+) -> DataProto | None:
     """Forward-only per-token outputs of the batch's responses, in its row order; a DataProto on the last PP
     stage, else None. `plan`: a micro_batches.BatchingPlan (fixed rows, token budget or packing)."""
     micro_batches, num_rows = mb.split(batch, plan, device, what)
@@ -138,6 +159,15 @@ def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) ->
         kind = "a value head" if value_head else "an LM head"
         raise ValueError(f"{what} needs {kind}; this strategy has value_head={config.value_head}")
     return forward_per_token(
-        strategy.model, strategy.capture, batch, strategy.arch, mb.batching_plan(strategy, batch), strategy.device,
-        config.temperature, value_head, config.compute_entropy, config.mtp_num_layers > 0, what,
+        strategy.model,
+        strategy.capture,
+        batch,
+        strategy.arch,
+        mb.batching_plan(strategy, batch),
+        strategy.device,
+        config.temperature,
+        value_head,
+        config.compute_entropy,
+        config.mtp_num_layers > 0,
+        what,
     )

@@ -9,8 +9,8 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -21,11 +21,10 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron import micro_batches as mb
-from roll_backend.strategies.megatron import mtp, schedule, weights
+from roll_backend.strategies.megatron import model_setup, mtp, schedule, weights
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
-from roll_backend.strategies.megatron import model_setup
 from roll_backend.strategies.megatron.model_setup import build_model_chunks, set_train_mode
 
 logger = logging.getLogger(__name__)
@@ -55,7 +54,11 @@ class MegatronTrainStrategy(TrainStrategy):
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def initialize(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         chunks, self.arch, self.hf_config = build_model_chunks(self.config, self.layout, self.device)
         ddp_config = DistributedDataParallelConfig(
@@ -66,8 +69,9 @@ class MegatronTrainStrategy(TrainStrategy):
         )
         # One DDP per model chunk (virtual pipeline stage); the first chunk's buckets sync first, as in Megatron.
         self.model = [
-            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                    disable_bucketing=index > 0)
+            DistributedDataParallel(
+                config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
+            )
             for index, chunk in enumerate(chunks)
         ]
         model_config = chunks[0].config
@@ -79,8 +83,9 @@ class MegatronTrainStrategy(TrainStrategy):
         if self.arch.moe is not None:
             from roll_backend.strategies.megatron.moe import RouterMetrics
 
-            self.router_metrics = RouterMetrics(chunks, self.arch.num_layers, self.arch.moe.num_experts,
-                                                self.arch.moe.aux_loss_coef, self.device)
+            self.router_metrics = RouterMetrics(
+                chunks, self.arch.num_layers, self.arch.moe.num_experts, self.arch.moe.aux_loss_coef, self.device
+            )
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
 
@@ -145,7 +150,7 @@ class MegatronTrainStrategy(TrainStrategy):
         if keys.RESPONSE_MASK in batch.batch.keys():
             mask = batch.batch[keys.RESPONSE_MASK]
         else:
-            mask = batch.batch[keys.ATTENTION_MASK][:, -batch.batch[keys.RESPONSES].shape[1]:]
+            mask = batch.batch[keys.ATTENTION_MASK][:, -batch.batch[keys.RESPONSES].shape[1] :]
         counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(device=self.device, dtype=torch.float64)
         dist.all_reduce(counts, group=mpu.get_data_parallel_group())
         tokens = batch.meta_info.get(keys.META_GLOBAL_TOKEN_COUNT, float(counts[0]))
@@ -161,8 +166,9 @@ class MegatronTrainStrategy(TrainStrategy):
             keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
             mask = tensors[keys.RESPONSE_MASK]
             tensors[keys.RESPONSE_MASK] = mask * keep[:, None].to(mask.dtype)
-        batch = DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch),
-                                    meta_info=dict(batch.meta_info))
+        batch = DataProto.from_dict(
+            tensors=tensors, non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info)
+        )
         tokens, sequences = self._global_counts(batch)
         batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] = tokens
         batch.meta_info[keys.META_GLOBAL_SEQUENCE_COUNT] = sequences
@@ -173,9 +179,9 @@ class MegatronTrainStrategy(TrainStrategy):
 
         The loss function sees micro_batch.meta_info[META_GLOBAL_TOKEN_COUNT] (and META_GLOBAL_SEQUENCE_COUNT for
         sequence-mean modes) and must normalise by it. Micro-batches are fixed rows, token-budget or packed
-        (config.max_tokens_per_microbatch, use_sequence_packing); the loss function always sees full-width rows. Megatron
-        divides each micro-batch loss by the number of micro-batches and DDP averages gradients over DP; both are
-        undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
+        (config.max_tokens_per_microbatch, use_sequence_packing); the loss function always sees full-width rows.
+        Megatron divides each micro-batch loss by the number of micro-batches and DDP averages gradients over DP; both
+        are undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
         global loss (summed over micro-batches and DP), other loss_fn metrics are averaged, plus `grad_norm`,
         `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy averaged over micro-batches and DP). MoE models add
         router metrics (`moe/aux_loss`, `moe/load_balancing_loss`, `moe/expert_load_min|max|imbalance`, see
@@ -199,14 +205,13 @@ class MegatronTrainStrategy(TrainStrategy):
             reported["loss"] = float(loss.detach())
             return loss * undo_scaling, reported
 
-        set_train_mode(self.model, True)
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        if self.router_metrics is not None:
-            self.router_metrics.reset()
+        self._zero_grads()
         stored = schedule.run_pipeline(
-            self.model, self.capture, micro_batches, forward_only=False, mtp=self.config.mtp_num_layers > 0,
+            self.model,
+            self.capture,
+            micro_batches,
+            forward_only=False,
+            mtp=self.config.mtp_num_layers > 0,
             loss_func=loss_func,
         )
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -220,12 +225,23 @@ class MegatronTrainStrategy(TrainStrategy):
             return None
         # Metrics of all-padding micro-batches would dilute the averages.
         metrics = self._reduce_metrics([d for d, keep in zip(stored, real) if keep] or stored)
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       lr=float(self.optimizer.param_groups[0]["lr"]), update_ok=float(bool(update_ok)))
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            update_ok=float(bool(update_ok)),
+        )
         if mtp_loss is not None:
             metrics["mtp_loss"] = mtp_loss
         metrics.update(router)
         return metrics
+
+    def _zero_grads(self) -> None:
+        set_train_mode(self.model, True)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
 
     def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
         """Loss summed over micro-batches and DP ranks; other metrics averaged over both."""
@@ -234,7 +250,8 @@ class MegatronTrainStrategy(TrainStrategy):
         names = sorted(stored[0])
         values = torch.tensor(
             [sum(d[n] for d in stored) if n == "loss" else sum(d[n] for d in stored) / len(stored) for n in names],
-            dtype=torch.float64, device=self.device,
+            dtype=torch.float64,
+            device=self.device,
         )
         dp_group = mpu.get_data_parallel_group()
         dist.all_reduce(values, group=dp_group)
@@ -274,8 +291,9 @@ class MegatronTrainStrategy(TrainStrategy):
                 yield prefix + name, param
 
     # ---- weights out ----------------------------------------------------------------------------------------
-    def iter_hf_weights(self, bucket_bytes: int = 512 << 20, include_mtp: bool = False
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_hf_weights(
+        self, bucket_bytes: int = 512 << 20, include_mtp: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full HF-named tensors, yielded on every rank (all ranks must iterate: it communicates).
 
         Tensors stay on the training device; a tied output layer is left to the embedding. MTP layers
@@ -331,7 +349,13 @@ class MegatronTrainStrategy(TrainStrategy):
     _layout_defaults = {"tp": 1, "pp": 1, "cp": 1, "vpp": None, "ep": 1}
 
     def _layout_record(self) -> dict:
-        return {"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp, "vpp": self.layout.vpp, "ep": self.layout.ep}
+        return {
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "cp": self.layout.cp,
+            "vpp": self.layout.vpp,
+            "ep": self.layout.ep,
+        }
 
     def _model_sharded_state(self) -> dict:
         """Every model chunk's sharded state under `chunk{i}`; tensors are keyed by global layer number, so a
@@ -340,8 +364,10 @@ class MegatronTrainStrategy(TrainStrategy):
         from megatron.core import parallel_state as mpu
 
         metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
-        return {f"chunk{index}": unwrap(chunk).sharded_state_dict(metadata=metadata)
-                for index, chunk in enumerate(self.model)}
+        return {
+            f"chunk{index}": unwrap(chunk).sharded_state_dict(metadata=metadata)
+            for index, chunk in enumerate(self.model)
+        }
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a `save_checkpoint` folder, possibly written at another TP/PP layout.
@@ -360,7 +386,9 @@ class MegatronTrainStrategy(TrainStrategy):
         if same_layout:
             request["rng"] = _rng_sharded_object()
         else:
-            logger.info("checkpoint layout %s differs from ours %s: RNG state not restored", saved_layout, self._layout_record())
+            logger.info(
+                "checkpoint layout %s differs from ours %s: RNG state not restored", saved_layout, self._layout_record()
+            )
         loaded = dist_checkpointing.load(request, path)
         for index, chunk in enumerate(self.model):
             unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"])
@@ -379,7 +407,13 @@ def _rng_state() -> dict:
     version, py_state, gauss = random.getstate()
     state = {
         "python": [version, list(py_state), gauss],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "torch": torch.get_rng_state(),
         "tracker": {name: value.clone() for name, value in get_cuda_rng_tracker().get_states().items()},
     }
@@ -408,16 +442,27 @@ def _rng_sharded_object():
     return ShardedObject(
         "rng_state",
         _rng_state(),
-        (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
-         mpu.get_context_parallel_world_size()),
+        (
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+        ),
         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank()),
         replica_id=mpu.get_data_parallel_rank(),
     )
 
 
 def _copy_tokenizer_and_generation_config(src: Path, dst: Path) -> None:
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-             "chat_template.jinja", "generation_config.json", "added_tokens.json")
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "generation_config.json",
+        "added_tokens.json",
+    )
     for name in names:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)

@@ -4,7 +4,7 @@ buckets: what the rollout's weight sync and the HF checkpoint export read."""
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,22 @@ def iter_full_hf_tensors(chunks: list, arch: HFArch, include_mtp: bool = False) 
             yield from convert.iter_stage_hf_tensors(chunk, arch, _all_gather_tp, **experts, include_mtp=include_mtp)
         return
     metadata = [None] * pp_size
-    local_meta = [convert.stage_hf_metadata(chunk, arch, tp_size, mpu.get_expert_tensor_parallel_world_size(),
-                                            experts["ep_size"], include_mtp) for chunk in chunks]
+    local_meta = [
+        convert.stage_hf_metadata(
+            chunk, arch, tp_size, mpu.get_expert_tensor_parallel_world_size(), experts["ep_size"], include_mtp
+        )
+        for chunk in chunks
+    ]
     dist.all_gather_object(metadata, local_meta, group=pp_group)
     device = next(chunks[0].parameters()).device
     for vp_stage, stage in ((v, s) for v in range(len(chunks)) for s in range(pp_size)):
         stage_meta = metadata[stage][vp_stage]
         source = dist.get_global_rank(pp_group, stage)
-        local = (convert.iter_stage_hf_tensors(chunks[vp_stage], arch, _all_gather_tp, **experts, include_mtp=include_mtp)
-                 if stage == pp_rank else None)
+        local = (
+            convert.iter_stage_hf_tensors(chunks[vp_stage], arch, _all_gather_tp, **experts, include_mtp=include_mtp)
+            if stage == pp_rank
+            else None
+        )
         for name, shape, dtype in stage_meta:
             if local is not None:
                 local_name, tensor = next(local)
@@ -75,7 +82,9 @@ def iter_full_hf_tensors(chunks: list, arch: HFArch, include_mtp: bool = False) 
             yield name, tensor
 
 
-def bucketed(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def bucketed(
+    named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone)."""
     bucket, size = [], 0
     for name, tensor in named_tensors:

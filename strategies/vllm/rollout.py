@@ -9,7 +9,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,9 @@ def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]
     return env
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask, both [B, width] int64."""
     width = width or max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
@@ -66,7 +69,9 @@ class VllmRolloutStrategy(RolloutStrategy):
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         if self.tokenizer.pad_token_id is None:
-            raise ValueError(f"the tokenizer at {config.model_path} has no pad token; set one so responses can be padded.")
+            raise ValueError(
+                f"the tokenizer at {config.model_path} has no pad token; set one so responses can be padded."
+            )
         engine_kwargs: dict[str, Any] = dict(
             model=config.model_path,
             dtype=config.dtype,
@@ -97,7 +102,9 @@ class VllmRolloutStrategy(RolloutStrategy):
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
-        logger.info("vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device)
+        logger.info(
+            "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
+        )
 
     @property
     def engine(self):
@@ -135,12 +142,16 @@ class VllmRolloutStrategy(RolloutStrategy):
         if tensors is not None and keys.PROMPTS in tensors.keys():
             prompts = tensors[keys.PROMPTS]
             if keys.ATTENTION_MASK not in tensors.keys():
-                raise KeyError(f"batch has '{keys.PROMPTS}' but no '{keys.ATTENTION_MASK}' to tell padding from prompt tokens")
+                raise KeyError(
+                    f"batch has '{keys.PROMPTS}' but no '{keys.ATTENTION_MASK}' to tell padding from prompt tokens"
+                )
             mask = tensors[keys.ATTENTION_MASK][:, : prompts.shape[1]].bool()
             return [row[row_mask].tolist() for row, row_mask in zip(prompts, mask)]
         if keys.PROMPT_TEXT in batch.non_tensor_batch:
             return [self.encode_prompt(prompt) for prompt in batch.non_tensor_batch[keys.PROMPT_TEXT]]
-        raise KeyError(f"generate needs '{keys.PROMPTS}' (+ '{keys.ATTENTION_MASK}') or '{keys.PROMPT_TEXT}' in the batch")
+        raise KeyError(
+            f"generate needs '{keys.PROMPTS}' (+ '{keys.ATTENTION_MASK}') or '{keys.PROMPT_TEXT}' in the batch"
+        )
 
     def encode_prompt(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
         """Chat messages (or text, as one user message) through the chat template; raw text if templating is off."""
@@ -179,8 +190,15 @@ class VllmRolloutStrategy(RolloutStrategy):
         cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
         return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed, cached)
 
-    def _rollout_batch(self, batch: DataProto, prompt_ids, completions, sampling: SamplingConfig, elapsed: float,
-                       cached_fractions: list[float]) -> DataProto:
+    def _rollout_batch(
+        self,
+        batch: DataProto,
+        prompt_ids,
+        completions,
+        sampling: SamplingConfig,
+        elapsed: float,
+        cached_fractions: list[float],
+    ) -> DataProto:
         n, width = sampling.n, sampling.max_tokens
         pad_id = self.tokenizer.pad_token_id
         prompts, prompt_mask = self._prompt_tensors(batch, prompt_ids)
@@ -212,8 +230,11 @@ class VllmRolloutStrategy(RolloutStrategy):
         non_tensors = {name: np.repeat(column, n, axis=0) for name, column in batch.non_tensor_batch.items()}
         if keys.UID not in non_tensors:
             non_tensors[keys.UID] = np.repeat(np.array([uuid.uuid4().hex for _ in prompt_ids], dtype=object), n)
-        texts = [c.text for c in flat] if sampling.stop else self.tokenizer.batch_decode(
-            [list(c.token_ids) for c in flat], skip_special_tokens=True)
+        texts = (
+            [c.text for c in flat]
+            if sampling.stop
+            else self.tokenizer.batch_decode([list(c.token_ids) for c in flat], skip_special_tokens=True)
+        )
         non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
         meta_info = dict(batch.meta_info)
         meta_info[keys.META_TEMPERATURE] = sampling.temperature
@@ -228,7 +249,10 @@ class VllmRolloutStrategy(RolloutStrategy):
         width = self.config.max_prompt_length
         longest = max((len(ids) for ids in prompt_ids), default=0)
         if width is not None and longest > width:
-            raise ValueError(f"a prompt encodes to {longest} tokens, above max_prompt_length={width}; raise it or shorten the prompt.")
+            raise ValueError(
+                f"a prompt encodes to {longest} tokens, above max_prompt_length={width}; raise it or shorten the "
+                "prompt."
+            )
         return left_pad(prompt_ids, self.tokenizer.pad_token_id, width)
 
     @staticmethod
@@ -236,15 +260,21 @@ class VllmRolloutStrategy(RolloutStrategy):
         """The input's other tensor columns (not the prompt/sequence ones we rebuild), one copy per sample."""
         if batch.batch is None:
             return {}
-        return {name: batch.batch[name].repeat_interleave(n, dim=0) for name in batch.batch.keys() if name not in exclude}
+        return {
+            name: batch.batch[name].repeat_interleave(n, dim=0) for name in batch.batch.keys() if name not in exclude
+        }
 
     @staticmethod
-    def _metrics(response_mask: torch.Tensor, completions, elapsed: float, cached_fractions: list[float]) -> dict[str, float]:
+    def _metrics(
+        response_mask: torch.Tensor, completions, elapsed: float, cached_fractions: list[float]
+    ) -> dict[str, float]:
         lengths = response_mask.sum(dim=1).float()
         return {
             "rollout/response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
             "rollout/response_length_max": float(lengths.max()) if len(lengths) else 0.0,
-            "rollout/stop_fraction": float(np.mean([c.finish_reason == "stop" for c in completions])) if completions else 0.0,
+            "rollout/stop_fraction": float(np.mean([c.finish_reason == "stop" for c in completions]))
+            if completions
+            else 0.0,
             "rollout/generate_s": elapsed,
             "rollout/tokens_per_s": float(lengths.sum()) / max(elapsed, 1e-9),
             "rollout/prompt_cached_fraction": float(np.mean(cached_fractions)) if cached_fractions else 0.0,

@@ -4,7 +4,7 @@ worker extension inside vLLM's worker (reached through `LLM.collective_rpc`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -81,7 +81,9 @@ def _layer_key(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def layer_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def layer_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: float
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of about `bucket_bytes` that never split a decoder layer: vLLM fuses q/k/v and gate/up,
     and a reload that sees only part of a fused layer would load garbage into the rest."""
     bucket: list[tuple[str, torch.Tensor]] = []

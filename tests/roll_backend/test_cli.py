@@ -40,7 +40,9 @@ def test_validate_prints_resolved_yaml_and_starts_no_ray():
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'vllm', 'megatron'});"
         "print('HEAVY', heavy, file=sys.stderr); sys.exit(rc)"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stderr
     assert "pipeline: grpo" in done.stdout and "max_steps: 3" in done.stdout
@@ -124,8 +126,16 @@ def test_submit_validates_before_contacting_the_cluster_and_takes_overrides_afte
     # The overrides after --no-wait make the config invalid: exit 2 with the config message shows they reached
     # validation, and that nothing was sent (no cluster answers on port 1).
     monkeypatch.chdir(REPO)
-    argv = ["submit", "--address", "http://127.0.0.1:1", "configs/grpo_tiny_cpu.yaml", "max_steps=2", "--no-wait",
-            "actor_train.strategy.tp=2", "actor_train.world_size=3"]
+    argv = [
+        "submit",
+        "--address",
+        "http://127.0.0.1:1",
+        "configs/grpo_tiny_cpu.yaml",
+        "max_steps=2",
+        "--no-wait",
+        "actor_train.strategy.tp=2",
+        "actor_train.world_size=3",
+    ]
     assert cli.main(argv) == 2
     assert "does not divide actor_train.world_size=3" in capsys.readouterr().err
 
@@ -152,18 +162,33 @@ def free_ports(count: int) -> list[int]:
 def ray_head():
     """A Ray head with the dashboard (Jobs API) on loopback: own temp dir and ports, so it cannot meet the
     session's in-process Ray. Yields the dashboard URL."""
-    (gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager) = free_ports(9)
+    (gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager) = (
+        free_ports(9)
+    )
     temp_dir = tempfile.mkdtemp(prefix="rbh", dir="/tmp")  # unix socket paths must stay short
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # a job's `python` is then this venv's
     command = [
-        str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
-        f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-        f"--runtime-env-agent-port={runtime_env_agent}", f"--node-manager-port={node_manager}",
-        f"--object-manager-port={object_manager}", f"--temp-dir={temp_dir}", "--num-cpus=4", "--disable-usage-stats",
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env_agent}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--temp-dir={temp_dir}",
+        "--num-cpus=4",
+        "--disable-usage-stats",
     ]
     log = open(Path(temp_dir) / "ray_start.log", "w")
     head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -217,7 +242,12 @@ def job_dir(tmp_path):
 
     tree = OmegaConf.load(CONFIG)
     tree.reward.rewards = {"exact_match": 1.0}
-    tree.build_tiny_model = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    tree.build_tiny_model = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     tree.data.synthetic = None
     tree.data.train_path = "prompts.jsonl"
     OmegaConf.save(tree, tmp_path / "grpo.yaml")
@@ -232,7 +262,16 @@ def test_submit_reports_a_failed_job_with_exit_1(ray_head, job_dir):
     # Valid here, but the job's copy of the working dir lacks the git-ignored prompt file: the job's own
     # validation fails, so the job ends FAILED and submit says so.
     start = time.monotonic()
-    done = run_cli("submit", "--address", ray_head, "grpo.yaml", "data.train_path=ignored_prompts.jsonl", "--poll-s=0.5", cwd=job_dir, timeout=180)
+    done = run_cli(
+        "submit",
+        "--address",
+        ray_head,
+        "grpo.yaml",
+        "data.train_path=ignored_prompts.jsonl",
+        "--poll-s=0.5",
+        cwd=job_dir,
+        timeout=180,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "data.train_path='ignored_prompts.jsonl' does not exist" in done.stdout  # the job's log, followed
     assert "ended FAILED" in done.stderr
@@ -245,18 +284,31 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
 
     (job_dir / "my_rewards.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return {'score': float(solution_str.strip() == ground_truth), 'chars': float(len(solution_str))}\n")
+        "    return {'score': float(solution_str.strip() == ground_truth), 'chars': float(len(solution_str))}\n"
+    )
     tree = OmegaConf.load(job_dir / "grpo.yaml")
     tree.reward.functions = [{"path": "my_rewards.py", "name": "compute_score", "weight": 1.0}]
     OmegaConf.save(tree, job_dir / "grpo.yaml")
     out = job_dir / "out"
     start = time.monotonic()
     done = run_cli(
-        "submit", "--address", ray_head, "grpo.yaml", "max_steps=1", f"output_dir={out}", "--poll-s=0.5",
-        "rollout_batch_size=2", "num_return_sequences_in_group=4", "response_length=6", "algorithm.ppo_mini_batch_size=8",
-        "actor_train.strategy.micro_batch_size=4", "reference.strategy.micro_batch_size=8",
-        "logging.progress_bar=false", "logging.tensorboard=false",
-        cwd=job_dir, timeout=400,
+        "submit",
+        "--address",
+        ray_head,
+        "grpo.yaml",
+        "max_steps=1",
+        f"output_dir={out}",
+        "--poll-s=0.5",
+        "rollout_batch_size=2",
+        "num_return_sequences_in_group=4",
+        "response_length=6",
+        "algorithm.ppo_mini_batch_size=8",
+        "actor_train.strategy.micro_batch_size=4",
+        "reference.strategy.micro_batch_size=8",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        cwd=job_dir,
+        timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stderr

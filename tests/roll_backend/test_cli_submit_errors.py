@@ -99,9 +99,18 @@ def test_submit_script_starts_its_own_head_beside_another_ray(tmp_path):
     held = hold_ports([6379, 8265, 52365, 52366, 8076, 10001])
     try:
         done = subprocess.run(
-            ["bash", str(REPO / "examples" / "submit_to_cluster.sh"), "--start-cluster", "--no-wait",
-             "max_steps=1", f"output_dir={tmp_path}/out"],
-            cwd=REPO, capture_output=True, text=True, timeout=400,
+            [
+                "bash",
+                str(REPO / "examples" / "submit_to_cluster.sh"),
+                "--start-cluster",
+                "--no-wait",
+                "max_steps=1",
+                f"output_dir={tmp_path}/out",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=400,
         )
     finally:
         for sock in held:

@@ -15,8 +15,13 @@ from roll_backend.workers.reference import ReferenceWorker
 from roll_backend.workers.reward import RewardWorker
 from roll_backend.workers.rollout import RolloutWorker
 
-ROLE_WORKERS = {roles.ACTOR_TRAIN: ActorWorker, roles.ACTOR_INFER: RolloutWorker, roles.REFERENCE: ReferenceWorker,
-                roles.CRITIC: CriticWorker, roles.REWARD: RewardWorker}
+ROLE_WORKERS = {
+    roles.ACTOR_TRAIN: ActorWorker,
+    roles.ACTOR_INFER: RolloutWorker,
+    roles.REFERENCE: ReferenceWorker,
+    roles.CRITIC: CriticWorker,
+    roles.REWARD: RewardWorker,
+}
 
 
 def test_every_deadline_is_a_timeouts_setting_and_back():

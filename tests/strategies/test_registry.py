@@ -9,7 +9,9 @@ from roll_backend.strategies.registry import STRATEGIES, UnknownStrategyError, c
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(UnknownStrategyError, match="unknown strategy 'megatron' for actor; known: .*megatron_infer, megatron_train"):
+    with pytest.raises(
+        UnknownStrategyError, match="unknown strategy 'megatron' for actor; known: .*megatron_infer, megatron_train"
+    ):
         strategy_class("megatron", role="actor")
 
 

@@ -21,7 +21,9 @@ def prompt_file(tmp_path_factory):
 def model_dir(tmp_path_factory):
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3))  # vLLM CPU attention needs head_dim >= 32
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3)
+    )  # vLLM CPU attention needs head_dim >= 32
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,17 @@ def base_config(tmp_path_factory):
 
 def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
     return [
-        f"output_dir={output_dir}", f"model_path={model_dir}", "build_tiny_model=null",
-        f"data.train_path={prompt_file}", "data.synthetic=null",
-        "rollout_batch_size=4", "num_return_sequences_in_group=4", "response_length=6",
-        "algorithm.ppo_mini_batch_size=8", "actor_train.strategy.micro_batch_size=4",
-        "reference.strategy.micro_batch_size=8", "logging.progress_bar=false", *extra,
+        f"output_dir={output_dir}",
+        f"model_path={model_dir}",
+        "build_tiny_model=null",
+        f"data.train_path={prompt_file}",
+        "data.synthetic=null",
+        "rollout_batch_size=4",
+        "num_return_sequences_in_group=4",
+        "response_length=6",
+        "algorithm.ppo_mini_batch_size=8",
+        "actor_train.strategy.micro_batch_size=4",
+        "reference.strategy.micro_batch_size=8",
+        "logging.progress_bar=false",
+        *extra,
     ]

@@ -17,6 +17,7 @@ from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 
+
 def batch_checksums(batch: DataProto) -> dict:
     tensors = {k: float(v.double().sum()) for k, v in batch.batch.items()} if batch.batch is not None else {}
     return {
@@ -31,8 +32,13 @@ class ProbeWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self, note: str) -> dict:
-        return {"rank": self.rank, "coords": self.coords, "note": note, "pid": os.getpid(),
-                "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")}}
+        return {
+            "rank": self.rank,
+            "coords": self.coords,
+            "note": note,
+            "pid": os.getpid(),
+            "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")},
+        }
 
     @register(Dispatch.ONE_TO_ALL)
     def sums_over_megatron_groups(self) -> dict:
@@ -40,8 +46,11 @@ class ProbeWorker(Worker):
         from megatron.core import parallel_state as mpu
 
         sums = {}
-        for name, group in (("tp", mpu.get_tensor_model_parallel_group()), ("pp", mpu.get_pipeline_model_parallel_group()),
-                            ("dp", mpu.get_data_parallel_group())):
+        for name, group in (
+            ("tp", mpu.get_tensor_model_parallel_group()),
+            ("pp", mpu.get_pipeline_model_parallel_group()),
+            ("dp", mpu.get_data_parallel_group()),
+        ):
             value = torch.tensor([float(self.rank + 1)])
             dist.all_reduce(value, group=group)
             sums[name] = float(value)
@@ -56,7 +65,11 @@ class ProbeWorker(Worker):
     def tag_rows(self, batch: DataProto) -> DataProto:
         n = len(batch)
         batch.non_tensor_batch["served_by_rank"] = np.full(n, self.rank, dtype=object)
-        padding = batch.batch[keys.DISPATCH_PADDING] if keys.DISPATCH_PADDING in batch.batch.keys() else torch.zeros(n, dtype=torch.bool)
+        padding = (
+            batch.batch[keys.DISPATCH_PADDING]
+            if keys.DISPATCH_PADDING in batch.batch.keys()
+            else torch.zeros(n, dtype=torch.bool)
+        )
         return DataProto.from_dict(
             tensors={
                 "ids": batch.batch["ids"].clone(),
@@ -111,8 +124,11 @@ class ProbeWorker(Worker):
     def placement(self) -> dict:
         """The placement group this actor's resources come from, and how much it holds."""
         context = ray.get_runtime_context()
-        return {"group": context.get_placement_group_id(), "resources": context.get_assigned_resources(),
-                "node": context.get_node_id()}
+        return {
+            "group": context.get_placement_group_id(),
+            "resources": context.get_assigned_resources(),
+            "node": context.get_node_id(),
+        }
 
     @register(Dispatch.ONE_TO_ALL)
     def answer_after(self, seconds_per_rank: float) -> int:

@@ -22,12 +22,12 @@ os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rb2n", dir="/tmp")
 os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
 
 import ray  # noqa: E402
+from probe_workers import ProbeWorker  # noqa: E402
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
-from probe_workers import ProbeWorker  # noqa: E402
 from roll_backend.config.loader import load_config  # noqa: E402
-from roll_backend.distributed.worker_group import WorkerGroup, RankResources  # noqa: E402
 from roll_backend.distributed.parallel import ParallelLayout  # noqa: E402
+from roll_backend.distributed.worker_group import RankResources, WorkerGroup  # noqa: E402
 from roll_backend.pipelines import run_with_restarts  # noqa: E402
 
 NODE_CPUS = 5  # per node; the pipeline below needs 9 in all, so it must use both nodes and cannot fit on one
@@ -78,7 +78,9 @@ def main() -> None:
     output_dir = Path(spec["output_dir"])
     config = load_config(spec["config"], spec["overrides"])
     seen: dict = {}
-    threading.Thread(target=remove_node_after_first_step, args=(cluster, worker_node, output_dir, seen), daemon=True).start()
+    threading.Thread(
+        target=remove_node_after_first_step, args=(cluster, worker_node, output_dir, seen), daemon=True
+    ).start()
     try:
         run_with_restarts(config)
         result["error"] = None
@@ -88,7 +90,9 @@ def main() -> None:
     result["nodes_by_role"] = seen.get("nodes_by_role")
     result["messages"] = messages.lines
     metrics = output_dir / "metrics.jsonl"
-    result["steps_written"] = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    result["steps_written"] = (
+        [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    )
     ray.shutdown()
     cluster.shutdown()
     print("RESULT " + json.dumps(result), flush=True)

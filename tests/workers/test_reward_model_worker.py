@@ -21,12 +21,18 @@ PROMPT_LEN, RESPONSE_LEN = 6, 5
 def reward_model_dirs(tmp_path_factory) -> dict[str, str]:
     """Tiny Qwen2 and Llama *ForSequenceClassification checkpoints standing in for trained reward models."""
     root = tmp_path_factory.mktemp("reward_models")
-    return {kind: str(build_tiny_reward_model(root / kind, TinyModelSpec(seed=3), model_type=kind)) for kind in ("qwen2", "llama")}
+    return {
+        kind: str(build_tiny_reward_model(root / kind, TinyModelSpec(seed=3), model_type=kind))
+        for kind in ("qwen2", "llama")
+    }
 
 
 def start_reward_model(make_group, model_dir: str, layout: ParallelLayout):
-    config = RewardModelConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
-                                                            value_head_init="score_head"))
+    config = RewardModelConfig(
+        strategy=MegatronInferConfig(
+            model_path=model_dir, micro_batch_size=2, value_head=True, value_head_init="score_head"
+        )
+    )
     group = make_group(RewardModelWorker, layout.tp * layout.pp, layout, role="reward_model", worker_config=config)
     group.call(RewardModelWorker.init_model)
     return group
@@ -37,33 +43,58 @@ def reward_model(make_group, reward_model_dirs):
     return start_reward_model(make_group, reward_model_dirs["qwen2"], ParallelLayout(tp=2))
 
 
-def layout_rows(rows: list[tuple[list[int], list[int]]], prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN, pad_id=0) -> DataProto:
+def layout_rows(
+    rows: list[tuple[list[int], list[int]]], prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN, pad_id=0
+) -> DataProto:
     """(prompt ids, response ids) pairs in the rollout layout: left-padded prompts, right-padded responses."""
     b = len(rows)
     prompts, responses = torch.full((b, prompt_len), pad_id), torch.full((b, response_len), pad_id)
-    prompt_mask, response_mask = torch.zeros(b, prompt_len, dtype=torch.long), torch.zeros(b, response_len, dtype=torch.long)
+    prompt_mask, response_mask = (
+        torch.zeros(b, prompt_len, dtype=torch.long),
+        torch.zeros(b, response_len, dtype=torch.long),
+    )
     for i, (prompt, response) in enumerate(rows):
-        prompts[i, prompt_len - len(prompt):], prompt_mask[i, prompt_len - len(prompt):] = torch.tensor(prompt), 1
+        prompts[i, prompt_len - len(prompt) :], prompt_mask[i, prompt_len - len(prompt) :] = torch.tensor(prompt), 1
         responses[i, : len(response)], response_mask[i, : len(response)] = torch.tensor(response), 1
     attention = torch.cat([prompt_mask, response_mask], dim=1)
-    return DataProto.from_dict(tensors={
-        keys.PROMPTS: prompts, keys.RESPONSES: responses, keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention, keys.POSITION_IDS: (attention.cumsum(1) - 1).clamp(min=0), keys.RESPONSE_MASK: response_mask,
-    })
+    return DataProto.from_dict(
+        tensors={
+            keys.PROMPTS: prompts,
+            keys.RESPONSES: responses,
+            keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+            keys.ATTENTION_MASK: attention,
+            keys.POSITION_IDS: (attention.cumsum(1) - 1).clamp(min=0),
+            keys.RESPONSE_MASK: response_mask,
+        }
+    )
 
 
-ROWS = [([5, 6, 7], [8, 9, 10, 2]), ([11, 12, 13, 14, 15, 16], [17]), ([20], [21, 22, 23, 24, 25]), ([30, 31], [32, 33])]
+ROWS = [
+    ([5, 6, 7], [8, 9, 10, 2]),
+    ([11, 12, 13, 14, 15, 16], [17]),
+    ([20], [21, 22, 23, 24, 25]),
+    ([30, 31], [32, 33]),
+]
 
 
-@pytest.mark.parametrize("kind,layout", [("qwen2", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(tp=1)),
-                                         ("qwen2", ParallelLayout(pp=2)), ("llama", ParallelLayout(tp=1))],
-                         ids=["qwen2-tp2", "qwen2-tp1", "qwen2-pp2", "llama-tp1"])
+@pytest.mark.parametrize(
+    "kind,layout",
+    [
+        ("qwen2", ParallelLayout(tp=2)),
+        ("qwen2", ParallelLayout(tp=1)),
+        ("qwen2", ParallelLayout(pp=2)),
+        ("llama", ParallelLayout(tp=1)),
+    ],
+    ids=["qwen2-tp2", "qwen2-tp1", "qwen2-pp2", "llama-tp1"],
+)
 def test_trained_reward_model_scores_equal_transformers(make_group, reward_model_dirs, kind, layout):
     from transformers import AutoModelForSequenceClassification
 
     hf = AutoModelForSequenceClassification.from_pretrained(reward_model_dirs[kind], dtype=torch.float32).eval()
     with torch.no_grad():  # one unpadded sequence at a time: transformers reads its last (non-pad) token
-        expected = torch.tensor([float(hf(torch.tensor([prompt + response])).logits[0, 0]) for prompt, response in ROWS])
+        expected = torch.tensor(
+            [float(hf(torch.tensor([prompt + response])).logits[0, 0]) for prompt, response in ROWS]
+        )
     group = start_reward_model(make_group, reward_model_dirs[kind], layout)
     scores = group.call(RewardModelWorker.compute_rewards, layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
     assert expected.std() > 0.05  # the score head is not ~0: a missing head load would show
@@ -83,14 +114,20 @@ def test_sequence_scores_on_the_last_response_token(reward_model):
 def test_scores_ignore_padding_and_depend_on_the_last_token(reward_model):
     base = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(ROWS)).batch[keys.SEQUENCE_SCORES]
     # The same sequences with wider padding on both sides.
-    wider = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(ROWS, prompt_len=PROMPT_LEN + 3, response_len=RESPONSE_LEN + 2))
+    wider = reward_model.call(
+        RewardModelWorker.compute_rewards, layout_rows(ROWS, prompt_len=PROMPT_LEN + 3, response_len=RESPONSE_LEN + 2)
+    )
     assert torch.allclose(wider.batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
     # Garbage in the padded tail is not read ...
     tail_garbage = layout_rows(ROWS)
     tail = tail_garbage.batch[keys.RESPONSE_MASK] == 0
     tail_garbage.batch[keys.RESPONSES] = tail_garbage.batch[keys.RESPONSES].masked_fill(tail, 99)
-    tail_garbage.batch[keys.INPUT_IDS] = torch.cat([tail_garbage.batch[keys.PROMPTS], tail_garbage.batch[keys.RESPONSES]], dim=1)
-    assert torch.allclose(reward_model.call(RewardModelWorker.compute_rewards, tail_garbage).batch[keys.SEQUENCE_SCORES], base, atol=1e-5)
+    tail_garbage.batch[keys.INPUT_IDS] = torch.cat(
+        [tail_garbage.batch[keys.PROMPTS], tail_garbage.batch[keys.RESPONSES]], dim=1
+    )
+    assert torch.allclose(
+        reward_model.call(RewardModelWorker.compute_rewards, tail_garbage).batch[keys.SEQUENCE_SCORES], base, atol=1e-5
+    )
     # ... while the last real token is.
     changed = [(prompt, response[:-1] + [response[-1] + 40]) for prompt, response in ROWS]
     moved = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(changed)).batch[keys.SEQUENCE_SCORES]

@@ -44,11 +44,15 @@ def test_math_rewards_on_a_two_rank_group(make_group):
     for row, length in enumerate(lengths):
         assert torch.all(scores[row, length:] == 0) and torch.all(scores[row, : length - 1] == 0)
         assert scores[row, length - 1] == expected[row]
-    assert np.mean(out.meta_info[keys.META_METRICS]["reward/score_mean"]) == pytest.approx(float(expected.mean()), abs=0.1)
+    assert np.mean(out.meta_info[keys.META_METRICS]["reward/score_mean"]) == pytest.approx(
+        float(expected.mean()), abs=0.1
+    )
 
 
 def test_weighted_rewards_and_unknown_name(make_group):
-    group = make_group(RewardWorker, 2, role="reward", worker_config=RewardWorkerConfig({"math_verify": 1.0, "format_boxed": 0.5}))
+    group = make_group(
+        RewardWorker, 2, role="reward", worker_config=RewardWorkerConfig({"math_verify": 1.0, "format_boxed": 0.5})
+    )
     out = group.call(RewardWorker.compute_rewards, rollout_like_batch([6] * len(CASES)))
     boxed = torch.tensor([0.5 if "\\boxed{" in c[0] else 0.0 for c in CASES])
     assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor([c[2] for c in CASES]) + boxed)
@@ -58,7 +62,7 @@ def test_weighted_rewards_and_unknown_name(make_group):
 
 # ---- user functions on a 2-rank group ------------------------------------------------------------------------
 
-USER_REWARDS = '''
+USER_REWARDS = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "boom":
         raise RuntimeError("cannot parse " + solution_str)
@@ -74,7 +78,7 @@ def slow(data_source, solution_str, ground_truth, extra_info=None):
     import time
     time.sleep(0 if solution_str != "1" else 60)
     return 1.0
-'''
+"""
 
 
 def text_batch(responses: list[str], answers: list[str]) -> DataProto:
@@ -108,17 +112,22 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
     def answer_length(data_source, solution_str, ground_truth, extra_info=None):  # pickled by value to the workers
         return float(len(ground_truth)) if data_source == "copy_digit" else -100.0
 
-    config = RewardWorkerConfig(rewards={"exact_match": 2.0}, functions=(
-        RewardFunctionSpec(path=user_rewards_file, name="compute_score", weight=1.0),
-        RewardFunctionSpec(path=user_rewards_file, name="starts_with_digit", weight=1.0, batched=True),
-        RewardFunctionSpec(fn=answer_length, weight=0.25),
-    ))
+    config = RewardWorkerConfig(
+        rewards={"exact_match": 2.0},
+        functions=(
+            RewardFunctionSpec(path=user_rewards_file, name="compute_score", weight=1.0),
+            RewardFunctionSpec(path=user_rewards_file, name="starts_with_digit", weight=1.0, batched=True),
+            RewardFunctionSpec(fn=answer_length, weight=0.25),
+        ),
+    )
     group = make_group(RewardWorker, 2, role="reward", worker_config=config)
     responses, answers = ["7", "3 ", "x", "12", "5"], ["7", "3", "4", "1", "55"]  # 5 rows: one dispatch padding row
     batch = text_batch(responses, answers)
     metrics = score(SimpleNamespace(reward=group), batch)
     exact = [1.0, 1.0, 0.0, 0.0, 0.0]
-    expected = [2 * e + e + (0.5 if r[0].isdigit() else 0.0) + 0.25 * len(a) for e, r, a in zip(exact, responses, answers)]
+    expected = [
+        2 * e + e + (0.5 if r[0].isdigit() else 0.0) + 0.25 * len(a) for e, r, a in zip(exact, responses, answers)
+    ]
     assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(expected))
     assert metrics["reward/user_rewards.compute_score/error_count"] == 0.0
     # extra_info reached the function; metrics are each rank's mean, averaged (rows 0-2 | rows 3-4).
@@ -129,9 +138,14 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
         group.call(RewardWorker.compute_rewards, text_batch(["7", "boom", "3"], ["7", "8", "3"]))
     message = str(info.value)
     assert "reward.compute_rewards: [reward rank" in message
-    assert "user_rewards.compute_score raised RuntimeError: cannot parse boom on row 1 (prompt 'copy 8', response 'boom')" in message
+    assert (
+        "user_rewards.compute_score raised RuntimeError: cannot parse boom on row 1 (prompt 'copy 8', response 'boom')"
+        in message
+    )
     # The group is not broken by a user's error: the next call works.
-    assert group.call(RewardWorker.compute_rewards, text_batch(["7"], ["7"])).batch[keys.TOKEN_LEVEL_SCORES].sum() == pytest.approx(3.5 + 0.25)
+    assert group.call(RewardWorker.compute_rewards, text_batch(["7"], ["7"])).batch[
+        keys.TOKEN_LEVEL_SCORES
+    ].sum() == pytest.approx(3.5 + 0.25)
 
 
 def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user_rewards_file):
@@ -140,10 +154,15 @@ def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user
     from roll_backend.pipelines.phases import score
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
-    config = RewardWorkerConfig(rewards={}, on_function_error="zero", function_timeout_s=1.0, functions=(
-        RewardFunctionSpec(path=user_rewards_file, name="divide"),
-        RewardFunctionSpec(path=user_rewards_file, name="slow"),
-    ))
+    config = RewardWorkerConfig(
+        rewards={},
+        on_function_error="zero",
+        function_timeout_s=1.0,
+        functions=(
+            RewardFunctionSpec(path=user_rewards_file, name="divide"),
+            RewardFunctionSpec(path=user_rewards_file, name="slow"),
+        ),
+    )
     group = make_group(RewardWorker, 2, role="reward", worker_config=config)
     batch = text_batch(["1", "0", "4", "0", "1", "2"], ["0"] * 6)
     metrics = score(SimpleNamespace(reward=group), batch)

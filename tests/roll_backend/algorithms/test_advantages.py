@@ -177,9 +177,7 @@ def test_remax_return_to_go_minus_greedy_baseline():
 
 
 def test_registry_calls_each_estimator_with_the_inputs_it_needs():
-    inputs = dict(
-        values=torch.zeros(6, 3), group_ids=GROUP_IDS, baselines=torch.zeros(6), gamma=1.0, lam=1.0, eps=1e-6
-    )
+    inputs = dict(values=torch.zeros(6, 3), group_ids=GROUP_IDS, baselines=torch.zeros(6), gamma=1.0, lam=1.0, eps=1e-6)
     for name in ADVANTAGE_ESTIMATOR_NAMES:
         advantages, returns = get_advantage_estimator(name)(GROUP_REWARDS, GROUP_MASK, **inputs)
         assert advantages.shape == returns.shape == GROUP_REWARDS.shape

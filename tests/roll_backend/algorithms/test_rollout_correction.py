@@ -85,7 +85,12 @@ def test_weights_are_detached_and_padding_never_leaks():
 
 def test_empty_masks_give_zero_metrics_and_zero_weights():
     empty = torch.zeros(2, 3)
-    for settings in ({"is_level": "token"}, {"is_level": "sequence"}, {"rejection": "sequence"}, {"rejection": "token"}):
+    for settings in (
+        {"is_level": "token"},
+        {"is_level": "sequence"},
+        {"rejection": "sequence"},
+        {"rejection": "token"},
+    ):
         weights, metrics = rollout_correction(OLD[:2], ROLLOUT[:2], empty, **settings)
         assert weights.abs().sum().item() == 0.0, settings
         for name, value in metrics.items():

@@ -16,8 +16,12 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
 # Every roles' model_path interpolates ${output_dir}; a folder that does not exist means the head counts come
 # from build_tiny_model (4 attention heads of size 32, 2 kv heads, untied: set here), never from a model
 # someone built in runs/.
-TINY_HEADS = ["build_tiny_model.num_attention_heads=4", "build_tiny_model.num_key_value_heads=2",
-              "build_tiny_model.hidden_size=128", "build_tiny_model.tie_word_embeddings=false"]
+TINY_HEADS = [
+    "build_tiny_model.num_attention_heads=4",
+    "build_tiny_model.num_key_value_heads=2",
+    "build_tiny_model.hidden_size=128",
+    "build_tiny_model.tie_word_embeddings=false",
+]
 
 
 @pytest.fixture()
@@ -41,7 +45,9 @@ def test_demo_config_loads(base):
 # ---- shape of the tree: keys, types, required fields, strategy names -----------------------------------
 def test_unknown_key_suggests_the_close_one(base):
     assert problems_of(base + ["max_step=3"]) == ["max_step: unknown key; did you mean 'max_steps'?"]
-    assert problems_of(base + ["algorithm.clip_ratio_lo=0.1"]) == ["algorithm.clip_ratio_lo: unknown key; did you mean 'clip_ratio_low'?"]
+    assert problems_of(base + ["algorithm.clip_ratio_lo=0.1"]) == [
+        "algorithm.clip_ratio_lo: unknown key; did you mean 'clip_ratio_low'?"
+    ]
 
 
 def test_unknown_strategy_key_suggests_the_close_one(base):
@@ -52,7 +58,9 @@ def test_unknown_strategy_key_suggests_the_close_one(base):
 def test_wrong_type_names_expected_type_and_value(base):
     assert problems_of(base + ["max_steps=abc"]) == ["max_steps: expected int, got str 'abc'"]
     assert problems_of(base + ["seed=1.5"]) == ["seed: expected int, got float 1.5"]
-    assert problems_of(base + ["algorithm.use_kl_loss=maybe"]) == ["algorithm.use_kl_loss: expected bool, got str 'maybe'"]
+    assert problems_of(base + ["algorithm.use_kl_loss=maybe"]) == [
+        "algorithm.use_kl_loss: expected bool, got str 'maybe'"
+    ]
 
 
 def test_missing_required_field_says_how_to_set_it(tmp_path):
@@ -73,7 +81,9 @@ def test_role_strategy_needs_a_name(tmp_path):
         "actor_train: {model_path: m, strategy: {tp: 1}}\n"
         "actor_infer: {model_path: m, strategy: {name: vllm_rollout}}\n"
     )
-    assert problems_of([], config) == ["actor_train.strategy: needs a mapping with a `name` (e.g. name: megatron_train)"]
+    assert problems_of([], config) == [
+        "actor_train.strategy: needs a mapping with a `name` (e.g. name: megatron_train)"
+    ]
 
 
 def test_unknown_strategy_name_lists_the_registry(base):
@@ -90,8 +100,12 @@ def test_strategy_config_checks_report_the_value(base):
 def test_mtp_settings_are_checked_before_ray(base):
     [problem] = problems_of(base + ["actor_train.strategy.mtp_num_layers=-1"])
     assert "actor_train.strategy" in problem and "mtp_num_layers=-1 must be an integer >= 0" in problem
-    [problem] = problems_of(base + ["actor_train.strategy.mtp_num_layers=1", "actor_train.strategy.mtp_loss_scaling_factor=-0.5"])
-    assert "mtp_loss_scaling_factor=-0.5 must be a finite number > 0 with MTP" in problem and "mtp_num_layers=0" in problem
+    [problem] = problems_of(
+        base + ["actor_train.strategy.mtp_num_layers=1", "actor_train.strategy.mtp_loss_scaling_factor=-0.5"]
+    )
+    assert (
+        "mtp_loss_scaling_factor=-0.5 must be a finite number > 0 with MTP" in problem and "mtp_num_layers=0" in problem
+    )
     # without MTP the factor is unused and not checked
     load_config(CONFIG, base + ["actor_train.strategy.mtp_loss_scaling_factor=-0.5"])
 
@@ -117,7 +131,9 @@ def test_heads_come_from_the_model_folder_when_it_exists(base, tmp_path):
     model.mkdir()
     (model / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 6}')
     (model / "tokenizer.json").write_text("{}")
-    assert problems_of(base + [f"reference.model_path={model}", "reference.strategy.tp=4", "reference.world_size=4"]) == [
+    assert problems_of(
+        base + [f"reference.model_path={model}", "reference.strategy.tp=4", "reference.world_size=4"]
+    ) == [
         "reference.strategy.tp=4 does not divide num_attention_heads=6; choose one of 1, 2, 3, 6",
         "reference.strategy.tp=4 does not divide num_key_value_heads=6; choose one of 1, 2, 3, 6",
     ]
@@ -125,36 +141,79 @@ def test_heads_come_from_the_model_folder_when_it_exists(base, tmp_path):
 
 def test_vllm_tensor_parallel_size_must_match_tp(base):
     [problem] = problems_of(base + ["actor_infer.strategy.tp=1", "actor_infer.strategy.tensor_parallel_size=2"])
-    assert problem == "actor_infer.strategy.tensor_parallel_size=2 differs from actor_infer.strategy.tp=1; make them equal"
+    assert (
+        problem == "actor_infer.strategy.tensor_parallel_size=2 differs from actor_infer.strategy.tp=1; make them equal"
+    )
 
 
 def test_cp_vpp_and_uneven_splits_load_for_megatron(base):
-    config = load_config(CONFIG, base + [
-        "actor_train.strategy.tp=1", "actor_train.strategy.cp=2", "actor_train.strategy.pp=2", "actor_train.strategy.vpp=2",
-        "actor_train.world_size=4", "build_tiny_model.num_hidden_layers=4",
-        "reference.strategy.pp=2", "reference.world_size=2", "reference.strategy.cp=1"])
+    config = load_config(
+        CONFIG,
+        base
+        + [
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.cp=2",
+            "actor_train.strategy.pp=2",
+            "actor_train.strategy.vpp=2",
+            "actor_train.world_size=4",
+            "build_tiny_model.num_hidden_layers=4",
+            "reference.strategy.pp=2",
+            "reference.world_size=2",
+            "reference.strategy.cp=1",
+        ],
+    )
     assert config.actor_train.strategy.layout.cp == 2 and config.actor_train.strategy.layout.vpp == 2
-    uneven = load_config(CONFIG, base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.world_size=2",
-                                         "build_tiny_model.num_hidden_layers=3"])
+    uneven = load_config(
+        CONFIG,
+        base
+        + [
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.pp=2",
+            "actor_train.world_size=2",
+            "build_tiny_model.num_hidden_layers=3",
+        ],
+    )
     assert uneven.actor_train.strategy.layout.pp == 2
 
 
 def test_impossible_pipeline_splits_are_refused(base):
-    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.strategy.vpp=2",
-                                    "actor_train.world_size=2", "build_tiny_model.num_hidden_layers=3"])
-    assert problem == ("actor_train.strategy (pp=2, vpp=2): num_hidden_layers=3 cannot be split over pp=2 stages with vpp=2: "
-                       "every stage needs at least 2 layer(s); lower pp or vpp")
-    [problem] = problems_of(base + ["actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_train.world_size=2",
-                                    "build_tiny_model.num_hidden_layers=3", "actor_train.strategy.first_stage_layers=2",
-                                    "actor_train.strategy.last_stage_layers=2"])
-    assert problem == ("actor_train.strategy (pp=2, vpp=None): first_stage_layers=2 + last_stage_layers=2 = 4 differs "
-                       "from num_hidden_layers=3 at pp=2")
+    [problem] = problems_of(
+        base
+        + [
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.pp=2",
+            "actor_train.strategy.vpp=2",
+            "actor_train.world_size=2",
+            "build_tiny_model.num_hidden_layers=3",
+        ]
+    )
+    assert problem == (
+        "actor_train.strategy (pp=2, vpp=2): num_hidden_layers=3 cannot be split over pp=2 stages with vpp=2: "
+        "every stage needs at least 2 layer(s); lower pp or vpp"
+    )
+    [problem] = problems_of(
+        base
+        + [
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.pp=2",
+            "actor_train.world_size=2",
+            "build_tiny_model.num_hidden_layers=3",
+            "actor_train.strategy.first_stage_layers=2",
+            "actor_train.strategy.last_stage_layers=2",
+        ]
+    )
+    assert problem == (
+        "actor_train.strategy (pp=2, vpp=None): first_stage_layers=2 + last_stage_layers=2 = 4 differs "
+        "from num_hidden_layers=3 at pp=2"
+    )
 
 
 def test_cp_is_refused_by_vllm(base):
     [problem] = problems_of(base + ["actor_infer.strategy.cp=2", "actor_infer.world_size=2"])
-    assert problem == ("actor_infer.strategy: cp=2, vpp=None: only the Megatron strategies split sequences or interleave "
-                       "stages; set cp=1 and vpp=null")
+    assert problem == (
+        "actor_infer.strategy: cp=2, vpp=None: only the Megatron strategies split sequences or interleave "
+        "stages; set cp=1 and vpp=null"
+    )
 
 
 # ---- batch sizes --------------------------------------------------------------------------------------
@@ -162,7 +221,9 @@ BATCH_16 = ["rollout_batch_size=4", "num_return_sequences_in_group=4"]  # 16 res
 
 
 def test_mini_batch_must_divide_the_step_batch(base):
-    problems = problems_of(base + BATCH_16 + ["algorithm.ppo_mini_batch_size=6", "actor_train.strategy.micro_batch_size=1"])
+    problems = problems_of(
+        base + BATCH_16 + ["algorithm.ppo_mini_batch_size=6", "actor_train.strategy.micro_batch_size=1"]
+    )
     assert problems == [
         "algorithm.ppo_mini_batch_size=6 does not divide rollout_batch_size*num_return_sequences_in_group=16; "
         "choose one of 1, 2, 4, 8, 16"
@@ -171,8 +232,14 @@ def test_mini_batch_must_divide_the_step_batch(base):
 
 def test_mini_batch_must_split_into_micro_batches_on_every_dp_rank(base):
     # tp=1 on 2 ranks: dp=2, so a mini-batch of 12 gives 6 per rank, not a multiple of micro_batch_size=4.
-    overrides = ["rollout_batch_size=6", "num_return_sequences_in_group=2", "algorithm.ppo_mini_batch_size=12",
-                 "actor_train.world_size=2", "actor_train.strategy.tp=1", "actor_train.strategy.micro_batch_size=4"]
+    overrides = [
+        "rollout_batch_size=6",
+        "num_return_sequences_in_group=2",
+        "algorithm.ppo_mini_batch_size=12",
+        "actor_train.world_size=2",
+        "actor_train.strategy.tp=1",
+        "actor_train.strategy.micro_batch_size=4",
+    ]
     assert problems_of(base + overrides) == [
         "actor_train: a mini-batch of 12 responses cannot be split into micro-batches of "
         "actor_train.strategy.micro_batch_size=4 on each of 2 data-parallel ranks; make ppo_mini_batch_size "
@@ -182,7 +249,9 @@ def test_mini_batch_must_split_into_micro_batches_on_every_dp_rank(base):
 
 def test_whole_step_is_the_mini_batch_by_default(base):
     # ppo_mini_batch_size=null: the 16 responses of a step, split over dp=1 into micro-batches of 5: no.
-    [problem] = problems_of(base + BATCH_16 + ["algorithm.ppo_mini_batch_size=null", "actor_train.strategy.micro_batch_size=5"])
+    [problem] = problems_of(
+        base + BATCH_16 + ["algorithm.ppo_mini_batch_size=null", "actor_train.strategy.micro_batch_size=5"]
+    )
     assert "a mini-batch of 16 responses" in problem and "micro_batch_size=5" in problem
 
 
@@ -194,9 +263,14 @@ def test_gae_needs_a_critic(base):
 
 
 def test_kl_needs_a_reference(base):
-    expected = ["KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"]
+    expected = [
+        "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"
+    ]
     assert problems_of(base + ["reference=null", "algorithm.use_kl_loss=true"]) == expected
-    assert problems_of(base + ["reference=null", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true"]) == expected
+    assert (
+        problems_of(base + ["reference=null", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true"])
+        == expected
+    )
     load_config(CONFIG, base + ["reference=null", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=false"])
 
 
@@ -209,16 +283,33 @@ def test_unknown_pipeline_lists_the_known_ones(base):
 
 
 def test_unknown_algorithm_names_are_all_reported_with_the_known_ones(base):
-    overrides = ["algorithm.adv_estimator=grpoo", "algorithm.policy_loss=ppo2", "algorithm.kl_estimator=kl9",
-                 "algorithm.loss_agg_mode=mean", "algorithm.kl_ctrl.type=pid", "algorithm.reward_norm=xx"]
+    overrides = [
+        "algorithm.adv_estimator=grpoo",
+        "algorithm.policy_loss=ppo2",
+        "algorithm.kl_estimator=kl9",
+        "algorithm.loss_agg_mode=mean",
+        "algorithm.kl_ctrl.type=pid",
+        "algorithm.reward_norm=xx",
+    ]
     problems = problems_of(base + overrides)
     assert len(problems) == 6
-    for needle in ("algorithm.adv_estimator='grpoo' is unknown; known: ", "algorithm.policy_loss='ppo2' is unknown; known: ",
-                   "algorithm.kl_estimator='kl9' is unknown; known: ", "algorithm.loss_agg_mode='mean' is unknown; known: ",
-                   "algorithm.kl_ctrl.type='pid' is unknown; known: ", "algorithm.reward_norm='xx'; choose one of "):
+    for needle in (
+        "algorithm.adv_estimator='grpoo' is unknown; known: ",
+        "algorithm.policy_loss='ppo2' is unknown; known: ",
+        "algorithm.kl_estimator='kl9' is unknown; known: ",
+        "algorithm.loss_agg_mode='mean' is unknown; known: ",
+        "algorithm.kl_ctrl.type='pid' is unknown; known: ",
+        "algorithm.reward_norm='xx'; choose one of ",
+    ):
         assert any(p.startswith(needle) for p in problems), needle
     joined = "\n".join(problems)
-    assert "grpo" in joined and "gspo" in joined and "low_var_kl" in joined and "token-mean" in joined and "adaptive" in joined
+    assert (
+        "grpo" in joined
+        and "gspo" in joined
+        and "low_var_kl" in joined
+        and "token-mean" in joined
+        and "adaptive" in joined
+    )
 
 
 def test_ppo_epochs_must_be_positive(base):
@@ -232,8 +323,15 @@ def test_colocate_with_an_unknown_role(base):
 
 
 def test_colocated_roles_need_equal_world_sizes(base):
-    [problem] = problems_of(base + ["reference.colocate_with=actor_train", "reference.world_size=1", "actor_train.world_size=2",
-                                    "actor_train.strategy.tp=2"])
+    [problem] = problems_of(
+        base
+        + [
+            "reference.colocate_with=actor_train",
+            "reference.world_size=1",
+            "actor_train.world_size=2",
+            "actor_train.strategy.tp=2",
+        ]
+    )
     assert problem == (
         "reference.colocate_with='actor_train': world sizes differ (1 vs 2); colocated roles share bundles rank by rank"
     )
@@ -255,18 +353,26 @@ def test_model_path_needed_without_a_tiny_model(base):
     # Each Megatron role's strategy config refuses the empty path (the roles interpolate ${model_path}).
     problems = problems_of(base + ["build_tiny_model=null", "model_path=''"])
     for role in ("actor_train", "reference"):
-        assert any(p.startswith(f"{role}.strategy: ") and "model_path is empty; point it at a Hugging Face model folder" in p
-                   for p in problems), role
+        assert any(
+            p.startswith(f"{role}.strategy: ") and "model_path is empty; point it at a Hugging Face model folder" in p
+            for p in problems
+        ), role
 
 
 def test_distributed_optimizer_cannot_checkpoint_on_cpu(base):
-    overrides = ["checkpoint.save_steps=5", "actor_train.num_gpus_per_rank=0", "actor_train.strategy.optimizer.use_distributed_optimizer=true"]
+    overrides = [
+        "checkpoint.save_steps=5",
+        "actor_train.num_gpus_per_rank=0",
+        "actor_train.strategy.optimizer.use_distributed_optimizer=true",
+    ]
     assert problems_of(base + overrides) == [
         "checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot save its state "
         "there; set actor_train.strategy.optimizer.use_distributed_optimizer=false"
     ]
     # On GPUs, or without checkpoints, the same optimizer is fine.
-    load_config(CONFIG, base + ["checkpoint.save_steps=0", "actor_train.strategy.optimizer.use_distributed_optimizer=true"])
+    load_config(
+        CONFIG, base + ["checkpoint.save_steps=0", "actor_train.strategy.optimizer.use_distributed_optimizer=true"]
+    )
 
 
 # ---- overrides and files ------------------------------------------------------------------------------
@@ -294,22 +400,49 @@ def test_missing_config_file():
 
 # ---- all at once ------------------------------------------------------------------------------------------
 def test_every_shape_problem_is_reported_together(base):
-    problems = problems_of(base + ["max_step=3", "seed=x", "algorithm.clip_ratio_lo=0.1", "actor_train.strategy.tpp=2",
-                                   "actor_infer.strategy.name=vllm"])
+    problems = problems_of(
+        base
+        + [
+            "max_step=3",
+            "seed=x",
+            "algorithm.clip_ratio_lo=0.1",
+            "actor_train.strategy.tpp=2",
+            "actor_infer.strategy.name=vllm",
+        ]
+    )
     assert len(problems) == 5
     joined = "\n".join(problems)
-    for key in ("max_step:", "seed:", "algorithm.clip_ratio_lo:", "actor_train.strategy.tpp:", "actor_infer.strategy.name:"):
+    for key in (
+        "max_step:",
+        "seed:",
+        "algorithm.clip_ratio_lo:",
+        "actor_train.strategy.tpp:",
+        "actor_infer.strategy.name:",
+    ):
         assert key in joined
 
 
 def test_every_cross_field_problem_is_reported_together(base):
-    overrides = ["actor_train.strategy.tp=2", "actor_train.world_size=3", "algorithm.adv_estimator=gae", "reference=null",
-                 "algorithm.use_kl_loss=true", "rollout_batch_size=3", "num_return_sequences_in_group=2",
-                 "algorithm.ppo_mini_batch_size=4", "data.synthetic=null"]
+    overrides = [
+        "actor_train.strategy.tp=2",
+        "actor_train.world_size=3",
+        "algorithm.adv_estimator=gae",
+        "reference=null",
+        "algorithm.use_kl_loss=true",
+        "rollout_batch_size=3",
+        "num_return_sequences_in_group=2",
+        "algorithm.ppo_mini_batch_size=4",
+        "data.synthetic=null",
+    ]
     problems = problems_of(base + overrides)
     assert len(problems) == 5
-    starts = ("actor_train: tp*pp*cp", "algorithm.adv_estimator=gae", "KL (algorithm.use_kl_loss", "algorithm.ppo_mini_batch_size=4",
-              "data: set data.train_path")
+    starts = (
+        "actor_train: tp*pp*cp",
+        "algorithm.adv_estimator=gae",
+        "KL (algorithm.use_kl_loss",
+        "algorithm.ppo_mini_batch_size=4",
+        "data: set data.train_path",
+    )
     for start in starts:
         assert any(p.startswith(start) for p in problems), start
 
@@ -324,46 +457,81 @@ def test_vllm_on_cpu_refuses_small_attention_heads(base):
 
 def test_vllm_on_cpu_takes_kv_blocks_of_a_multiple_of_32_tokens(base):
     [problem] = problems_of(base + ["actor_infer.strategy.block_size=48"])
-    assert problem == ("actor_infer.strategy.block_size=48: vLLM on CPU takes KV blocks of a multiple of 32 tokens; "
-                       "set 32, 64, 128 or null (32 on CPU)")
-    assert load_config(CONFIG, base + ["actor_infer.strategy.block_size=64"]).actor_infer.strategy.config.block_size == 64
-    load_config(CONFIG, base + ["actor_infer.strategy.block_size=48", "actor_infer.num_gpus_per_rank=1"])  # GPU: vLLM's rules
+    assert problem == (
+        "actor_infer.strategy.block_size=48: vLLM on CPU takes KV blocks of a multiple of 32 tokens; "
+        "set 32, 64, 128 or null (32 on CPU)"
+    )
+    assert (
+        load_config(CONFIG, base + ["actor_infer.strategy.block_size=64"]).actor_infer.strategy.config.block_size == 64
+    )
+    load_config(
+        CONFIG, base + ["actor_infer.strategy.block_size=48", "actor_infer.num_gpus_per_rank=1"]
+    )  # GPU: vLLM's rules
 
 
 # ---- rollout correction and asynchronous generation ------------------------------------------------------
 def test_rollout_correction_is_off_by_default_and_typed(base):
     config = load_config(CONFIG, base)
     assert not config.algorithm.rollout_correction.enabled and not config.async_generation.enabled
-    config = load_config(CONFIG, base + ["algorithm.rollout_correction.is_level=sequence", "algorithm.rollout_correction.is_cap=3"])
+    config = load_config(
+        CONFIG, base + ["algorithm.rollout_correction.is_level=sequence", "algorithm.rollout_correction.is_cap=3"]
+    )
     assert config.algorithm.rollout_correction.enabled and config.algorithm.rollout_correction.is_cap == 3.0
 
 
 def test_rollout_correction_bad_values(base):
-    problems = problems_of(base + ["algorithm.rollout_correction.is_level=tok", "algorithm.rollout_correction.rejection=sequence",
-                                   "algorithm.rollout_correction.rejection_threshold=0.5"])
+    problems = problems_of(
+        base
+        + [
+            "algorithm.rollout_correction.is_level=tok",
+            "algorithm.rollout_correction.rejection=sequence",
+            "algorithm.rollout_correction.rejection_threshold=0.5",
+        ]
+    )
     assert problems == [
         "algorithm.rollout_correction.is_level='tok'; choose one of token, sequence or null",
-        "algorithm.rollout_correction.rejection_threshold=0.5 must be > 1 (ratios inside [1/C, C] are kept; 2.0 is usual)",
+        "algorithm.rollout_correction.rejection_threshold=0.5 must be > 1 (ratios inside [1/C, C] are kept; 2.0 is "
+        "usual)",
     ]
 
 
 def test_async_generation_refuses_a_colocated_rollout(base):
     [problem] = problems_of(base + ["async_generation.enabled=true", "actor_infer.colocate_with=reference"])
-    assert problem.startswith("async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove colocate_with")
+    assert problem.startswith(
+        "async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove colocate_with"
+    )
     assert "actor_infer.colocate_with='reference'" in problem
 
 
 def test_preparing_ahead_refuses_a_reference_on_the_actors_devices(base):
-    [problem] = problems_of(base + ["async_generation.enabled=true", "async_generation.prepare_ahead=true",
-                                    "reference.colocate_with=actor_train", "reference.world_size=2"])
-    assert problem.startswith("async_generation.prepare_ahead=true runs the reference while the actor trains, but the "
-                              "reference shares actor_train's devices")
-    config = load_config(CONFIG, base + ["async_generation.enabled=true", "async_generation.prepare_ahead=true",
-                                         "reference.colocate_with=actor_infer"])  # on the rollout's devices
+    [problem] = problems_of(
+        base
+        + [
+            "async_generation.enabled=true",
+            "async_generation.prepare_ahead=true",
+            "reference.colocate_with=actor_train",
+            "reference.world_size=2",
+        ]
+    )
+    assert problem.startswith(
+        "async_generation.prepare_ahead=true runs the reference while the actor trains, but the "
+        "reference shares actor_train's devices"
+    )
+    config = load_config(
+        CONFIG,
+        base
+        + [
+            "async_generation.enabled=true",
+            "async_generation.prepare_ahead=true",
+            "reference.colocate_with=actor_infer",
+        ],
+    )  # on the rollout's devices
     assert config.async_generation.prepare_ahead
     [problem] = problems_of(base + ["async_generation.prepare_ahead=true"])
-    assert problem.startswith("async_generation.prepare_ahead=true prepares the next batch while the actor trains, "
-                              "which only the asynchronous loop does; set async_generation.enabled=true")
+    assert problem.startswith(
+        "async_generation.prepare_ahead=true prepares the next batch while the actor trains, "
+        "which only the asynchronous loop does; set async_generation.enabled=true"
+    )
 
 
 def test_async_generation_needs_a_positive_staleness(base):
@@ -378,16 +546,27 @@ def test_value_head_init_score_head_needs_the_critic_and_a_reward_model(base, tm
     reward_model = build_tiny_reward_model(tmp_path / "reward_model", TinyModelSpec())
     ppo = ["pipeline=ppo", "algorithm.adv_estimator=gae"]
     critic = "critic={{model_path: {}, strategy: {{name: megatron_train, value_head_init: {}}}}}"
-    problems = problems_of([*base, *ppo, critic.format(policy, "score_head"), "actor_train.strategy.value_head_init=score_head"])
-    assert any(p.startswith("critic.strategy.value_head_init=score_head: ") and "has no 'score.weight'" in p
-               and "use value_head_init=fresh" in p for p in problems), problems
-    assert any(p.startswith("actor_train.strategy.value_head_init=score_head: only the critic") for p in problems), problems
-    assert "value_head_init='trained'; choose one of fresh, score_head" in " ".join(problems_of([*base, *ppo, critic.format(policy, "trained")]))
+    problems = problems_of(
+        [*base, *ppo, critic.format(policy, "score_head"), "actor_train.strategy.value_head_init=score_head"]
+    )
+    assert any(
+        p.startswith("critic.strategy.value_head_init=score_head: ")
+        and "has no 'score.weight'" in p
+        and "use value_head_init=fresh" in p
+        for p in problems
+    ), problems
+    assert any(p.startswith("actor_train.strategy.value_head_init=score_head: only the critic") for p in problems), (
+        problems
+    )
+    assert "value_head_init='trained'; choose one of fresh, score_head" in " ".join(
+        problems_of([*base, *ppo, critic.format(policy, "trained")])
+    )
     config = load_config(CONFIG, [*base, *ppo, critic.format(reward_model, "score_head")])
     assert config.critic.strategy.config.value_head_init == "score_head"
 
 
 # ---- rules a strategy enforces at start-up are checked before Ray starts --------------------------------
+
 
 def test_a_zero_response_length_is_refused_before_any_rank_starts(base):
     problems = problems_of(base + ["response_length=0"])
@@ -398,9 +577,12 @@ def test_a_zero_response_length_is_refused_before_any_rank_starts(base):
 
 @pytest.mark.parametrize("lr, min_lr", [(-1e-3, -2e-3), (-1e-3, 0.0), (1e-3, -1e-4)])
 def test_negative_learning_rates_are_refused(base, lr, min_lr):
-    problems = problems_of(base + [f"actor_train.strategy.optimizer.lr={lr}",
-                                   f"actor_train.strategy.optimizer.min_lr={min_lr}"])
-    expected = [f"optimizer.{name}={value} must be >= 0" for name, value in (("lr", lr), ("min_lr", min_lr)) if value < 0]
+    problems = problems_of(
+        base + [f"actor_train.strategy.optimizer.lr={lr}", f"actor_train.strategy.optimizer.min_lr={min_lr}"]
+    )
+    expected = [
+        f"optimizer.{name}={value} must be >= 0" for name, value in (("lr", lr), ("min_lr", min_lr)) if value < 0
+    ]
     for message in expected:
         assert any(message in p and p.startswith("actor_train.strategy") for p in problems), (message, problems)
 
@@ -409,21 +591,37 @@ def test_a_model_path_that_is_a_file_says_so(base, tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0" * 8)
     problems = problems_of(base + ["build_tiny_model=null", f"model_path={weights}"])
-    assert problems[0] == (f"model_path={str(weights)!r} is a file; point it at the folder that holds the model "
-                           "(config.json, weights, tokenizer)")
+    assert problems[0] == (
+        f"model_path={str(weights)!r} is a file; point it at the folder that holds the model "
+        "(config.json, weights, tokenizer)"
+    )
     assert not any("does not exist" in p for p in problems)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
 def test_group_baselines_need_more_than_one_response_per_prompt(base, estimator):
-    [problem] = problems_of(base + [f"algorithm.adv_estimator={estimator}", "num_return_sequences_in_group=1",
-                                    "rollout_batch_size=64", "algorithm.ppo_mini_batch_size=null"])
+    [problem] = problems_of(
+        base
+        + [
+            f"algorithm.adv_estimator={estimator}",
+            "num_return_sequences_in_group=1",
+            "rollout_batch_size=64",
+            "algorithm.ppo_mini_batch_size=null",
+        ]
+    )
     assert problem.startswith(f"algorithm.adv_estimator={estimator} compares each response with the others")
     assert "num_return_sequences_in_group=1" in problem and "set num_return_sequences_in_group >= 2" in problem
 
 
 def test_estimators_without_a_group_baseline_take_one_response_per_prompt(base):
-    config = load_config(CONFIG, base + ["algorithm.adv_estimator=reinforce_plus_plus",
-                                         "num_return_sequences_in_group=1", "rollout_batch_size=64",
-                                         "algorithm.ppo_mini_batch_size=null"])
+    config = load_config(
+        CONFIG,
+        base
+        + [
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "num_return_sequences_in_group=1",
+            "rollout_batch_size=64",
+            "algorithm.ppo_mini_batch_size=null",
+        ],
+    )
     assert config.num_return_sequences_in_group == 1

@@ -12,8 +12,12 @@ from roll_backend.config.loader import load_config
 from roll_backend.config.typed import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
-TINY = ["build_tiny_model.num_attention_heads=4", "build_tiny_model.num_key_value_heads=2",
-        "build_tiny_model.hidden_size=128", "build_tiny_model.tie_word_embeddings=false"]
+TINY = [
+    "build_tiny_model.num_attention_heads=4",
+    "build_tiny_model.num_key_value_heads=2",
+    "build_tiny_model.hidden_size=128",
+    "build_tiny_model.tie_word_embeddings=false",
+]
 
 
 @pytest.fixture()
@@ -28,7 +32,9 @@ def problems_of(overrides: list[str]) -> list[str]:
 
 
 def test_unknown_keys_and_layout_problems_come_back_together(base):
-    problems = problems_of(base + ["max_step=3", "actor_train.strategy.tpp=2", "actor_train.strategy.tp=3", "actor_train.world_size=3"])
+    problems = problems_of(
+        base + ["max_step=3", "actor_train.strategy.tpp=2", "actor_train.strategy.tp=3", "actor_train.world_size=3"]
+    )
     assert problems == [
         "actor_train.strategy.tpp: unknown key for strategy 'megatron_train'; did you mean 'tp'?",
         "max_step: unknown key; did you mean 'max_steps'?",
@@ -47,7 +53,9 @@ def test_max_steps_must_be_positive(base, steps):
 def test_model_path_must_be_a_model_folder_unless_a_tiny_model_is_built(base, tmp_path):
     missing = tmp_path / "no_such_model"
     [problem] = problems_of(base + ["build_tiny_model=null", f"model_path={missing}"])
-    assert problem.startswith(f"model_path={str(missing)!r} does not exist; point it at a local Hugging Face model folder")
+    assert problem.startswith(
+        f"model_path={str(missing)!r} does not exist; point it at a local Hugging Face model folder"
+    )
     assert "or set build_tiny_model" in problem
     half = tmp_path / "half_model"
     half.mkdir()
@@ -63,8 +71,14 @@ def test_model_path_must_be_a_model_folder_unless_a_tiny_model_is_built(base, tm
 
 
 def test_a_pipeline_layout_that_cannot_split_the_layers_is_a_config_error(base):
-    overrides = ["build_tiny_model.num_hidden_layers=3", "actor_train.strategy.tp=1", "actor_train.strategy.pp=4",
-                 "actor_train.world_size=4", "reference.strategy.pp=3", "reference.world_size=3"]
+    overrides = [
+        "build_tiny_model.num_hidden_layers=3",
+        "actor_train.strategy.tp=1",
+        "actor_train.strategy.pp=4",
+        "actor_train.world_size=4",
+        "reference.strategy.pp=3",
+        "reference.world_size=3",
+    ]
     assert problems_of(base + overrides) == [
         "actor_train.strategy (pp=4, vpp=None): num_hidden_layers=3 cannot be split over pp=4 stages with vpp=None: "
         "every stage needs at least 1 layer(s); lower pp or vpp",
@@ -77,8 +91,15 @@ def test_a_pipeline_layout_that_cannot_split_the_layers_is_a_config_error(base):
     "overrides, message",
     [
         (["max_steps=-1"], "max_steps=-1 must be >= 1"),
-        (["build_tiny_model.num_hidden_layers=3", "actor_train.strategy.tp=1", "actor_train.strategy.pp=4",
-          "actor_train.world_size=4"], "num_hidden_layers=3 cannot be split over pp=4 stages"),
+        (
+            [
+                "build_tiny_model.num_hidden_layers=3",
+                "actor_train.strategy.tp=1",
+                "actor_train.strategy.pp=4",
+                "actor_train.world_size=4",
+            ],
+            "num_hidden_layers=3 cannot be split over pp=4 stages",
+        ),
         (["build_tiny_model=null", "model_path=/nonexistent/model"], "model_path='/nonexistent/model' does not exist"),
     ],
     ids=["max_steps", "pp_split", "model_path"],

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import ray
 import torch
-
 from probe_workers import ProbeWorker, batch_checksums
+
 from roll_backend import keys
 from roll_backend.distributed.collectives import StageColumns
 from roll_backend.distributed.parallel import ParallelLayout

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from roll_backend.distributed.deadlines import call_deadline, deadline_scope
-from roll_backend.distributed.faults import FAULT_ENV, FAULTS_OFF, FaultSpec, FaultTrigger, InjectedFault, fault_for_rank
+from roll_backend.distributed.faults import (
+    FAULT_ENV,
+    FAULTS_OFF,
+    FaultSpec,
+    FaultTrigger,
+    InjectedFault,
+    fault_for_rank,
+)
 
 
 def test_a_call_gets_the_earlier_of_its_own_and_the_scope_deadline():
@@ -24,8 +31,12 @@ def test_a_call_gets_the_earlier_of_its_own_and_the_scope_deadline():
 
 def test_fault_specs_parse_or_say_what_is_wrong(monkeypatch):
     assert FaultSpec.parse("kill:actor_train:1:train:3") == FaultSpec("kill", "actor_train", 1, "train", 3)
-    for text, complaint in [("kill:actor_train:1:train", "needs 5 parts"), ("explode:a:0:train:1", "action 'explode'"),
-                            ("hang:a:0:sleep:1", "phase 'sleep' is not one of generate"), ("raise:a:x:train:0", "whole numbers")]:
+    for text, complaint in [
+        ("kill:actor_train:1:train", "needs 5 parts"),
+        ("explode:a:0:train:1", "action 'explode'"),
+        ("hang:a:0:sleep:1", "phase 'sleep' is not one of generate"),
+        ("raise:a:x:train:0", "whole numbers"),
+    ]:
         with pytest.raises(ValueError, match=complaint):
             FaultSpec.parse(text)
     monkeypatch.setenv(FAULT_ENV, "raise:reward:0:reward:2")

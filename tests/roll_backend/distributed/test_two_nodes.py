@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "support" / "two_node_check.py"
@@ -19,18 +18,35 @@ SCRIPT = Path(__file__).resolve().parents[2] / "support" / "two_node_check.py"
 def test_two_nodes_placement_grpo_step_and_node_loss(base_config, prompt_file, model_dir, tmp_path):
     output_dir = tmp_path / "run"
     run_overrides = overrides(
-        prompt_file, model_dir, output_dir, "max_steps=3", "checkpoint.save_steps=1", "algorithm.ppo_mini_batch_size=16",
-        "fault_tolerance.max_restarts=1", "fault_tolerance.inject=hang:actor_infer:0:generate:2",
+        prompt_file,
+        model_dir,
+        output_dir,
+        "max_steps=3",
+        "checkpoint.save_steps=1",
+        "algorithm.ppo_mini_batch_size=16",
+        "fault_tolerance.max_restarts=1",
+        "fault_tolerance.inject=hang:actor_infer:0:generate:2",
         # Model loading keeps the default start-up deadline (a loaded machine took over 30 s to start vLLM); only
         # the wait for resources is short, so the rebuild on the one node left gives up quickly.
         # A placement group that fits is granted at once, whatever the load: 10 s is ample for one that will.
-        "fault_tolerance.timeouts.generate=20", "fault_tolerance.timeouts.placement=10",
-        "actor_train.num_cpus_per_rank=2", "actor_infer.num_cpus_per_rank=2", "reference.num_cpus_per_rank=2",
-        "reward.num_cpus_per_rank=1")
+        "fault_tolerance.timeouts.generate=20",
+        "fault_tolerance.timeouts.placement=10",
+        "actor_train.num_cpus_per_rank=2",
+        "actor_infer.num_cpus_per_rank=2",
+        "reference.num_cpus_per_rank=2",
+        "reward.num_cpus_per_rank=1",
+    )
     spec = {"config": str(base_config), "overrides": run_overrides, "output_dir": str(output_dir)}
-    done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(spec)], capture_output=True, text=True,
-                          env=dict(os.environ), timeout=900)
-    (tmp_path / "check.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)  # kept by pytest: why it failed
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=900,
+    )
+    (tmp_path / "check.log").write_text(
+        done.stdout + "\n--- stderr ---\n" + done.stderr
+    )  # kept by pytest: why it failed
     result_lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert result_lines, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(result_lines[-1].removeprefix("RESULT "))
@@ -47,6 +63,8 @@ def test_two_nodes_placement_grpo_step_and_node_loss(base_config, prompt_file, m
     assert result["steps_written"] == [1]
 
     # Losing the node restarted the run once; the rebuild did not fit on one node and stopped with a clear error.
-    assert any(line.startswith("restart 1/1 after") and "The last step logged was 1" in line for line in result["messages"]), result["messages"]
+    assert any(
+        line.startswith("restart 1/1 after") and "The last step logged was 1" in line for line in result["messages"]
+    ), result["messages"]
     assert result["error"].startswith("PlacementError: could not reserve"), result["error"]
     assert "Lower the role's world size or resources" in result["error"]

@@ -1,7 +1,8 @@
-"""WorkerGroup and dispatch on real Ray actors with gloo and Megatron parallel state (issue 4 and the smoke test of issue 2)."""
+"""WorkerGroup and dispatch on real Ray actors with gloo and Megatron parallel state (issue 4 and the smoke test of
+issue 2).
+"""
 
 from __future__ import annotations
-
 
 import time
 
@@ -9,13 +10,13 @@ import numpy as np
 import pytest
 import ray
 import torch
-
 from probe_workers import ProbeWorker
+
 from roll_backend import keys
-from roll_backend.distributed.worker import Worker
-from roll_backend.distributed.worker_group import WorkerGroup, RankResources, create_placement_group, wait_all
 from roll_backend.distributed.dispatch import Dispatch, DispatchError
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import RankResources, WorkerGroup, create_placement_group, wait_all
 from roll_backend.protocol import DataProto
 
 TP2_PP2 = ParallelLayout(tp=2, pp=2)
@@ -24,7 +25,9 @@ DP2 = ParallelLayout()
 
 
 def rows(n: int) -> DataProto:
-    return DataProto.from_dict(tensors={"ids": torch.arange(n)}, non_tensors={"text": np.array([f"row{i}" for i in range(n)], dtype=object)})
+    return DataProto.from_dict(
+        tensors={"ids": torch.arange(n)}, non_tensors={"text": np.array([f"row{i}" for i in range(n)], dtype=object)}
+    )
 
 
 def test_megatron_groups_at_tp2_pp2(make_group):
@@ -33,11 +36,16 @@ def test_megatron_groups_at_tp2_pp2(make_group):
     assert ranks[0]["tp"] == [0, 1] and ranks[0]["pp"] == [0, 2] and ranks[0]["dp"] == [0]
     assert ranks[3]["tp"] == [2, 3] and ranks[3]["pp"] == [1, 3] and ranks[3]["dp"] == [3]
     assert [(c.tp, c.pp, c.dp) for c in group.coords] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
-    # Collectives on several groups of one rank all go through its one shared gloo device (patches/gloo_shared_device.py):
+    # Collectives on several groups of one rank all go through its one shared gloo device
+    # (patches/gloo_shared_device.py):
     # one event-loop thread per rank, not one per Megatron group.
     reports = group.call(ProbeWorker.sums_over_megatron_groups)
-    assert [r["sums"] for r in reports] == [{"tp": 3.0, "pp": 4.0, "dp": 1.0}, {"tp": 3.0, "pp": 6.0, "dp": 2.0},
-                                            {"tp": 7.0, "pp": 4.0, "dp": 3.0}, {"tp": 7.0, "pp": 6.0, "dp": 4.0}]
+    assert [r["sums"] for r in reports] == [
+        {"tp": 3.0, "pp": 4.0, "dp": 1.0},
+        {"tp": 3.0, "pp": 6.0, "dp": 2.0},
+        {"tp": 7.0, "pp": 4.0, "dp": 3.0},
+        {"tp": 7.0, "pp": 6.0, "dp": 4.0},
+    ]
     assert [r["gloo_loop_threads"] for r in reports] == [1, 1, 1, 1]
 
 
@@ -162,7 +170,9 @@ def test_resources_the_cluster_cannot_hold_fail_at_the_placement_deadline(ray_se
 
     before = {pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"}
     start = time.monotonic()
-    with pytest.raises(PlacementError, match=r"could not reserve 2 bundles of \{'CPU': 1000\} \(STRICT_PACK\) within 1s") as error:
+    with pytest.raises(
+        PlacementError, match=r"could not reserve 2 bundles of \{'CPU': 1000\} \(STRICT_PACK\) within 1s"
+    ) as error:
         WorkerGroup(ProbeWorker, "too_big", 2, TP2_DP2, RankResources(num_cpus=1000), placement_timeout_s=1)
     assert time.monotonic() - start < 10  # the placement deadline, not the 300 s start-up default
     assert "Lower the role's world size or resources" in str(error.value)

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from probe_workers import ProbeWorker
 from process_checks import describe, wait_until_gone
-from roll_backend.distributed.worker import Worker
-from roll_backend.distributed.worker_group import WorkerGroup, GroupBrokenError, GroupTimeoutError, RankRaisedError, wait_all
+
 from roll_backend.distributed.deadlines import deadline_scope
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import (
+    GroupBrokenError,
+    GroupTimeoutError,
+    RankRaisedError,
+    WorkerGroup,
+    wait_all,
+)
 
 TP2 = ParallelLayout(tp=2)
 
@@ -29,12 +35,18 @@ def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):
     group = WorkerGroup(ProbeWorker, "slow", 2, TP2)
     workers, pids = list(group.workers), group.call(Worker.pid)
     assert group.call(ProbeWorker.answer_after, 0.0, timeout_s=120) == [0, 1]  # timeout_s in the plain call form
-    with pytest.raises(GroupTimeoutError, match=r"slow.answer_after: no answer from \[rank 0/2, dp=0 tp=0 pp=0 cp=0\] \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] "
-                                                 r"within the deadline of the call \(2s\)"):
+    with pytest.raises(
+        GroupTimeoutError,
+        match=r"slow.answer_after: no answer from \[rank 0/2, dp=0 tp=0 pp=0 cp=0\] \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] "
+        r"within the deadline of the call \(2s\)",
+    ):
         group.call(ProbeWorker.answer_after, 3600.0, timeout_s=2)
     # Broken, loudly: the next call fails at once and names the first failure; the ranks were stopped.
-    with pytest.raises(GroupBrokenError, match=r"slow.whoami: the group is broken since an earlier call failed "
-                                                r"\(slow.answer_after: no answer from \[rank 0/2"):
+    with pytest.raises(
+        GroupBrokenError,
+        match=r"slow.whoami: the group is broken since an earlier call failed "
+        r"\(slow.answer_after: no answer from \[rank 0/2",
+    ):
         group.call(ProbeWorker.whoami, "again")
     assert_ranks_stopped(workers, pids)
     group.shutdown()
@@ -63,16 +75,23 @@ def test_get_timeout_is_one_deadline_for_all_ranks_and_scopes_name_the_phase(ray
     group = WorkerGroup(ProbeWorker, "phased", 2, TP2)
     # Rank 0 answers after 4 s, rank 1 after 8 s: each within 5 s of the one before, so a per-rank clock never
     # fires; one deadline for the whole call must.
-    with pytest.raises(GroupTimeoutError, match=r"no answer from \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] within the deadline"):
+    with pytest.raises(
+        GroupTimeoutError, match=r"no answer from \[rank 1/2, dp=0 tp=1 pp=0 cp=0\] within the deadline"
+    ):
         group.submit(ProbeWorker.answer_after, 4.0).get(timeout_s=5)
     group.shutdown()
     group = WorkerGroup(ProbeWorker, "phased", 2, TP2)
     try:
-        assert wait_all([group.submit(ProbeWorker.answer_after, 0.0), group.submit(ProbeWorker.whoami, "x")], timeout_s=120)[0] == [0, 1]
+        assert wait_all(
+            [group.submit(ProbeWorker.answer_after, 0.0), group.submit(ProbeWorker.whoami, "x")], timeout_s=120
+        )[0] == [0, 1]
         with deadline_scope(2, "phase 'train' (fault_tolerance.timeouts.train)"):
             future = group.submit(ProbeWorker.answer_after, 3600.0)
-        with pytest.raises(GroupTimeoutError, match=r"phased.answer_after: no answer from \[rank 0/2.*\[rank 1/2.* "
-                                                     r"within the deadline of phase 'train' \(fault_tolerance.timeouts.train\) \(2s\)"):
+        with pytest.raises(
+            GroupTimeoutError,
+            match=r"phased.answer_after: no answer from \[rank 0/2.*\[rank 1/2.* "
+            r"within the deadline of phase 'train' \(fault_tolerance.timeouts.train\) \(2s\)",
+        ):
             future.get()  # the scope's deadline travels with the future
     finally:
         group.shutdown()

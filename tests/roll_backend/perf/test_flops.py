@@ -13,8 +13,17 @@ from roll_backend.perf.peak import gemm_shapes, measure_gemm_tflops
 
 
 def tiny_config(**extra):
-    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=100) | extra
+    fields = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+        )
+        | extra
+    )
     return types.SimpleNamespace(**fields)
 
 
@@ -50,8 +59,14 @@ def test_linear_flops_equal_torch_flop_counter_on_the_transformers_model():
 
 
 def test_moe_layers_count_routed_top_k_experts_shared_expert_and_router():
-    config = tiny_config(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1])
+    config = tiny_config(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    )
     model = ModelFlops.from_hf_config(config)
     sparse = 2 * 64 * 8 + 2 * (3 * 2 * 64 * 32) + 3 * 2 * 64 * 48 + 2 * 64
     dense = 3 * 2 * 64 * 128  # layer 1 is in mlp_only_layers

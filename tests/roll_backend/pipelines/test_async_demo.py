@@ -12,9 +12,16 @@ WINDOW = 3  # steps the mean reward is averaged over (one lucky batch does not c
 
 
 def test_async_demo_reaches_the_synchronous_reward(ray_session, tmp_path):
-    config = load_config("configs/grpo_tiny_cpu.yaml", [
-        f"output_dir={tmp_path}", "async_generation.enabled=true", "algorithm.rollout_correction.is_level=token",
-        "logging.progress_bar=false", "logging.tensorboard=false"])
+    config = load_config(
+        "configs/grpo_tiny_cpu.yaml",
+        [
+            f"output_dir={tmp_path}",
+            "async_generation.enabled=true",
+            "algorithm.rollout_correction.is_level=token",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+        ],
+    )
     rewards, staleness = [], []
     with PipelineRun(config) as run:  # the demo's 100-step schedule; the test stops once the target is held
         loop = OneStepOffPolicyLoop(run)

@@ -28,22 +28,32 @@ ROWS = [{"question": f"what is {i}", "solution": str(i), "extra": i} for i in ra
 
 def test_jsonl_rows_become_chat_messages(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    data = PromptDataset(DataConfig(train_path=path, prompt_key="question", answer_key="solution", shuffle=False), tokenizer, seed=0)
+    data = PromptDataset(
+        DataConfig(train_path=path, prompt_key="question", answer_key="solution", shuffle=False), tokenizer, seed=0
+    )
     batch = data.batch_at(0, 3)
     assert len(data) == 10 and len(batch) == 3
-    assert list(batch.non_tensor_batch[keys.PROMPT_TEXT]) == [[{"role": "user", "content": f"what is {i}"}] for i in range(3)]
+    assert list(batch.non_tensor_batch[keys.PROMPT_TEXT]) == [
+        [{"role": "user", "content": f"what is {i}"}] for i in range(3)
+    ]
     assert list(batch.non_tensor_batch[keys.ANSWER]) == ["0", "1", "2"]
 
 
 def test_other_columns_reach_reward_functions_as_verl_passes_them(tmp_path, tokenizer):
-    rows = [{"question": "what is 1", "solution": "1", "data_source": "gsm8k", "level": 3, "extra_info": {"index": 7}},
-            {"question": "what is 2", "solution": "2", "data_source": "math", "level": 5, "extra_info": {"index": 8}}]
+    rows = [
+        {"question": "what is 1", "solution": "1", "data_source": "gsm8k", "level": 3, "extra_info": {"index": 7}},
+        {"question": "what is 2", "solution": "2", "data_source": "math", "level": 5, "extra_info": {"index": 8}},
+    ]
     path = write_jsonl(tmp_path / "train.jsonl", rows)
-    data = PromptDataset(DataConfig(train_path=path, prompt_key="question", answer_key="solution", shuffle=False), tokenizer, seed=0)
+    data = PromptDataset(
+        DataConfig(train_path=path, prompt_key="question", answer_key="solution", shuffle=False), tokenizer, seed=0
+    )
     batch = data.batch_at(0, 2)
     assert list(batch.non_tensor_batch[keys.DATA_SOURCE]) == ["gsm8k", "math"]
     assert list(batch.non_tensor_batch[keys.EXTRA_INFO]) == [{"level": 3, "index": 7}, {"level": 5, "index": 8}]
-    synthetic = PromptDataset(DataConfig(synthetic=SyntheticDataConfig(num_prompts=4)), build_char_tokenizer(COPY_DIGIT_ALPHABET), seed=0)
+    synthetic = PromptDataset(
+        DataConfig(synthetic=SyntheticDataConfig(num_prompts=4)), build_char_tokenizer(COPY_DIGIT_ALPHABET), seed=0
+    )
     assert set(synthetic.batch_at(0, 4).non_tensor_batch[keys.DATA_SOURCE]) == {"copy_digit"}
 
 
@@ -61,11 +71,19 @@ def test_parquet_loads_the_same_rows(tmp_path, tokenizer):
 def test_length_filter_counts_tokens_after_the_chat_template(tmp_path, tokenizer):
     rows = [{"prompt": "a" * length, "answer": "x"} for length in (1, 5, 10)]
     path = write_jsonl(tmp_path / "train.jsonl", rows)
-    # Template around one user message: "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n" = text + 19 tokens.
-    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    # Template around one user message: "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n" = text + 19
+    # tokens.
+    overhead = len(
+        tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+    )
     assert overhead == 19
     data = PromptDataset(DataConfig(train_path=path, max_prompt_length=overhead + 5, shuffle=False), tokenizer, seed=0)
-    assert [messages[0]["content"] for messages in data.batch_at(0, 2).non_tensor_batch[keys.PROMPT_TEXT]] == ["a", "aaaaa"]
+    assert [messages[0]["content"] for messages in data.batch_at(0, 2).non_tensor_batch[keys.PROMPT_TEXT]] == [
+        "a",
+        "aaaaa",
+    ]
     raw = PromptDataset(DataConfig(train_path=path, max_prompt_length=10, apply_chat_template=False), tokenizer, seed=0)
     assert len(raw) == 3  # without the template every prompt fits in 10 tokens
 
@@ -79,7 +97,9 @@ def test_batches_are_deterministic_across_instances_and_reshuffled_per_epoch(tmp
     assert [answers(resumed, step) for step in (9, 3, 5)] == [run[9], run[3], run[5]]  # any order, fresh instance
     stream = [answer for batch in run for answer in batch]  # 40 rows = 4 epochs of 10
     epochs = [stream[i : i + 10] for i in range(0, 40, 10)]
-    assert all(sorted(epoch, key=int) == [str(i) for i in range(10)] for epoch in epochs)  # each epoch sees each row once
+    assert all(
+        sorted(epoch, key=int) == [str(i) for i in range(10)] for epoch in epochs
+    )  # each epoch sees each row once
     assert len({tuple(epoch) for epoch in epochs}) == 4  # and in a new order
     assert epochs[0] != [str(i) for i in range(10)]
     other_seed = PromptDataset(config, tokenizer, seed=8)
@@ -110,7 +130,9 @@ def test_missing_file_is_a_clear_error(tmp_path, tokenizer):
 
 def test_missing_columns_name_the_columns_present(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    with pytest.raises(ValueError, match=r"no column 'prompt', 'answer'; columns present: \['question', 'solution', 'extra'\]"):
+    with pytest.raises(
+        ValueError, match=r"no column 'prompt', 'answer'; columns present: \['question', 'solution', 'extra'\]"
+    ):
         PromptDataset(DataConfig(train_path=path), tokenizer, seed=0)
 
 
@@ -126,7 +148,13 @@ def test_unknown_synthetic_task_lists_the_known_ones(tokenizer):
 
 
 def test_bad_step_or_batch_size(tmp_path, tokenizer):
-    data = PromptDataset(DataConfig(train_path=write_jsonl(tmp_path / "t.jsonl", ROWS[:2]), prompt_key="question", answer_key="solution"), tokenizer, 0)
+    data = PromptDataset(
+        DataConfig(
+            train_path=write_jsonl(tmp_path / "t.jsonl", ROWS[:2]), prompt_key="question", answer_key="solution"
+        ),
+        tokenizer,
+        0,
+    )
     with pytest.raises(ValueError, match="step >= 0"):
         data.batch_at(-1, 2)
     assert isinstance(data.batch_at(0, 5).non_tensor_batch[keys.ANSWER], np.ndarray)  # more rows than the data: wraps

@@ -44,8 +44,16 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path, tokenizer):
 
 
 def test_a_missing_or_null_prompt_is_an_error_naming_file_line_and_key(tmp_path, tokenizer):
-    path = write_lines(tmp_path / "p.jsonl", [good(0), json.dumps({"prompt": None, "answer": "1"}), good(2),
-                                              json.dumps({"question": "copy 3", "answer": "3"}), "[1, 2]"])
+    path = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            good(0),
+            json.dumps({"prompt": None, "answer": "1"}),
+            good(2),
+            json.dumps({"question": "copy 3", "answer": "3"}),
+            "[1, 2]",
+        ],
+    )
     with pytest.raises(DataError) as info:
         load(path, tokenizer)
     message = str(info.value)
@@ -97,15 +105,23 @@ def file_config(tmp_path) -> list[str]:
     [
         ([good(0), "not json"], "p.jsonl:2: not valid JSON (Expecting value at column 1)"),
         ([good(0), json.dumps({"prompt": None, "answer": "1"})], "p.jsonl:2: 'prompt' is null"),
-        ([json.dumps({"question": "copy 0", "answer": "0"})], "no column 'prompt'; columns present: ['question', 'answer']"),
-        ([json.dumps({"prompt": "larger 3 8", "answer": "8"})], "p.jsonl:1: 'g', 'l' in 'larger 3 8' (would train as 'arer 3 8')"),
+        (
+            [json.dumps({"question": "copy 0", "answer": "0"})],
+            "no column 'prompt'; columns present: ['question', 'answer']",
+        ),
+        (
+            [json.dumps({"prompt": "larger 3 8", "answer": "8"})],
+            "p.jsonl:1: 'g', 'l' in 'larger 3 8' (would train as 'arer 3 8')",
+        ),
     ],
     ids=["not_json", "null_prompt", "no_prompt_column", "char_alphabet"],
 )
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_cli_refuses_bad_data_before_ray(tmp_path, file_config, monkeypatch, capsys, command, lines, message):
     path = write_lines(tmp_path / "p.jsonl", lines)
-    err = assert_refused_before_ray(monkeypatch, capsys, [command, str(CONFIG), *file_config, f"data.train_path={path}"], message)
+    err = assert_refused_before_ray(
+        monkeypatch, capsys, [command, str(CONFIG), *file_config, f"data.train_path={path}"], message
+    )
     assert "invalid data" in err
 
 
@@ -114,5 +130,9 @@ def test_submit_refuses_bad_data_before_contacting_the_cluster(tmp_path, file_co
     config.write_text(CONFIG.read_text())
     path = write_lines(tmp_path / "p.jsonl", [good(0), "not json"])
     monkeypatch.chdir(tmp_path)  # the job's working dir; nothing answers on port 1, so nothing was sent
-    assert_refused_before_ray(monkeypatch, capsys, ["submit", "--address", "http://127.0.0.1:1", "run.yaml",
-                                                    *file_config, f"data.train_path={path}"], "p.jsonl:2: not valid JSON")
+    assert_refused_before_ray(
+        monkeypatch,
+        capsys,
+        ["submit", "--address", "http://127.0.0.1:1", "run.yaml", *file_config, f"data.train_path={path}"],
+        "p.jsonl:2: not valid JSON",
+    )

@@ -10,12 +10,12 @@ import sys
 import time
 
 import psutil
-
+from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 from process_checks import describe, wait_until_gone
+
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_with_restarts
 from roll_backend.pipelines.tracking import read_metrics
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 
 def rows_written(output_dir) -> int:
@@ -23,12 +23,25 @@ def rows_written(output_dir) -> int:
     return path.read_text().count("\n") if path.is_file() else 0
 
 
-def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session, base_config, prompt_file, model_dir, tmp_path):
-    args = overrides(prompt_file, model_dir, tmp_path / "run", "max_steps=4", "checkpoint.save_steps=2",
-                     "algorithm.ppo_mini_batch_size=16", "ray_num_cpus=8")
+def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
+    args = overrides(
+        prompt_file,
+        model_dir,
+        tmp_path / "run",
+        "max_steps=4",
+        "checkpoint.save_steps=2",
+        "algorithm.ppo_mini_batch_size=16",
+        "ray_num_cpus=8",
+    )
     log = (tmp_path / "driver.log").open("w")
-    driver = subprocess.Popen([sys.executable, "-m", "roll_backend.cli", "run", str(base_config), *args],
-                              stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "roll_backend.cli", "run", str(base_config), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+    )
     started = time.monotonic()
     while rows_written(tmp_path / "run") < 3:  # step 3 done: the checkpoint of step 2 is complete
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]

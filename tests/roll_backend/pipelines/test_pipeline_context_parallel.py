@@ -13,13 +13,25 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
 
 
 def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
-    config = load_config(CONFIG, [
-        f"output_dir={tmp_path}/run", "max_steps=2", "rollout_batch_size=4", "num_return_sequences_in_group=4",
-        "response_length=4", "algorithm.ppo_mini_batch_size=16", "data.synthetic.num_prompts=16",
-        "actor_train.strategy.tp=1", "actor_train.strategy.cp=2", "actor_train.world_size=2",
-        "actor_train.strategy.micro_batch_size=8", "reference.strategy.cp=2", "reference.world_size=2",
-        "logging.progress_bar=false",
-    ])
+    config = load_config(
+        CONFIG,
+        [
+            f"output_dir={tmp_path}/run",
+            "max_steps=2",
+            "rollout_batch_size=4",
+            "num_return_sequences_in_group=4",
+            "response_length=4",
+            "algorithm.ppo_mini_batch_size=16",
+            "data.synthetic.num_prompts=16",
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.cp=2",
+            "actor_train.world_size=2",
+            "actor_train.strategy.micro_batch_size=8",
+            "reference.strategy.cp=2",
+            "reference.world_size=2",
+            "logging.progress_bar=false",
+        ],
+    )
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:

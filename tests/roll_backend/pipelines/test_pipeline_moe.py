@@ -7,20 +7,31 @@ from __future__ import annotations
 
 import math
 
-
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline
 
 
 def test_grpo_with_a_qwen3_moe_actor_at_ep2(ray_session, tmp_path):
-    config = load_config("configs/grpo_tiny_cpu.yaml", [
-        f"output_dir={tmp_path}", "build_tiny_model.family=qwen3_moe", "build_tiny_model.num_experts=4",
-        "build_tiny_model.moe_intermediate_size=48", "max_steps=2", "rollout_batch_size=4",
-        "num_return_sequences_in_group=4", "algorithm.ppo_mini_batch_size=16", "actor_train.strategy.tp=1",
-        "actor_train.strategy.ep=2", "actor_train.strategy.micro_batch_size=4", "reference.strategy.micro_batch_size=16",
-        "data.synthetic.num_prompts=8", "logging.progress_bar=false",
-        "actor_infer.strategy.weight_sync_bucket_mb=0.001",
-    ])
+    config = load_config(
+        "configs/grpo_tiny_cpu.yaml",
+        [
+            f"output_dir={tmp_path}",
+            "build_tiny_model.family=qwen3_moe",
+            "build_tiny_model.num_experts=4",
+            "build_tiny_model.moe_intermediate_size=48",
+            "max_steps=2",
+            "rollout_batch_size=4",
+            "num_return_sequences_in_group=4",
+            "algorithm.ppo_mini_batch_size=16",
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.ep=2",
+            "actor_train.strategy.micro_batch_size=4",
+            "reference.strategy.micro_batch_size=16",
+            "data.synthetic.num_prompts=8",
+            "logging.progress_bar=false",
+            "actor_infer.strategy.weight_sync_bucket_mb=0.001",
+        ],
+    )
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
 from roll_backend.pipelines.checkpoint import latest_checkpoint
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
 ASYNC_STEP_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
@@ -21,16 +21,34 @@ MTP_PP2 = ("actor_train.strategy.tp=1", "actor_train.strategy.pp=2", "actor_trai
 
 def _run_then_resume(base_config, prompt_file, model_dir, tmp_path, *extra: str) -> tuple[list[dict], list[dict]]:
     """A 3-step run saving at step 2, then a run resumed from that checkpoint: (full history, resumed history)."""
-    full = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "full", "max_steps=3", "checkpoint.save_steps=2", *extra,
-        "algorithm.ppo_mini_batch_size=16"))  # one mini-batch, one epoch: on-policy, no old-log-prob pass
+    full = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "full",
+            "max_steps=3",
+            "checkpoint.save_steps=2",
+            *extra,
+            "algorithm.ppo_mini_batch_size=16",
+        ),
+    )  # one mini-batch, one epoch: on-policy, no old-log-prob pass
     history = run_pipeline(full)
     assert [h["step"] for h in history] == [1, 2, 3]
     checkpoint = latest_checkpoint(tmp_path / "full")
     assert checkpoint is not None and checkpoint.name == "step_2"
-    resumed = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "resumed", "max_steps=3", f"checkpoint.resume={checkpoint}", *extra,
-        "algorithm.ppo_mini_batch_size=16"))
+    resumed = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "resumed",
+            "max_steps=3",
+            f"checkpoint.resume={checkpoint}",
+            *extra,
+            "algorithm.ppo_mini_batch_size=16",
+        ),
+    )
     resumed_history = run_pipeline(resumed)
     assert [h["step"] for h in resumed_history] == [3]
     return history, resumed_history
@@ -50,21 +68,47 @@ def test_ppo_run_with_critic_gae_and_rollout_correction(ray_session, base_config
     correction compares the old log-probs with the sampler's: both engines compute in float32 with the same
     weights, so it must find ~no mismatch (weights of 1, nothing rejected); a wrong old pass (another
     temperature, stale weights, misaligned tokens) fails."""
-    critic = ("critic={model_path: " + str(model_dir) + ", world_size: 1, strategy: {name: megatron_train, "
-              "micro_batch_size: 4, optimizer: {lr: 1.0e-3}}}")
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "ppo", "pipeline=ppo", "algorithm.adv_estimator=gae", critic,
-        "max_steps=2", "actor_train.world_size=1", "actor_train.strategy.tp=1", "algorithm.ppo_epochs=2",
-        "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-        "perf.peak_tflops=0.25", "algorithm.rollout_correction.is_level=token",
-        "algorithm.rollout_correction.rejection=sequence"))
+    critic = (
+        "critic={model_path: " + str(model_dir) + ", world_size: 1, strategy: {name: megatron_train, "
+        "micro_batch_size: 4, optimizer: {lr: 1.0e-3}}}"
+    )
+    config = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "ppo",
+            "pipeline=ppo",
+            "algorithm.adv_estimator=gae",
+            critic,
+            "max_steps=2",
+            "actor_train.world_size=1",
+            "actor_train.strategy.tp=1",
+            "algorithm.ppo_epochs=2",
+            "algorithm.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "perf.peak_tflops=0.25",
+            "algorithm.rollout_correction.is_level=token",
+            "algorithm.rollout_correction.rejection=sequence",
+        ),
+    )
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:
-        for key in ("critic/loss", "actor/pg_loss", "actor/kl_coef", "timing/values", "timing/critic_train", "timing/log_probs"):
+        for key in (
+            "critic/loss",
+            "actor/pg_loss",
+            "actor/kl_coef",
+            "timing/values",
+            "timing/critic_train",
+            "timing/log_probs",
+        ):
             assert math.isfinite(record[key]), (key, record)
-        flops = {phase: record[f"perf/{phase}_tflops"] * record[f"timing/{phase}"] for phase in
-                 ("reference", "log_probs", "values", "train", "critic_train")}
+        flops = {
+            phase: record[f"perf/{phase}_tflops"] * record[f"timing/{phase}"]
+            for phase in ("reference", "log_probs", "values", "train", "critic_train")
+        }
         # actor, reference and critic share one model (the critic's output layer is hidden -> 1): the same batch
         # costs the same forward FLOPs, and a train pass three forwards per epoch (ppo_epochs=2)
         assert flops["reference"] == pytest.approx(flops["log_probs"], rel=1e-9)
@@ -87,10 +131,19 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
     the engine receives score like the trainer's to within bf16 rounding, well inside the 16-bit probe limit."""
     from roll_backend.config.schema import HALF_PRECISION_LOGPROB_GAP
 
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "bf16", "max_steps=2", "algorithm.ppo_mini_batch_size=16",
-        "actor_train.strategy.params_dtype=bfloat16", "reference.strategy.params_dtype=bfloat16",
-        "actor_infer.strategy.dtype=bfloat16"))
+    config = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "bf16",
+            "max_steps=2",
+            "algorithm.ppo_mini_batch_size=16",
+            "actor_train.strategy.params_dtype=bfloat16",
+            "reference.strategy.params_dtype=bfloat16",
+            "actor_infer.strategy.dtype=bfloat16",
+        ),
+    )
     assert config.logprob_gap_limit() == HALF_PRECISION_LOGPROB_GAP
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
@@ -101,7 +154,9 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
     assert abs(history[0]["actor/reference_kl"]) < 0.05  # step 1: bf16 rollout and bf16 reference hold the same weights
 
 
-def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(ray_session, base_config, prompt_file, model_dir, tmp_path):
+def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
     """One-step off-policy: from step 2 on, each batch was generated one update behind the trainer. A run that
     prepares each batch inline and one that prepares it ahead (reward and reference log-probs while the actor
     trains, the reference on the rollout's resources) give the same steps. In the second, the reference rank dies
@@ -116,18 +171,33 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(ray_session,
     # Step 1 trains on the batch of the weights it holds; later batches are one update old: the mismatch is real.
     assert history[0]["rollout_correction/kl_k3"] < 1e-6 < history[2]["rollout_correction/kl_k3"]
 
-    ahead = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "ahead", *async_keys, "checkpoint.save_steps=2",
-        "async_generation.prepare_ahead=true", "reference.colocate_with=actor_infer", "fault_tolerance.max_restarts=1",
-        "fault_tolerance.inject=kill:reference:0:log_probs:4"))
+    ahead = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "ahead",
+            *async_keys,
+            "checkpoint.save_steps=2",
+            "async_generation.prepare_ahead=true",
+            "reference.colocate_with=actor_infer",
+            "fault_tolerance.max_restarts=1",
+            "fault_tolerance.inject=kill:reference:0:log_probs:4",
+        ),
+    )
     ahead_history = run_with_restarts(ahead)
     assert [h["step"] for h in ahead_history] == [1, 2, 3, 4]
     assert [h["fault_tolerance/restarts"] for h in ahead_history] == [0.0, 0.0, 1.0, 1.0]
     assert [h["async/prepared_ahead"] for h in history + ahead_history] == [0.0] * 4 + [1.0] * 4
     assert (tmp_path / "ahead" / "checkpoints" / "step_2" / "next_batch.dataproto").is_file()
     for record, ahead_record in zip(history, ahead_history):
-        for key in ("async/trainer_wait_s", "async/rollout_idle_s", "timing/reference", "perf/reference_mfu",
-                    "weight_sync/logprob_gap"):
+        for key in (
+            "async/trainer_wait_s",
+            "async/rollout_idle_s",
+            "timing/reference",
+            "perf/reference_mfu",
+            "weight_sync/logprob_gap",
+        ):
             assert math.isfinite(ahead_record[key]), (key, ahead_record)
         # (step 3 trains on the batch restored from the checkpoint: how long it took to generate is not known)
         assert ahead_record["step"] == 3 or math.isfinite(ahead_record["timing/generate"]), ahead_record
@@ -135,13 +205,24 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(ray_session,
             assert ahead_record[key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (record["step"], key)
 
 
-def test_grpo_with_token_budget_micro_batches_and_dp_balancing(ray_session, base_config, prompt_file, model_dir, tmp_path):
+def test_grpo_with_token_budget_micro_batches_and_dp_balancing(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
     """Actor at TP1 x DP2 with a token budget (balanced by tokens over DP), reference with a budget too, two
     mini-batches (old log-probs computed): the weight-sync probe, scored by the trainer through the balanced,
     regrouped path and by vLLM, still agrees row by row."""
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "budget", "max_steps=1", "actor_train.strategy.tp=1",
-        "actor_train.strategy.max_tokens_per_microbatch=96", "reference.strategy.max_tokens_per_microbatch=96"))
+    config = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "budget",
+            "max_steps=1",
+            "actor_train.strategy.tp=1",
+            "actor_train.strategy.max_tokens_per_microbatch=96",
+            "reference.strategy.max_tokens_per_microbatch=96",
+        ),
+    )
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1]
     for record in history:

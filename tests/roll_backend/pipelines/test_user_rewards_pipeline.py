@@ -18,7 +18,7 @@ from roll_backend.pipelines.checkpoint import latest_checkpoint, load_driver_sta
 PROMPTS = [{"prompt": f"copy: {d}", "answer": str(d), "data_source": "copy", "level": d % 3} for d in range(10)]
 ROWS_PER_STEP = 4 * 4  # rollout_batch_size * num_return_sequences_in_group
 
-USER_REWARDS = '''
+USER_REWARDS = """
 import os
 
 COUNTER = {counter!r}
@@ -36,7 +36,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def length_penalty(data_sources, solution_strs, ground_truths, extra_infos):
     return [-0.1 * len(s) for s in solution_strs]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +62,47 @@ def base_config(tmp_path_factory):
 def model_dir(tmp_path_factory):
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3))
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(hidden_size=128, intermediate_size=256, seed=3)
+    )
 
 
 def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
     return [
-        f"output_dir={output_dir}", f"model_path={model_dir}", "build_tiny_model=null",
-        f"data.train_path={prompt_file}", "data.synthetic=null", "data.shuffle=false",
-        "rollout_batch_size=4", "num_return_sequences_in_group=4", "response_length=4", "algorithm.ppo_mini_batch_size=16",
-        "actor_train.world_size=1", "actor_train.strategy.tp=1", "actor_train.strategy.micro_batch_size=8",
-        "reference=null", "algorithm.use_kl_loss=false", "logging.progress_bar=false", "logging.tensorboard=false", *extra,
+        f"output_dir={output_dir}",
+        f"model_path={model_dir}",
+        "build_tiny_model=null",
+        f"data.train_path={prompt_file}",
+        "data.synthetic=null",
+        "data.shuffle=false",
+        "rollout_batch_size=4",
+        "num_return_sequences_in_group=4",
+        "response_length=4",
+        "algorithm.ppo_mini_batch_size=16",
+        "actor_train.world_size=1",
+        "actor_train.strategy.tp=1",
+        "actor_train.strategy.micro_batch_size=8",
+        "reference=null",
+        "algorithm.use_kl_loss=false",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        *extra,
     ]
 
 
-def test_grpo_with_user_functions_then_a_raising_one_keeps_the_checkpoint(ray_session, base_config, prompt_file, model_dir, tmp_path):
+def test_grpo_with_user_functions_then_a_raising_one_keeps_the_checkpoint(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
     reward_file = tmp_path / "user_rewards.py"
     reward_file.write_text(USER_REWARDS.format(counter=str(tmp_path / "calls"), calls=ROWS_PER_STEP))
-    functions = (f"reward.functions=[{{path: {reward_file}, name: compute_score, weight: 1.0}}, "
-                 f"{{path: {reward_file}, name: length_penalty, weight: 0.5, batched: true}}]")
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "run", "max_steps=3", "checkpoint.save_steps=1", functions))
+    functions = (
+        f"reward.functions=[{{path: {reward_file}, name: compute_score, weight: 1.0}}, "
+        f"{{path: {reward_file}, name: length_penalty, weight: 0.5, batched: true}}]"
+    )
+    config = load_config(
+        base_config,
+        overrides(prompt_file, model_dir, tmp_path / "run", "max_steps=3", "checkpoint.save_steps=1", functions),
+    )
     assert config.reward.builtin_weights() == {"exact_match": 2.0}
 
     with pytest.raises(UserCodeError) as info:  # step 1 scores; step 2's first call raises
@@ -97,12 +118,18 @@ def test_grpo_with_user_functions_then_a_raising_one_keeps_the_checkpoint(ray_se
     step1 = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [record["step"] for record in step1] == [1]
     metrics = step1[0]
-    # Step 1 is batch_at(1): prompts 4..7 in order (no shuffle), n=4 each; extra_info and data_source reached the function.
-    assert metrics["reward/user_rewards.compute_score/level"] == pytest.approx(np.mean([PROMPTS[i]["level"] for i in range(4, 8)]))
+    # Step 1 is batch_at(1): prompts 4..7 in order (no shuffle), n=4 each; extra_info and data_source reached the
+    # function.
+    assert metrics["reward/user_rewards.compute_score/level"] == pytest.approx(
+        np.mean([PROMPTS[i]["level"] for i in range(4, 8)])
+    )
     assert metrics["reward/user_rewards.compute_score/from_copy"] == 1.0
     assert metrics["reward/user_rewards.compute_score/error_count"] == 0.0
-    weighted = (2.0 * metrics["reward/exact_match_mean"] + metrics["reward/user_rewards.compute_score/mean"]
-                + 0.5 * metrics["reward/user_rewards.length_penalty/mean"])
+    weighted = (
+        2.0 * metrics["reward/exact_match_mean"]
+        + metrics["reward/user_rewards.compute_score/mean"]
+        + 0.5 * metrics["reward/user_rewards.length_penalty/mean"]
+    )
     assert metrics["reward/mean"] == pytest.approx(weighted, abs=1e-6)
     assert metrics["reward/user_rewards.length_penalty/mean"] < 0  # every response has at least one character
 
@@ -118,20 +145,35 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
     from roll_backend.workers.critic import CriticWorker
 
     reward_model = build_tiny_reward_model(tmp_path / "reward_model", TinyModelSpec(seed=5))
-    critic = ("critic={model_path: " + str(reward_model) + ", world_size: 1, strategy: {name: megatron_train, "
-              "micro_batch_size: 8, value_head_init: score_head, optimizer: {lr: 1.0e-3}}}")
-    config = load_config(base_config, overrides(
-        prompt_file, model_dir, tmp_path / "ppo", "pipeline=ppo", "algorithm.adv_estimator=gae", critic, "max_steps=1"))
+    critic = (
+        "critic={model_path: " + str(reward_model) + ", world_size: 1, strategy: {name: megatron_train, "
+        "micro_batch_size: 8, value_head_init: score_head, optimizer: {lr: 1.0e-3}}}"
+    )
+    config = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "ppo",
+            "pipeline=ppo",
+            "algorithm.adv_estimator=gae",
+            critic,
+            "max_steps=1",
+        ),
+    )
     with PipelineRun(config) as run:
         batch = phases.generate(run.groups, run.data.batch_at(1, config.rollout_batch_size), config, step=1)
         values = run.groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
         # The reward model's score head applied at every position, read where each response token is predicted.
         hf = AutoModelForSequenceClassification.from_pretrained(reward_model, dtype=torch.float32).eval()
         with torch.no_grad():
-            hidden = hf.model(input_ids=batch.batch[keys.INPUT_IDS], attention_mask=batch.batch[keys.ATTENTION_MASK],
-                              position_ids=batch.batch[keys.POSITION_IDS]).last_hidden_state
+            hidden = hf.model(
+                input_ids=batch.batch[keys.INPUT_IDS],
+                attention_mask=batch.batch[keys.ATTENTION_MASK],
+                position_ids=batch.batch[keys.POSITION_IDS],
+            ).last_hidden_state
             width = batch.batch[keys.RESPONSES].shape[1]
-            expected = hf.score(hidden)[:, -width - 1:-1, 0]
+            expected = hf.score(hidden)[:, -width - 1 : -1, 0]
         mask = batch.batch[keys.RESPONSE_MASK].bool()
         assert expected[mask].std() > 0.05  # a fresh head (std 0.02) would score near 0 everywhere
         assert torch.allclose(values[mask], expected[mask], atol=1e-5, rtol=0)

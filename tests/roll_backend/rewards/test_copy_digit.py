@@ -16,7 +16,9 @@ def test_right_digit_then_more_scores_half(response):
     assert copy_digit.score(response, "7") == 0.5
 
 
-@pytest.mark.parametrize("response, answer", [("3", "7"), ("", "7"), ("copy 7", "7"), ("37", "7"), (None, "7"), ("7", None), ("7", "")])
+@pytest.mark.parametrize(
+    "response, answer", [("3", "7"), ("", "7"), ("copy 7", "7"), ("37", "7"), (None, "7"), ("7", None), ("7", "")]
+)
 def test_wrong_or_garbage_scores_zero(response, answer):
     assert copy_digit.score(response, answer) == 0.0
 

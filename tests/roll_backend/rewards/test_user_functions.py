@@ -17,9 +17,13 @@ from roll_backend.rewards.user_functions import FunctionScorer, RewardFunctionSp
 EXAMPLE = str(Path(__file__).resolve().parents[3] / "examples" / "reward_functions.py")
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml")
 
-USER_FILE = '''
+USER_FILE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return {"score": float(solution_str == ground_truth), "level": extra_info["level"], "src_is_math": float(data_source == "math")}
+    return {
+        "score": float(solution_str == ground_truth),
+        "level": extra_info["level"],
+        "src_is_math": float(data_source == "math"),
+    }
 
 def divide(data_source, solution_str, ground_truth, extra_info=None):
     return 1 / int(solution_str)
@@ -34,13 +38,18 @@ def slow(data_source, solution_str, ground_truth, extra_info=None):
 
 def wrong_length(data_sources, solution_strs, ground_truths, extra_infos):
     return [1.0]
-'''
+"""
 
 
 def rows(responses=("7", "0", "3"), answers=("7", "1", "3")) -> RewardRows:
     n = len(responses)
-    return RewardRows(prompts=[f"copy {a}" for a in answers], responses=list(responses), answers=list(answers),
-                      data_sources=["math", "gsm8k", "math"][:n], extra_infos=[{"level": float(i)} for i in range(n)])
+    return RewardRows(
+        prompts=[f"copy {a}" for a in answers],
+        responses=list(responses),
+        answers=list(answers),
+        data_sources=["math", "gsm8k", "math"][:n],
+        extra_infos=[{"level": float(i)} for i in range(n)],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,23 +68,32 @@ def test_verl_signature_with_dict_returns_and_extra_info(user_file):
 def test_batched_form_and_the_example_file():
     per_row = FunctionScorer(RewardFunctionSpec(path=EXAMPLE, name="compute_score")).score(rows(("7 and", "0", "3")))
     assert per_row.scores.tolist() == [1.0, 0.0, 1.0] and per_row.extras["response_chars"] == [5.0, 1.0, 1.0]
-    batched = FunctionScorer(RewardFunctionSpec(path=EXAMPLE, name="length_penalty", batched=True)).score(rows(("7 and", "0", "3")))
+    batched = FunctionScorer(RewardFunctionSpec(path=EXAMPLE, name="length_penalty", batched=True)).score(
+        rows(("7 and", "0", "3"))
+    )
     assert np.allclose(batched.scores, [-0.04, 0.0, 0.0])
 
 
 def test_module_name_and_callable_load_the_same_function(monkeypatch, user_file):
     monkeypatch.syspath_prepend(str(Path(user_file).parent))
     by_module = FunctionScorer(RewardFunctionSpec(path="my_rewards")).score(rows())
-    by_callable = FunctionScorer(RewardFunctionSpec(fn=lambda data_source, solution_str, ground_truth, extra_info=None:
-                                                    float(solution_str == ground_truth))).score(rows())
+    by_callable = FunctionScorer(
+        RewardFunctionSpec(
+            fn=lambda data_source, solution_str, ground_truth, extra_info=None: float(solution_str == ground_truth)
+        )
+    ).score(rows())
     assert by_module.scores.tolist() == by_callable.scores.tolist() == [1.0, 0.0, 1.0]
 
 
 def test_return_values():
     assert as_score(1) == (1.0, {}) and as_score(np.float32(0.5)) == (0.5, {})
     assert as_score({"score": 2, "acc": True, "note": "text"}) == (2.0, {"acc": 1.0})
-    for bad, message in ((None, "returned NoneType"), ("1.0", "returned str"), ({"acc": 1}, "without a 'score'"),
-                         (float("nan"), "finite number")):
+    for bad, message in (
+        (None, "returned NoneType"),
+        ("1.0", "returned str"),
+        ({"acc": 1}, "without a 'score'"),
+        (float("nan"), "finite number"),
+    ):
         with pytest.raises(TypeError, match=message):
             as_score(bad)
 
@@ -98,9 +116,13 @@ def test_a_non_number_is_reported_with_a_shortened_row(user_file):
 
 
 def test_on_error_zero_scores_failed_rows_zero_and_counts_them(user_file):
-    out = FunctionScorer(RewardFunctionSpec(path=user_file, name="divide"), on_error="zero").score(rows(("1", "0", "4")))
+    out = FunctionScorer(RewardFunctionSpec(path=user_file, name="divide"), on_error="zero").score(
+        rows(("1", "0", "4"))
+    )
     assert out.scores.tolist() == [1.0, 0.0, 0.25] and out.error_count == 1
-    batch = FunctionScorer(RewardFunctionSpec(path=user_file, name="wrong_length", batched=True), on_error="zero").score(rows())
+    batch = FunctionScorer(
+        RewardFunctionSpec(path=user_file, name="wrong_length", batched=True), on_error="zero"
+    ).score(rows())
     assert batch.scores.tolist() == [0.0, 0.0, 0.0] and batch.error_count == 3
 
 
@@ -111,7 +133,9 @@ def test_wrong_length_from_a_batched_function(user_file):
 
 def test_per_call_deadline_stops_a_slow_function(user_file):
     started = time.monotonic()
-    with pytest.raises(UserCodeError, match=r"my_rewards.slow did not return within reward.function_timeout_s=0.2s on row 0"):
+    with pytest.raises(
+        UserCodeError, match=r"my_rewards.slow did not return within reward.function_timeout_s=0.2s on row 0"
+    ):
         FunctionScorer(RewardFunctionSpec(path=user_file, name="slow"), timeout_s=0.2).score(rows())
     assert time.monotonic() - started < 25  # interrupted, not waited out (the function sleeps 30 s)
 
@@ -119,14 +143,18 @@ def test_per_call_deadline_stops_a_slow_function(user_file):
 def test_import_errors_are_user_code_errors(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\ndef compute_score(*a, **k):\n    return 1.0\n")
-    with pytest.raises(UserCodeError, match="loading reward function broken.compute_score .* raised ModuleNotFoundError"):
+    with pytest.raises(
+        UserCodeError, match="loading reward function broken.compute_score .* raised ModuleNotFoundError"
+    ):
         FunctionScorer(RewardFunctionSpec(path=str(broken))).score(rows())
 
 
 def test_config_checks_run_before_ray(user_file):
     assert check_spec(RewardFunctionSpec(path=user_file, name="divide"), "f") == []
-    assert "defines no such name; functions there: compute_score, divide, slow, text, wrong_length" in \
-        check_spec(RewardFunctionSpec(path=user_file, name="compute_scor"), "f")[0]
+    assert (
+        "defines no such name; functions there: compute_score, divide, slow, text, wrong_length"
+        in check_spec(RewardFunctionSpec(path=user_file, name="compute_scor"), "f")[0]
+    )
     assert "is no importable module" in check_spec(RewardFunctionSpec(path="no_such_reward_module"), "f")[0]
     with pytest.raises(ConfigError, match=r"reward.functions\[0\]: a reward function needs exactly one of `path`"):
         load_config(CONFIG, ["reward.functions=[{name: compute_score}]"])
@@ -149,7 +177,8 @@ def test_a_callable_in_a_pipeline_config_is_named_in_the_saved_yaml():
         return 1.0
 
     config = load_config(CONFIG, [])
-    config = dataclasses.replace(config, reward=dataclasses.replace(
-        config.reward, functions=[RewardFunctionSpec(fn=my_score, weight=0.5)]))
+    config = dataclasses.replace(
+        config, reward=dataclasses.replace(config.reward, functions=[RewardFunctionSpec(fn=my_score, weight=0.5)])
+    )
     text = config_to_yaml(config)
     assert "fn: <python callable" in text and "my_score>" in text

@@ -10,7 +10,9 @@ PROMPT_LEN = 7
 RESPONSE_LEN = 5
 
 
-def make_rl_batch_tensors(vocab_size: int, num_rows: int = 5, seed: int = 0, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def make_rl_batch_tensors(
+    vocab_size: int, num_rows: int = 5, seed: int = 0, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
     """Left-padded prompts of uneven length, then right-padded responses of uneven length (verl's layout)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.full((num_rows, PROMPT_LEN), pad_id, dtype=torch.long)
@@ -20,8 +22,8 @@ def make_rl_batch_tensors(vocab_size: int, num_rows: int = 5, seed: int = 0, pad
     for row in range(num_rows):
         p_len = PROMPT_LEN - (row % 4)  # 7, 6, 5, 4, 7, ...
         r_len = RESPONSE_LEN - (row * 2 % 5) if row else RESPONSE_LEN  # 5, 3, 1, 4, 2, ...
-        prompts[row, PROMPT_LEN - p_len:] = torch.randint(3, vocab_size, (p_len,), generator=gen)
-        prompt_mask[row, PROMPT_LEN - p_len:] = 1
+        prompts[row, PROMPT_LEN - p_len :] = torch.randint(3, vocab_size, (p_len,), generator=gen)
+        prompt_mask[row, PROMPT_LEN - p_len :] = 1
         responses[row, :r_len] = torch.randint(3, vocab_size, (r_len,), generator=gen)
         response_mask[row, :r_len] = 1
     input_ids = torch.cat([prompts, responses], dim=1)
@@ -49,7 +51,7 @@ def hf_response_log_probs(model_dir: str, tensors: dict[str, torch.Tensor], temp
         position_ids=tensors[keys.POSITION_IDS],
     ).logits
     resp_len = tensors[keys.RESPONSES].shape[1]
-    resp_logits = logits[:, -resp_len - 1:-1].float() / temperature
+    resp_logits = logits[:, -resp_len - 1 : -1].float() / temperature
     log_softmax = resp_logits.log_softmax(-1)
     log_probs = log_softmax.gather(-1, tensors[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)

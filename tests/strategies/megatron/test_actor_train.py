@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
+
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -23,7 +23,9 @@ NUM_STEPS = 3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    spec = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
     return str(build_tiny_model(tmp_path_factory.mktemp("megatron_tiny"), spec))
 
 
@@ -41,7 +43,9 @@ def actor(make_group, model_dir):
 
     def build(tp: int, pp: int, role: str = "actor"):
         config = ActorConfig(
-            strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)),
+            strategy=MegatronTrainConfig(
+                model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)
+            ),
             loss=ActorLossConfig(clip_low=0.2),
         )
         group = make_group(ActorWorker, tp * pp, ParallelLayout(tp=tp, pp=pp), role=role, worker_config=config)
@@ -90,7 +94,11 @@ def test_padding_columns_shared_by_every_row_change_nothing(actor, model_dir, ba
     for key in (keys.PROMPTS, keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS):
         padded[key] = torch.nn.functional.pad(batch_tensors[key], (extra, 0))
     width = batch_tensors[keys.INPUT_IDS].shape[1]
-    assert model_width(padded[keys.ATTENTION_MASK]) == model_width(batch_tensors[keys.ATTENTION_MASK]) == -(-width // SEQUENCE_MULTIPLE) * SEQUENCE_MULTIPLE
+    assert (
+        model_width(padded[keys.ATTENTION_MASK])
+        == model_width(batch_tensors[keys.ATTENTION_MASK])
+        == -(-width // SEQUENCE_MULTIPLE) * SEQUENCE_MULTIPLE
+    )
     expected, _ = hf_response_log_probs(model_dir, batch_tensors)
     got = _log_probs(actor(2, 2), padded)
     assert max_masked_diff(got, expected, batch_tensors[keys.RESPONSE_MASK]) < TOL

@@ -46,14 +46,19 @@ def test_compiled_attention_core_equals_eager_and_a_float64_reference():
     gen = torch.Generator().manual_seed(1)
     seq, batch, heads, groups, dim = 7, 3, 4, 2, 8
     query = torch.randn(seq, batch, heads, dim, generator=gen)
-    key, value = torch.randn(seq, batch, groups, dim, generator=gen), torch.randn(seq, batch, groups, dim, generator=gen)
+    key, value = (
+        torch.randn(seq, batch, groups, dim, generator=gen),
+        torch.randn(seq, batch, groups, dim, generator=gen),
+    )
     padding = torch.tensor([[0] * 7, [1, 1, 0, 0, 0, 0, 0], [0] * 5 + [1, 1]], dtype=torch.bool)  # left and right
     mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None] | padding[:, None, None, :]
-    scale = dim ** -0.5
+    scale = dim**-0.5
     expected = _reference_attention(query, key, value, mask, scale)
     eager, eager_grads = _grads(lambda q, k, v, m: attention_core(q, k, v, m, scale, False), query, key, value, mask)
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
-    actual, actual_grads = _grads(lambda q, k, v, m: compiled(attention_core)(q, k, v, m, scale, False), query, key, value, mask)
+    actual, actual_grads = _grads(
+        lambda q, k, v, m: compiled(attention_core)(q, k, v, m, scale, False), query, key, value, mask
+    )
     torch.testing.assert_close(actual, eager, rtol=1e-5, atol=1e-5)
     for got, want in zip(actual_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

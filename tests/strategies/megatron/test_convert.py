@@ -5,12 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roll_backend.strategies.megatron.convert import hf_from_shards, param_mapping, shard_from_hf
 from roll_backend.strategies.megatron.builder import HFArch
+from roll_backend.strategies.megatron.convert import hf_from_shards, param_mapping, shard_from_hf
 
-ARCH = HFArch(model_type="qwen2", vocab_size=321, hidden_size=16, ffn_hidden_size=24, num_layers=4, num_heads=4,
-              num_kv_heads=2, head_dim=4, rope_theta=1e4, norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=False,
-              max_position_embeddings=64)
+ARCH = HFArch(
+    model_type="qwen2",
+    vocab_size=321,
+    hidden_size=16,
+    ffn_hidden_size=24,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rope_theta=1e4,
+    norm_eps=1e-6,
+    qkv_bias=True,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+)
 
 
 def _hf_tensors(kind: str) -> list[torch.Tensor]:
@@ -39,7 +51,7 @@ def test_qkv_is_grouped_per_kv_head_and_split_by_group():
     q, k, v = _hf_tensors("qkv")
     d = ARCH.head_dim
     shard1 = shard_from_hf("qkv", [q, k, v], ARCH, tp_rank=1, tp_size=2)  # kv group 1: q heads 2,3 then k1, v1
-    assert torch.equal(shard1, torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]]))
+    assert torch.equal(shard1, torch.cat([q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]]))
 
 
 def test_gate_and_up_split_separately_under_tp():
@@ -61,14 +73,17 @@ def test_names_follow_pipeline_offsets():
     assert mapping.hf_names == ("model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")
 
 
-
 def test_mtp_names_follow_mimo_and_ignore_pipeline_offsets():
     proj = param_mapping("mtp.layers.1.eh_proj.weight", ARCH, layer_offset=2)
     assert (proj.kind, proj.hf_names) == ("mtp_input_proj", ("model.mtp_layers.1.input_proj.weight",))
     qkv = param_mapping("mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight", ARCH, layer_offset=2)
     assert qkv.kind == "qkv" and qkv.hf_names[0] == "model.mtp_layers.0.self_attn.q_proj.weight"
-    assert param_mapping("mtp.layers.0.enorm.weight", ARCH, 0).hf_names == ("model.mtp_layers.0.token_layernorm.weight",)
-    assert param_mapping("mtp.layers.0.hnorm.weight", ARCH, 0).hf_names == ("model.mtp_layers.0.hidden_layernorm.weight",)
+    assert param_mapping("mtp.layers.0.enorm.weight", ARCH, 0).hf_names == (
+        "model.mtp_layers.0.token_layernorm.weight",
+    )
+    assert param_mapping("mtp.layers.0.hnorm.weight", ARCH, 0).hf_names == (
+        "model.mtp_layers.0.hidden_layernorm.weight",
+    )
 
 
 def test_mtp_input_proj_swaps_the_embedding_and_hidden_halves():

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
+
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -23,7 +23,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    spec = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     return str(build_tiny_model(tmp_path_factory.mktemp("megatron_tiny_mtp"), spec))
 
 
@@ -43,7 +45,9 @@ def _started(group):
 
 
 def test_reference_log_probs_and_entropy_match_transformers_at_pp2(make_group, model_dir, batch_tensors):
-    config = ReferenceConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, compute_entropy=True, temperature=0.7))
+    config = ReferenceConfig(
+        strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, compute_entropy=True, temperature=0.7)
+    )
     group = _started(make_group(ReferenceWorker, 2, ParallelLayout(pp=2), role="reference", worker_config=config))
     out = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors))
     mask = batch_tensors[keys.RESPONSE_MASK]
@@ -51,21 +55,31 @@ def test_reference_log_probs_and_entropy_match_transformers_at_pp2(make_group, m
     assert max_masked_diff(out.batch[keys.LOG_PROBS], expected_lp, mask) < TOL
     assert max_masked_diff(out.batch[keys.ENTROPY], expected_entropy, mask) < TOL
     # the batch's meta temperature overrides the configured one
-    at_one = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors, meta_info={keys.META_TEMPERATURE: 1.0}))
+    at_one = group.call(
+        ReferenceWorker.compute_log_probs,
+        DataProto.from_dict(tensors=batch_tensors, meta_info={keys.META_TEMPERATURE: 1.0}),
+    )
     assert max_masked_diff(at_one.batch[keys.LOG_PROBS], hf_response_log_probs(model_dir, batch_tensors)[0], mask) < TOL
 
 
 def test_swapped_gate_up_mapping_fails_parity(make_group, model_dir, batch_tensors):
-    config = ReferenceConfig(strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, test_swap_gate_up=True))
+    config = ReferenceConfig(
+        strategy=MegatronInferConfig(model_path=model_dir, micro_batch_size=2, test_swap_gate_up=True)
+    )
     group = _started(make_group(ReferenceWorker, 1, ParallelLayout(), role="reference_wrong", worker_config=config))
-    got = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors)).batch[keys.LOG_PROBS]
+    got = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors)).batch[
+        keys.LOG_PROBS
+    ]
     expected, _ = hf_response_log_probs(model_dir, batch_tensors)
     assert max_masked_diff(got, expected, batch_tensors[keys.RESPONSE_MASK]) > 100 * TOL
 
 
 def test_mtp_at_pp2_log_probs_loss_and_gradients(make_group, model_dir, batch_tensors):
-    config = ActorConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, mtp_num_layers=1,
-                                                      optimizer=OptimizerSettings(lr=1e-3)))
+    config = ActorConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=2, mtp_num_layers=1, optimizer=OptimizerSettings(lr=1e-3)
+        )
+    )
     group = _started(make_group(ActorWorker, 2, ParallelLayout(pp=2), role="actor_mtp", worker_config=config))
     got = group.call(ActorWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors)).batch[keys.LOG_PROBS]
     expected, _ = hf_response_log_probs(model_dir, batch_tensors)
@@ -80,8 +94,11 @@ def test_mtp_at_pp2_log_probs_loss_and_gradients(make_group, model_dir, batch_te
 
 
 def test_critic_values_and_train_step(make_group, model_dir, batch_tensors):
-    config = CriticConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
-                                                       optimizer=OptimizerSettings(lr=1e-2)))
+    config = CriticConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=2, value_head=True, optimizer=OptimizerSettings(lr=1e-2)
+        )
+    )
     group = _started(make_group(CriticWorker, 2, ParallelLayout(tp=2), role="critic", worker_config=config))
     values = group.call(CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
     assert values.shape == batch_tensors[keys.RESPONSES].shape and torch.isfinite(values).all()
@@ -97,19 +114,29 @@ def test_token_budget_with_mtp_at_pp2_and_packing_with_the_value_head(make_group
 
     budget = {META_MAX_TOKENS_PER_MICROBATCH: 16}
     mask = batch_tensors[keys.RESPONSE_MASK]
-    config = ActorConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, mtp_num_layers=1,
-                                                      optimizer=OptimizerSettings(lr=1e-3)))
+    config = ActorConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=2, mtp_num_layers=1, optimizer=OptimizerSettings(lr=1e-3)
+        )
+    )
     actor = _started(make_group(ActorWorker, 2, ParallelLayout(pp=2), role="actor_mtp", worker_config=config))
     fixed = actor.call(ActorWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors)).batch[keys.LOG_PROBS]
-    grouped = actor.call(ActorWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors, meta_info=budget)).batch[keys.LOG_PROBS]
+    grouped = actor.call(
+        ActorWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors, meta_info=budget)
+    ).batch[keys.LOG_PROBS]
     assert max_masked_diff(grouped, fixed, mask) < TOL
     metrics = actor.call(ActorWorker.train_step, DataProto.from_dict(tensors=batch_tensors, meta_info=budget))[0]
     assert math.isfinite(metrics["mtp_loss"]) and metrics["mtp_loss"] > 0
 
-    config = CriticConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, value_head=True,
-                                                       optimizer=OptimizerSettings(lr=1e-2)))
+    config = CriticConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=2, value_head=True, optimizer=OptimizerSettings(lr=1e-2)
+        )
+    )
     critic = _started(make_group(CriticWorker, 2, ParallelLayout(tp=2), role="critic", worker_config=config))
     values = critic.call(CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
     for meta in (budget, {**budget, META_SEQUENCE_PACKING: True}):
-        got = critic.call(CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors, meta_info=meta)).batch[keys.VALUES]
+        got = critic.call(
+            CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors, meta_info=meta)
+        ).batch[keys.VALUES]
         assert max_masked_diff(got, values, mask) < TOL, meta

@@ -30,10 +30,15 @@ def _batch(prompt_width: int = 10, response_width: int = 24) -> DataProto:
         used = slice(prompt_width - p, prompt_width + r)
         input_ids[row, used] = torch.randint(3, 300, (p + r,), generator=gen)
         attention[row, used] = 1
-    return DataProto.from_dict(tensors={
-        keys.INPUT_IDS: input_ids, keys.ATTENTION_MASK: attention, keys.RESPONSES: input_ids[:, prompt_width:],
-        keys.RESPONSE_MASK: attention[:, prompt_width:], keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
-    })
+    return DataProto.from_dict(
+        tensors={
+            keys.INPUT_IDS: input_ids,
+            keys.ATTENTION_MASK: attention,
+            keys.RESPONSES: input_ids[:, prompt_width:],
+            keys.RESPONSE_MASK: attention[:, prompt_width:],
+            keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
+        }
+    )
 
 
 def test_sequence_extents_count_used_prompt_and_response_columns():
@@ -63,7 +68,9 @@ def test_packing_fills_rows_up_to_the_budget():
     assert len(bins) <= -(-sum(lengths) // 30) + 1  # within one row of the lower bound
 
 
-@pytest.mark.parametrize("plan", [mb.BatchingPlan(2, 32), mb.BatchingPlan(2, 40, packing=True)], ids=["budget", "packing"])
+@pytest.mark.parametrize(
+    "plan", [mb.BatchingPlan(2, 32), mb.BatchingPlan(2, 40, packing=True)], ids=["budget", "packing"]
+)
 def test_gathered_columns_predict_each_response_token_and_packed_sequences_see_only_themselves(plan):
     batch = _batch()
     micro_batches, rows = mb.split(batch, plan, "cpu", "test")
@@ -84,7 +91,7 @@ def test_gathered_columns_predict_each_response_token_and_packed_sequences_see_o
             segment = torch.full((micro.input_ids.shape[1],), -1)
             for n, row in enumerate(micro.index.tolist()):
                 start = int(micro.gather.cols[n, 0]) - (max(PROMPT_LENS[row], 1) - 1)
-                segment[start:start + max(PROMPT_LENS[row], 1) + RESPONSE_LENS[row]] = n
+                segment[start : start + max(PROMPT_LENS[row], 1) + RESPONSE_LENS[row]] = n
                 assert micro.position_ids[0, start] == 0
             real = segment >= 0
             same = (segment[:, None] == segment[None, :]) & real[:, None] & real[None, :]
@@ -93,10 +100,20 @@ def test_gathered_columns_predict_each_response_token_and_packed_sequences_see_o
             assert torch.equal(visible[real][:, real], (same & causal)[real][:, real])
 
 
-@pytest.mark.parametrize("micro_batch_size, count_multiple, sizes", [
-    (64, 1, [9]), (4, 1, [3, 3, 3]), (2, 1, [2, 2, 2, 2, 2]), (9, 1, [9]), (8, 2, [5, 5]), (64, 2, [5, 5]),
-])
-def test_fixed_micro_batches_are_as_few_as_the_size_allows_and_equal(monkeypatch, micro_batch_size, count_multiple, sizes):
+@pytest.mark.parametrize(
+    "micro_batch_size, count_multiple, sizes",
+    [
+        (64, 1, [9]),
+        (4, 1, [3, 3, 3]),
+        (2, 1, [2, 2, 2, 2, 2]),
+        (9, 1, [9]),
+        (8, 2, [5, 5]),
+        (64, 2, [5, 5]),
+    ],
+)
+def test_fixed_micro_batches_are_as_few_as_the_size_allows_and_equal(
+    monkeypatch, micro_batch_size, count_multiple, sizes
+):
     """A probe of 4 rows at micro_batch_size 64 ran one micro-batch of 64 rows (60 of padding): 11x the work."""
     from roll_backend.strategies.megatron import cp
 
@@ -117,7 +134,9 @@ def test_budget_and_packing_need_valid_config():
         MegatronInferConfig(model_path="m", max_tokens_per_microbatch=4)
     with pytest.raises(ValueError, match="MTP labels would cross packed sequences"):
         MegatronTrainConfig(model_path="m", max_tokens_per_microbatch=64, use_sequence_packing=True, mtp_num_layers=1)
-    assert MegatronTrainConfig(model_path="m", max_tokens_per_microbatch=64, use_sequence_packing=True).use_sequence_packing
+    assert MegatronTrainConfig(
+        model_path="m", max_tokens_per_microbatch=64, use_sequence_packing=True
+    ).use_sequence_packing
 
 
 @pytest.mark.parametrize("mode", AGG_MODE_NAMES)
@@ -128,7 +147,9 @@ def test_every_agg_mode_with_global_counts_is_independent_of_the_grouping(mode):
     tokens, sequences = mask.sum(), (mask.sum(-1) > 0).sum()
     whole = agg_loss(loss_mat, mask, mode, batch_num_tokens=tokens, global_batch_size=sequences)
     for groups in ([[0, 1, 2, 3, 4, 5, 6, 7, 8]], [[1], [0, 2, 4], [3, 5, 6, 7, 8]], [[i] for i in range(9)]):
-        summed = sum(agg_loss(loss_mat[g], mask[g], mode, batch_num_tokens=tokens, global_batch_size=sequences) for g in groups)
+        summed = sum(
+            agg_loss(loss_mat[g], mask[g], mode, batch_num_tokens=tokens, global_batch_size=sequences) for g in groups
+        )
         assert float(summed) == pytest.approx(float(whole), rel=1e-6), groups
 
 
@@ -140,9 +161,22 @@ def test_balanced_partition_evens_token_totals_with_equal_row_counts():
 
 
 def _coords(dp_size: int, tp_size: int = 1) -> list[RankCoords]:
-    return [RankCoords(rank=d * tp_size + t, world_size=dp_size * tp_size, dp=d, tp=t, pp=0, cp=0,
-                       dp_size=dp_size, tp_size=tp_size, pp_size=1, cp_size=1)
-            for d in range(dp_size) for t in range(tp_size)]
+    return [
+        RankCoords(
+            rank=d * tp_size + t,
+            world_size=dp_size * tp_size,
+            dp=d,
+            tp=t,
+            pp=0,
+            cp=0,
+            dp_size=dp_size,
+            tp_size=tp_size,
+            pp_size=1,
+            cp_size=1,
+        )
+        for d in range(dp_size)
+        for t in range(tp_size)
+    ]
 
 
 @pytest.mark.parametrize("dp_size", [2, 4])
@@ -155,14 +189,25 @@ def test_balanced_dispatch_restores_the_input_order_with_uneven_splits_and_paddi
     chunks = [args[0] for args, _ in split.per_rank]
     totals = [float(c.batch[keys.ATTENTION_MASK].sum()) for c, co in zip(chunks, coords) if co.tp == 0]
     assert max(totals) / np.mean(totals) == pytest.approx(split.context["balance_metrics"][balance.IMBALANCE_AFTER])
-    assert split.context["balance_metrics"][balance.IMBALANCE_AFTER] <= split.context["balance_metrics"][balance.IMBALANCE_BEFORE]
-    assert sum(int(c.batch[keys.DISPATCH_PADDING].sum()) for c, co in zip(chunks, coords) if co.tp == 0) == -len(batch) % dp_size
-    outputs = [DataProto.from_dict(tensors={"ids": c.batch["ids"] * 10, keys.DISPATCH_PADDING: c.batch[keys.DISPATCH_PADDING]})
-               for c in chunks]
+    assert (
+        split.context["balance_metrics"][balance.IMBALANCE_AFTER]
+        <= split.context["balance_metrics"][balance.IMBALANCE_BEFORE]
+    )
+    assert (
+        sum(int(c.batch[keys.DISPATCH_PADDING].sum()) for c, co in zip(chunks, coords) if co.tp == 0)
+        == -len(batch) % dp_size
+    )
+    outputs = [
+        DataProto.from_dict(tensors={"ids": c.batch["ids"] * 10, keys.DISPATCH_PADDING: c.batch[keys.DISPATCH_PADDING]})
+        for c in chunks
+    ]
     merged = mode.collect(coords, outputs, split.context)
     assert merged.batch["ids"].tolist() == [10 * i for i in range(len(batch))]
     assert keys.DISPATCH_PADDING not in merged.batch.keys()
-    assert merged.meta_info[keys.META_METRICS][balance.IMBALANCE_AFTER] == split.context["balance_metrics"][balance.IMBALANCE_AFTER]
+    assert (
+        merged.meta_info[keys.META_METRICS][balance.IMBALANCE_AFTER]
+        == split.context["balance_metrics"][balance.IMBALANCE_AFTER]
+    )
     # Metric dicts (train_step) get the imbalance figures; opting out leaves the plain DP split.
     assert balance.IMBALANCE_BEFORE in mode.collect(coords, [{"loss": 1.0}] * len(coords), split.context)[0]
     batch.meta_info[keys.META_BALANCE_DP] = False

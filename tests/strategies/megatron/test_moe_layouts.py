@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
 from multi_model_actor import MultiModelActorWorker
+
 from roll_backend import keys
+from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.keys import META_BALANCE_DP
-from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
@@ -42,8 +42,19 @@ TRAINED = {"qwen3_moe": "tp2ep2_etp1", "qwen2_moe": "tp2ep2_etp2"}
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("moe_models")
     return {
-        family: str(build_tiny_model(root / family, TinyModelSpec(family=family, hidden_size=64, num_attention_heads=4,
-                                                                  num_key_value_heads=2, num_hidden_layers=2, seed=5)))
+        family: str(
+            build_tiny_model(
+                root / family,
+                TinyModelSpec(
+                    family=family,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    num_hidden_layers=2,
+                    seed=5,
+                ),
+            )
+        )
         for family in FAMILIES
     }
 
@@ -67,14 +78,20 @@ def group(make_group, model_dirs):
     def build(name: str):
         world_size, layout = LAYOUTS[name]
         config = ActorConfig(
-            strategy=None, loss=ActorLossConfig(clip_low=0.2),
+            strategy=None,
+            loss=ActorLossConfig(clip_low=0.2),
         )
         built = make_group(MultiModelActorWorker, world_size, layout, role=f"moe_{name}", worker_config=config)
         if not getattr(built, "initialised", False):
-            built.call(MultiModelActorWorker.init_models, {
-                family: MegatronTrainConfig(model_path=path, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2))
-                for family, path in model_dirs.items()
-            })
+            built.call(
+                MultiModelActorWorker.init_models,
+                {
+                    family: MegatronTrainConfig(
+                        model_path=path, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)
+                    )
+                    for family, path in model_dirs.items()
+                },
+            )
             built.initialised = True
         return built
 
@@ -83,13 +100,17 @@ def group(make_group, model_dirs):
 
 def _log_probs(group, family: str, tensors) -> torch.Tensor:
     group.call(MultiModelActorWorker.use_model, family)
-    return group.call(MultiModelActorWorker.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch[keys.LOG_PROBS]
+    return group.call(MultiModelActorWorker.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch[
+        keys.LOG_PROBS
+    ]
 
 
 def _train(group, family: str, tensors) -> dict:
     """One step on rows in input order: DP balancing off, so DP2's micro-batches are DP1's (see below)."""
     group.call(MultiModelActorWorker.use_model, family)
-    return group.call(MultiModelActorWorker.train_step, DataProto.from_dict(tensors=tensors, meta_info={META_BALANCE_DP: False}))[0]
+    return group.call(
+        MultiModelActorWorker.train_step, DataProto.from_dict(tensors=tensors, meta_info={META_BALANCE_DP: False})
+    )[0]
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
@@ -98,8 +119,12 @@ def test_reference_routing_has_no_near_ties(model_dirs, batch, family):
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs[family], dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model(input_ids=batch[keys.INPUT_IDS], attention_mask=batch[keys.ATTENTION_MASK],
-                    position_ids=batch[keys.POSITION_IDS], output_router_logits=True)
+        out = model(
+            input_ids=batch[keys.INPUT_IDS],
+            attention_mask=batch[keys.ATTENTION_MASK],
+            position_ids=batch[keys.POSITION_IDS],
+            output_router_logits=True,
+        )
     real = batch[keys.ATTENTION_MASK].reshape(-1).bool()
     topk = model.config.num_experts_per_tok
     for layer_logits in out.router_logits:
@@ -133,8 +158,14 @@ def test_train_step_is_the_same_at_ep1_and_tp2ep2(group, batch, references, resu
         for step in range(2):
             single = _train(group("ep1"), family, tensors)
             parallel = _train(group(layout), family, tensors)
-            for name in ("loss", "moe/aux_loss", "moe/load_balancing_loss", "moe/expert_load_min", "moe/expert_load_max",
-                         "moe/expert_load_imbalance"):
+            for name in (
+                "loss",
+                "moe/aux_loss",
+                "moe/load_balancing_loss",
+                "moe/expert_load_min",
+                "moe/expert_load_max",
+                "moe/expert_load_imbalance",
+            ):
                 assert parallel[name] == pytest.approx(single[name], abs=TOL), (family, step, name)
             assert parallel["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), (family, step)
             assert single["moe/aux_loss"] > 0 and single["moe/expert_load_max"] >= 1.0 >= single["moe/expert_load_min"]
@@ -168,7 +199,10 @@ def test_checkpoint_saved_at_one_ep_layout_loads_at_another(group, batch, refere
     tensors = dict(batch, **{keys.OLD_LOG_PROBS: references["qwen3_moe"]})
     next_source, next_target = _train(source, "qwen3_moe", tensors), _train(group("ep1"), "qwen3_moe", tensors)
     assert next_target["loss"] == pytest.approx(next_source["loss"], abs=TOL)
-    assert max_masked_diff(_log_probs(group("ep1"), "qwen3_moe", batch), _log_probs(source, "qwen3_moe", batch), mask) < TOL
+    assert (
+        max_masked_diff(_log_probs(group("ep1"), "qwen3_moe", batch), _log_probs(source, "qwen3_moe", batch), mask)
+        < TOL
+    )
 
 
 def _safetensors(folder) -> dict[str, torch.Tensor]:

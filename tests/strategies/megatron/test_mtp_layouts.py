@@ -11,10 +11,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
 from reconfigurable_workers import ReconfigurableActor
+from safetensors.torch import load_file
+
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -23,17 +23,37 @@ from roll_backend.strategies.megatron.config import MegatronTrainConfig, Optimiz
 from roll_backend.workers.actor import ActorConfig
 
 TOL = 1e-5
-LAYOUTS = {"pp1": ParallelLayout(), "pp2": ParallelLayout(pp=2), "tp2pp2": ParallelLayout(tp=2, pp=2),
-           "cp2pp2vpp2": ParallelLayout(cp=2, pp=2, vpp=2)}  # MTP in the last chunk of the last stage, on both CP ranks
-MTP_HF_NAMES = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight",
-                "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.o_proj.weight",
-                "mlp.gate_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
+LAYOUTS = {
+    "pp1": ParallelLayout(),
+    "pp2": ParallelLayout(pp=2),
+    "tp2pp2": ParallelLayout(tp=2, pp=2),
+    "cp2pp2vpp2": ParallelLayout(cp=2, pp=2, vpp=2),
+}  # MTP in the last chunk of the last stage, on both CP ranks
+MTP_HF_NAMES = (
+    "token_layernorm.weight",
+    "hidden_layernorm.weight",
+    "input_proj.weight",
+    "final_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def model_dir(request, tmp_path_factory) -> str:
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=request.param == "tied")
+    spec = TinyModelSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=request.param == "tied",
+    )
     return str(build_tiny_model(tmp_path_factory.mktemp(f"mtp_{request.param}"), spec))
 
 
@@ -49,14 +69,25 @@ def batch(model_dir) -> DataProto:
 def groups(make_group, tmp_path_factory):
     """One group per layout for the whole module (the model is loaded per test with init_model_with)."""
     placeholder = ActorConfig(strategy=MegatronTrainConfig(model_path="unused"))
-    return {name: make_group(ReconfigurableActor, layout.model_parallel_size, layout, role=f"mtp_{name}", worker_config=placeholder)
-            for name, layout in LAYOUTS.items()}
+    return {
+        name: make_group(
+            ReconfigurableActor, layout.model_parallel_size, layout, role=f"mtp_{name}", worker_config=placeholder
+        )
+        for name, layout in LAYOUTS.items()
+    }
 
 
 def _config(model_path: str, seed: int = 42) -> ActorConfig:
-    return ActorConfig(strategy=MegatronTrainConfig(model_path=model_path, micro_batch_size=2, mtp_num_layers=1,
-                                                    mtp_loss_scaling_factor=0.3, seed=seed,
-                                                    optimizer=OptimizerSettings(lr=1e-3)))
+    return ActorConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_path,
+            micro_batch_size=2,
+            mtp_num_layers=1,
+            mtp_loss_scaling_factor=0.3,
+            seed=seed,
+            optimizer=OptimizerSettings(lr=1e-3),
+        )
+    )
 
 
 def _step(group, batch: DataProto) -> tuple[dict, torch.Tensor]:
@@ -95,9 +126,16 @@ def test_checkpoint_saved_at_one_layout_gives_the_same_step_at_every_layout(grou
     mask = batch.batch[keys.RESPONSE_MASK]
     results = {}
     for name, group in groups.items():
-        group.call(ReconfigurableActor.init_model_with, _config(model_dir, seed=7))  # another seed: only the checkpoint can make them agree
+        group.call(
+            ReconfigurableActor.init_model_with, _config(model_dir, seed=7)
+        )  # another seed: only the checkpoint can make them agree
         group.call(ReconfigurableActor.load_checkpoint, checkpoint)
-        assert max_masked_diff(group.call(ReconfigurableActor.compute_log_probs, batch).batch[keys.LOG_PROBS], saved_lp, mask) <= TOL, name
+        assert (
+            max_masked_diff(
+                group.call(ReconfigurableActor.compute_log_probs, batch).batch[keys.LOG_PROBS], saved_lp, mask
+            )
+            <= TOL
+        ), name
         results[name] = _step(group, batch)
     _assert_same_step(results, mask)
     # and back: PP1 saves, PP2 loads, the next steps agree
@@ -120,7 +158,9 @@ def test_hf_export_carries_mtp_layers_and_import_keeps_them_bit_exact(groups, mo
     assert not any(name.startswith("mtp.") for name in state)
 
     reimported = groups["pp1"]
-    reimported.call(ReconfigurableActor.init_model_with, _config(str(exported), seed=11))  # another seed: the folder's MTP weights must win
+    reimported.call(
+        ReconfigurableActor.init_model_with, _config(str(exported), seed=11)
+    )  # another seed: the folder's MTP weights must win
     again = tmp_path / "again"
     reimported.call(ReconfigurableActor.export_hf, str(again))
     state_again = load_file(again / "model.safetensors")

@@ -9,10 +9,18 @@ from roll_backend.strategies.megatron.config import default_stage_split, stage_s
 from roll_backend.strategies.megatron.cp import _own_chunks, _token_order
 
 
-@pytest.mark.parametrize("layers,pp,vpp,expected", [
-    (4, 2, None, (None, None)), (4, 2, 2, (None, None)), (3, 2, None, (2, 1)), (5, 3, None, (2, 1)),
-    (7, 4, None, (2, 1)), (6, 2, 2, (4, 2)), (10, 4, None, (3, 1)),
-])
+@pytest.mark.parametrize(
+    "layers,pp,vpp,expected",
+    [
+        (4, 2, None, (None, None)),
+        (4, 2, 2, (None, None)),
+        (3, 2, None, (2, 1)),
+        (5, 3, None, (2, 1)),
+        (7, 4, None, (2, 1)),
+        (6, 2, 2, (4, 2)),
+        (10, 4, None, (3, 1)),
+    ],
+)
 def test_default_split_is_the_most_even_with_the_last_stage_lighter(layers, pp, vpp, expected):
     assert default_stage_split(layers, pp, vpp) == expected
     first, last = expected
@@ -39,7 +47,7 @@ def test_cp_chunk_order_round_trips(cp):
             from megatron.core import parallel_state
 
             patch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
-            patch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+            patch.setattr(parallel_state, "get_context_parallel_rank", lambda rank=rank: rank)
             local.append(get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"])
         assert torch.equal(_own_chunks(tokens, 1, rank, cp), local[rank])
     assert torch.equal(_token_order(local, 1), tokens)

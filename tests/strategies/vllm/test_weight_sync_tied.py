@@ -16,8 +16,14 @@ from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfi
 from roll_backend.workers.actor import ActorConfig, ActorWorker
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
-TIED = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     tie_word_embeddings=True, seed=4)
+TIED = TinyModelSpec(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    seed=4,
+)
 PROMPTS = ["what is 1 + 2?", "copy the digits 12345", "reverse abc", "count to five"]
 
 
@@ -28,8 +34,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(make_group, model_dir):
-    config = RolloutWorkerConfig(strategy=VllmRolloutConfig(
-        model_path=model_dir, max_model_len=256, sampling=SamplingConfig(n=4, temperature=1.0, max_tokens=16)))
+    config = RolloutWorkerConfig(
+        strategy=VllmRolloutConfig(
+            model_path=model_dir, max_model_len=256, sampling=SamplingConfig(n=4, temperature=1.0, max_tokens=16)
+        )
+    )
     group = make_group(RolloutWorker, 1, role="rollout", worker_config=config)
     group.call(RolloutWorker.init_model)
     return group
@@ -37,16 +46,28 @@ def rollout(make_group, model_dir):
 
 @pytest.fixture(scope="module")
 def actor(make_group, model_dir):
-    config = ActorConfig(strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=8, optimizer=OptimizerSettings(lr=1e-2)))
+    config = ActorConfig(
+        strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=8, optimizer=OptimizerSettings(lr=1e-2))
+    )
     group = make_group(ActorWorker, 1, role="actor", worker_config=config)
     group.call(ActorWorker.init_model)
     return group
 
 
 def sample(rollout) -> DataProto:
-    batch = rollout.call(RolloutWorker.generate, DataProto.from_dict(non_tensors={keys.PROMPT_TEXT: np.array(PROMPTS, dtype=object)}))
-    return batch.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES,
-                                    keys.RESPONSE_MASK, keys.ROLLOUT_LOG_PROBS])
+    batch = rollout.call(
+        RolloutWorker.generate, DataProto.from_dict(non_tensors={keys.PROMPT_TEXT: np.array(PROMPTS, dtype=object)})
+    )
+    return batch.select(
+        batch_keys=[
+            keys.INPUT_IDS,
+            keys.ATTENTION_MASK,
+            keys.POSITION_IDS,
+            keys.RESPONSES,
+            keys.RESPONSE_MASK,
+            keys.ROLLOUT_LOG_PROBS,
+        ]
+    )
 
 
 def log_prob_gap(actor, batch: DataProto) -> float:
@@ -60,8 +81,12 @@ def test_tied_output_layer_follows_the_synced_embedding(rollout, actor):
     assert log_prob_gap(actor, before) < 1e-5  # same initial weights on both sides
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):  # large steps: the embedding (and so the tied output layer) moves visibly
-        extra = DataProto.from_dict(tensors={keys.OLD_LOG_PROBS: before.batch[keys.ROLLOUT_LOG_PROBS],
-                                             keys.ADVANTAGES: torch.randn(before.batch[keys.RESPONSES].shape, generator=gen)})
+        extra = DataProto.from_dict(
+            tensors={
+                keys.OLD_LOG_PROBS: before.batch[keys.ROLLOUT_LOG_PROBS],
+                keys.ADVANTAGES: torch.randn(before.batch[keys.RESPONSES].shape, generator=gen),
+            }
+        )
         actor.call(ActorWorker.train_step, before.select(batch_keys=list(before.batch.keys())).union(extra))
     assert log_prob_gap(actor, before) > 1e-2, "training did not move the policy; the test would prove nothing"
     buckets = next(refs for refs in actor.call(ActorWorker.publish_hf_weights, 64 * 1024) if refs)
