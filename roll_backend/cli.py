@@ -51,11 +51,23 @@ def _load(config_path: str, overrides: list[str]):
     return config
 
 
+def _check_resume(config_path: str, config) -> None:
+    """Log the checkpoint `checkpoint.resume` will load (and those auto skips), or stop on an incomplete one, before
+    Ray starts. Not in submit: the checkpoints are where the job runs, and its `run` checks them there."""
+    from roll_backend.pipelines.checkpoint import CheckpointError, resume_checkpoint
+
+    try:
+        resume_checkpoint(config.checkpoint.resume, config.output_dir)
+    except CheckpointError as exc:
+        raise CliError(f"{config_path}: {exc}") from exc
+
+
 # ---- validate -------------------------------------------------------------------------------------------
 def cmd_validate(args: argparse.Namespace) -> int:
     from roll_backend.config.loader import config_to_yaml
 
     config = _load(args.config, args.overrides)
+    _check_resume(args.config, config)
     print(config_to_yaml(config), end="")
     return EXIT_OK
 
@@ -63,6 +75,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # ---- run ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
+    _check_resume(args.config, config)
     from roll_backend.distributed.orphans import kill_children_with_this_process
     from roll_backend.distributed.ray_env import init_local_ray
     from roll_backend.pipelines import run_with_restarts  # before Ray starts: a broken install fails at once
@@ -158,7 +171,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         status = follow_job(client, job_id, args.poll_s)
     except KeyboardInterrupt:
-        print(f"\nstopped following; the job keeps running. Stop it with: ray job stop --address {args.address} {job_id}", file=sys.stderr)
+        print(f"\nstopped following; the job keeps running. Stop it with: ray job stop --address {args.address} "
+              f"{job_id}", file=sys.stderr)
         return 130
     if status == "SUCCEEDED":
         print(f"job {job_id} SUCCEEDED", file=sys.stderr)
@@ -194,7 +208,8 @@ def read_metrics(path: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise CliError(f"{path}:{number} is not JSON ({exc.msg}); each line must be one step's metrics") from None
+                raise CliError(
+                    f"{path}:{number} is not JSON ({exc.msg}); each line must be one step's metrics") from None
     return rows
 
 
@@ -236,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("config", help="run config YAML (see configs/)")
-        sub.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. max_steps=5 actor_train.strategy.tp=2")
+        sub.add_argument("overrides", nargs="*", metavar="key=value",
+                         help="overrides, e.g. max_steps=5 actor_train.strategy.tp=2")
 
     run = commands.add_parser("run", help="run a pipeline on a local Ray (or the cluster of RAY_ADDRESS)")
     with_config(run)

@@ -21,6 +21,16 @@ from roll_backend.workers.critic import CriticWorker
 
 logger = logging.getLogger(__name__)
 
+
+class StepHistory(list):
+    """A run's metrics rows, one per step. PipelineRun appends each step's row, and calls `resumed(step)` once its
+    groups are built and it stands after `step` (0: from the start): the rows of later steps go (they run again).
+    The restart supervisor keeps one across attempts (recovery.TimedHistory, which also times restarts)."""
+
+    def resumed(self, step: int) -> None:
+        self[:] = [row for row in self if row["step"] <= step]
+
+
 def ensure_model(config: PipelineConfig) -> None:
     """With `build_tiny_model`, write the tiny model and tokenizer to model_path unless it is already there."""
     if config.build_tiny_model is None or (Path(config.model_path) / "config.json").is_file():
@@ -33,10 +43,11 @@ def ensure_model(config: PipelineConfig) -> None:
 
 class PipelineRun:
     """Everything one run holds: groups, data, KL controller, tracker; `step_numbers()` are the steps left to run.
-    `run_metrics` are added to every step's row (the restart supervisor's counters); rows are appended to
-    `history` when given (the supervisor keeps one list across restarts)."""
+    `run_metrics` are added to every step's row (the restart supervisor's counters, kept by reference: it updates
+    them during the run); rows go to `history` when given (the supervisor keeps one across restarts)."""
 
-    def __init__(self, config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None):
+    def __init__(self, config: PipelineConfig, run_metrics: dict[str, float] | None = None,
+                 history: StepHistory | None = None):
         from transformers import AutoTokenizer
 
         from roll_backend.pipelines.data import PromptDataset
@@ -50,11 +61,11 @@ class PipelineRun:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timeouts = config.fault_tolerance.timeouts
-        self.run_metrics = dict(run_metrics or {})
+        self.run_metrics = run_metrics if run_metrics is not None else {}
         with phase_deadline(self.timeouts, roles.STARTUP):
             self.groups: RoleGroups = build_role_groups(config)
         self.first_step = 1
-        self.history: list[dict] = history if history is not None else []
+        self.history = history if history is not None else StepHistory()
         # Trainer updates applied so far, and the version the rollout engine holds (equal in synchronous mode).
         self.policy_version = self.rollout_version = 0
         # Asynchronous mode: the next step's batch, generated while this step trained; saved with checkpoints.
@@ -65,6 +76,7 @@ class PipelineRun:
                 with phase_deadline(self.timeouts, roles.CHECKPOINT):
                     self._resume(config.checkpoint.resume)
             self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
+            self.history.resumed(self.first_step - 1)
         except BaseException:
             self.groups.shutdown()
             raise
@@ -101,14 +113,14 @@ class PipelineRun:
         return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
 
     def _resume(self, resume: str) -> None:
-        path = ckpt.latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
+        path = ckpt.resume_checkpoint(resume, self.output_dir)  # logs what auto skips; refuses an incomplete folder
         if path is None:
-            logger.info("resume=auto: no checkpoint under %s yet; starting from step 1", self.output_dir)
             return
         state = ckpt.load_driver_state(path)
-        self.groups.actor_train.call(ActorWorker.load_checkpoint, str(Path(path).resolve() / "actor"))
-        if self.groups.critic is not None:
-            self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
+        with ckpt.loading(path):
+            self.groups.actor_train.call(ActorWorker.load_checkpoint, str(Path(path).resolve() / "actor"))
+            if self.groups.critic is not None:
+                self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
         phases.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit())

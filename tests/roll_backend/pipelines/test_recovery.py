@@ -1,24 +1,30 @@
 """Automatic restart on real groups (issue 15): a killed actor rank, a hung rollout rank and a rank killed while
-writing a checkpoint each cost one restart from the latest complete checkpoint, and the run ends with the same
-metrics as an uninterrupted one (timings aside); metrics.jsonl keeps one row per step. The uninterrupted GRPO run
-is also where a plain run's metrics are checked."""
+writing a checkpoint each cost one restart from the latest complete checkpoint (passing over one whose shard was
+truncated after it was committed, saying so), and the run ends with the same metrics as an uninterrupted one
+(timings aside); metrics.jsonl keeps one row per step; seconds_lost holds the whole restart (the wait that saw the
+failure, the rebuild, the redone steps). The uninterrupted GRPO run is also where a plain run's metrics are checked;
+the checkpoints of the last run are where a changed byte in a shard is shown to be seen before Ray starts."""
 
 from __future__ import annotations
 
 import logging
 import math
+import re
+import time
 
 import pytest
 
 from roll_backend.config.loader import load_config
+from roll_backend.pipelines import checkpoint as ckpt
 from roll_backend.pipelines import run_with_restarts
-from roll_backend.pipelines.recovery import RESTARTS
+from roll_backend.pipelines.recovery import RESTARTS, SECONDS_LOST
 from roll_backend.pipelines.tracking import read_metrics
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEPS = 6
 # Deadlines far above what a phase of the tiny model takes even on a loaded machine, far below the defaults.
-DEADLINES = [f"fault_tolerance.timeouts.{phase}=60" for phase in ("generate", "reward", "log_probs", "train", "weight_sync")]
+DEADLINES = [f"fault_tolerance.timeouts.{phase}=60"
+             for phase in ("generate", "reward", "log_probs", "train", "weight_sync")]
 
 
 def six_step_config(base_config, prompt_file, model_dir, output_dir, *extra):
@@ -30,7 +36,8 @@ def six_step_config(base_config, prompt_file, model_dir, output_dir, *extra):
 def same_numbers(row: dict) -> dict:
     """A step's metrics without wall times, rates and restart counters."""
     return {k: v for k, v in row.items()
-            if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/")) and not k.endswith(("_seconds", "_per_s"))}
+            if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/"))
+            and not k.endswith(("_seconds", "_per_s"))}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +46,7 @@ def uninterrupted_run(ray_session, base_config, prompt_file, model_dir, tmp_path
     output_dir = tmp_path_factory.mktemp("full")
     history = run_with_restarts(six_step_config(base_config, prompt_file, model_dir, output_dir))
     assert [row["step"] for row in history] == list(range(1, STEPS + 1))
-    assert {row[RESTARTS] for row in history} == {0.0}
+    assert {row[RESTARTS] for row in history} == {0.0} and {row[SECONDS_LOST] for row in history} == {0.0}
     return history, output_dir
 
 
@@ -71,37 +78,111 @@ def assert_finished_like(uninterrupted, history, output_dir, restarted_at: int) 
     assert [row["step"] for row in read_metrics(output_dir)] == list(range(1, STEPS + 1))  # the redone step once
 
 
-def run_with_one_restart(config, caplog) -> tuple[list[dict], str]:
-    """The run's history and its one restart's log line."""
-    with caplog.at_level(logging.WARNING, logger="roll_backend.pipelines.recovery"):
+def run_with_one_restart(config, caplog) -> tuple[list[dict], str, float]:
+    """The run's history, its one restart's log line and the seconds it lost. Checks seconds_lost against the times of
+    the run's own log lines: it holds at least the span from the restart line (written after the failure was seen and
+    the groups shut down) to the line saying the run stands where it was again, which comes after the rebuilt run's
+    "resumed from" line; it shows from the first row after the last step logged before the failure."""
+    started = time.time()
+    with caplog.at_level(logging.INFO, logger="roll_backend.pipelines"):
         history = run_with_restarts(config)
-    (restart,) = [r.getMessage() for r in caplog.records if "restart 1/1" in r.getMessage()]
-    return history, restart
+    wall = time.time() - started
+    (restart,) = [r for r in caplog.records if "restart 1/1 after" in r.getMessage()]
+    (resumed,) = [r for r in caplog.records
+                  if r.getMessage().startswith("resumed from") and r.created > restart.created]
+    (back,) = [r for r in caplog.records if r.getMessage().startswith("restart 1: the run stands at step")]
+    last_logged = int(re.search(r"The last step logged was (\d+);", restart.getMessage()).group(1))
+    assert {row[SECONDS_LOST] for row in history if row["step"] <= last_logged} == {0.0}
+    (lost,) = {row[SECONDS_LOST] for row in history if row["step"] > last_logged}
+    assert resumed.created <= back.created and back.created - restart.created <= lost < wall, (
+        back.created - restart.created, lost, wall)
+    assert f"the run stands at step {last_logged} again {lost:.1f} s after it first did" in back.getMessage()
+    return history, restart.getMessage(), lost
 
 
-def test_actor_rank_killed_in_train_restarts_from_the_last_checkpoint(uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=kill:actor_train:1:train:3")
-    history, restart = run_with_one_restart(config, caplog)
+def damage_after_commit(monkeypatch, step: int) -> dict:
+    """Truncates the biggest actor shard of checkpoint `step` once it is committed, the first time only (what a full
+    disk or an unflushed write leaves behind); returns {name, size, kept} once it did."""
+    damaged, commit = {}, ckpt.commit_checkpoint
+
+    def commit_then_truncate(staged, driver_state, keep_last):
+        final = commit(staged, driver_state, keep_last)
+        if final.name == f"step_{step}" and not damaged:
+            shard = max((final / "actor").glob("*.distcp"), key=lambda path: path.stat().st_size)
+            damaged.update(name=shard.relative_to(final).as_posix(), size=shard.stat().st_size)
+            damaged["kept"] = damaged["size"] // 2
+            shard.write_bytes(shard.read_bytes()[: damaged["kept"]])
+        return final
+
+    monkeypatch.setattr(ckpt, "commit_checkpoint", commit_then_truncate)
+    return damaged
+
+
+def test_actor_rank_killed_in_train_restarts_from_the_last_complete_checkpoint(
+        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog, monkeypatch):
+    # step_4 is committed, then a shard of it is truncated; the kill in step 5 restarts from step_2, saying why.
+    damaged = damage_after_commit(monkeypatch, 4)
+    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
+                             "fault_tolerance.inject=kill:actor_train:1:train:5")
+    history, restart, _ = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "actor_train.train_step: the actor of [rank 1/2" in restart
-    assert "The last step logged was 2; resuming from" in restart and "step_2 (step 2)" in restart
+    assert "The last step logged was 4; resuming from" in restart and "step_2 (step 2)" in restart
+    root = ckpt.checkpoint_root(tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.name == ckpt.__name__]
+    assert messages == [  # the rebuilt run's resume=auto (the first run started without resume)
+        (f"resume=auto skips checkpoint {root / 'step_4'}: {damaged['name']} has {damaged['kept']} bytes, its "
+         f"manifest says {damaged['size']} (truncated or overwritten)"),
+        f"resume=auto: the run resumes from {root / 'step_2'}"]
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_6" and ckpt.checkpoint_problem(root / "step_4") is None
 
 
-def test_hung_rollout_rank_is_detected_at_the_phase_deadline_and_restarted(uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=hang:actor_infer:0:generate:4",
+def test_hung_rollout_rank_is_detected_at_the_phase_deadline_and_restarted(
+        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
+    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
+                             "fault_tolerance.inject=hang:actor_infer:0:generate:3",
                              "fault_tolerance.timeouts.generate=15")
-    history, restart = run_with_one_restart(config, caplog)
+    history, restart, lost = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
-    assert "The last step logged was 3; resuming from" in restart and "step_2 (step 2)" in restart  # step 4 hung
+    assert "The last step logged was 2; resuming from" in restart and "step_2 (step 2)" in restart  # step 3 hung
     assert "actor_infer.generate: no answer from [rank 0/1" in restart
     assert "within the deadline of phase 'generate' (fault_tolerance.timeouts.generate) (15s)" in restart
+    # Step 3 began after step 2 was logged and hung for the 15 s deadline: that wait counts, with the rebuild.
+    (restart_line,) = [r for r in caplog.records if "restart 1/1 after" in r.getMessage()]
+    (resumed,) = [r for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert lost >= 15 + resumed.created - restart_line.created, (lost, resumed.created - restart_line.created)
 
 
-def test_rank_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
+def test_rank_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
+        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
     # The 2nd checkpoint save (step 4) dies half-written: step_4.tmp exists, step_2 is the latest complete one.
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=kill:actor_train:0:checkpoint:2")
-    history, restart = run_with_one_restart(config, caplog)
+    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
+                             "fault_tolerance.inject=kill:actor_train:0:checkpoint:2")
+    history, restart, _ = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "actor_train.save_checkpoint: the actor of [rank 0/2" in restart
     assert "The last step logged was 4; resuming from" in restart and "step_2 (step 2)" in restart
     assert (tmp_path / "checkpoints" / "step_6").is_dir()  # the half-written step_4.tmp was never loaded
+    assert_a_changed_byte_is_seen_before_ray(tmp_path, caplog)
+
+
+def assert_a_changed_byte_is_seen_before_ray(output_dir, caplog) -> None:
+    """On this run's real checkpoints (step_2, 4, 6): one changed byte in the middle of step_6's biggest shard (its
+    size unchanged) makes resume=auto take step_4, saying why, and an explicit resume=step_6 is refused naming the
+    file; all on the driver, as `roll-backend run` does before Ray starts."""
+    root = ckpt.checkpoint_root(output_dir)
+    assert ckpt.resume_checkpoint("auto", output_dir) == root / "step_6"
+    shard = max((root / "step_6" / "actor").glob("*.distcp"), key=lambda path: path.stat().st_size)
+    assert shard.stat().st_size <= ckpt.FULL_HASH_BYTES  # the tiny model's shards are hashed whole
+    content = bytearray(shard.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    shard.write_bytes(content)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=ckpt.__name__):
+        assert ckpt.resume_checkpoint("auto", output_dir) == root / "step_4"
+    problem = (f"{shard.relative_to(root / 'step_6').as_posix()} has the recorded size but other content than its "
+               "manifest's blake2b digest (damaged)")
+    assert [r.getMessage() for r in caplog.records] == [f"resume=auto skips checkpoint {root / 'step_6'}: {problem}"]
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.resume_checkpoint(str(root / "step_6"), output_dir)
+    assert str(info.value).startswith(f"checkpoint {root / 'step_6'} is not complete: {problem}. Resume from an older")
