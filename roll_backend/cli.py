@@ -24,8 +24,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Never uploaded with a job's working_dir (gitignore-style patterns; Ray also honours .gitignore files).
 JOB_EXCLUDES = [
-    ".venv", "venv", ".git", "runs", "outputs", "build", "__pycache__", "*.egg-info",
-    ".pytest_cache", ".hypothesis", ".ruff_cache", ".mypy_cache",
+    ".venv",
+    "venv",
+    ".git",
+    "runs",
+    "outputs",
+    "build",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".hypothesis",
+    ".ruff_cache",
+    ".mypy_cache",
 ]
 JOB_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -149,7 +159,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not Path(config.output_dir).is_absolute():
         print(
             f"note: output_dir={config.output_dir!r} is relative: the job writes it inside its copy of the working "
-            f"dir on the cluster; pass output_dir=/shared/path to keep the results", file=sys.stderr,
+            f"dir on the cluster; pass output_dir=/shared/path to keep the results",
+            file=sys.stderr,
         )
     from ray.job_submission import JobSubmissionClient
 
@@ -171,8 +182,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         status = follow_job(client, job_id, args.poll_s)
     except KeyboardInterrupt:
-        print(f"\nstopped following; the job keeps running. Stop it with: ray job stop --address {args.address} "
-              f"{job_id}", file=sys.stderr)
+        print(
+            f"\nstopped following; the job keeps running. Stop it with: ray job stop --address {args.address} {job_id}",
+            file=sys.stderr,
+        )
         return 130
     if status == "SUCCEEDED":
         print(f"job {job_id} SUCCEEDED", file=sys.stderr)
@@ -209,7 +222,8 @@ def read_metrics(path: Path) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise CliError(
-                    f"{path}:{number} is not JSON ({exc.msg}); each line must be one step's metrics") from None
+                    f"{path}:{number} is not JSON ({exc.msg}); each line must be one step's metrics"
+                ) from None
     return rows
 
 
@@ -251,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("config", help="run config YAML (see configs/)")
-        sub.add_argument("overrides", nargs="*", metavar="key=value",
-                         help="overrides, e.g. max_steps=5 actor_train.strategy.tp=2")
+        sub.add_argument(
+            "overrides", nargs="*", metavar="key=value", help="overrides, e.g. max_steps=5 actor_train.strategy.tp=2"
+        )
 
     run = commands.add_parser("run", help="run a pipeline on a local Ray (or the cluster of RAY_ADDRESS)")
     with_config(run)
@@ -263,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(handler=cmd_validate)
 
     submit = commands.add_parser(
-        "submit", help="validate locally, then run on a Ray cluster through Ray Jobs and follow its log",
+        "submit",
+        help="validate locally, then run on a Ray cluster through Ray Jobs and follow its log",
         description="Uploads the current directory as the job's working_dir; the config must lie inside it.",
     )
     submit.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://127.0.0.1:8265")

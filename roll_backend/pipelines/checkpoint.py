@@ -99,8 +99,9 @@ def _read_manifest(folder: Path) -> dict[str, dict]:
     """The manifest's {file: record}; ValueError when it is not one `write_manifest` wrote."""
     manifest = json.loads((folder / MANIFEST).read_text())
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(r, dict) and isinstance(r.get("size"), int)
-                                              for r in files.values()):
+    if not isinstance(files, dict) or not all(
+        isinstance(r, dict) and isinstance(r.get("size"), int) for r in files.values()
+    ):
         raise ValueError("no 'files' table of {file: {size, digest}}")
     return files
 
@@ -125,8 +126,10 @@ def checkpoint_problem(folder: str | Path) -> str | None:
     if not folder.is_dir():
         return "it does not exist" if not folder.exists() else "it is not a folder"
     if not (folder / MANIFEST).is_file():
-        return (f"it has no {MANIFEST}: its save did not finish, or it was written before checkpoints had manifests "
-                f"(issue #27), so nothing says its files are whole")
+        return (
+            f"it has no {MANIFEST}: its save did not finish, or it was written before checkpoints had manifests "
+            f"(issue #27), so nothing says its files are whole"
+        )
     try:
         files = _read_manifest(folder)
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
@@ -178,8 +181,9 @@ def resume_checkpoint(resume: str | None, output_dir: str | Path) -> Path | None
         return Path(resume)
     chosen = latest_checkpoint(output_dir)
     if chosen is None:
-        logger.info("resume=auto: no complete checkpoint under %s; the run starts from step 1",
-                    checkpoint_root(output_dir))
+        logger.info(
+            "resume=auto: no complete checkpoint under %s; the run starts from step 1", checkpoint_root(output_dir)
+        )
     else:
         logger.info("resume=auto: the run resumes from %s", chosen)
     return chosen
@@ -192,7 +196,8 @@ def verify_checkpoint(folder: str | Path) -> None:
         raise CheckpointError(
             f"checkpoint {folder} is not complete: {problem}. Resume from an older complete checkpoint "
             f"(checkpoint.resume=<output_dir>/checkpoints/step_N) or use checkpoint.resume=auto, which takes the "
-            f"newest complete one")
+            f"newest complete one"
+        )
 
 
 def _suspects(folder: Path, rank_message: str) -> str:
@@ -206,10 +211,14 @@ def _suspects(folder: Path, rank_message: str) -> str:
         return f"the rank's error names {', '.join(named)}"
     big = [name for name, record in files.items() if "blake2b_ends" in record]
     if big:
-        return (f"the manifest checks only the size, head and tail of {len(big)} big file(s) ({', '.join(big[:4])}"
-                f"{', ...' if len(big) > 4 else ''}): damage in the middle of one of them is not seen before loading")
-    return ("every file matches its manifest's digest of its whole content, so the files are as they were saved: the "
-            "checkpoint does not fit this run (another model, or a layout or code that reads it differently)")
+        return (
+            f"the manifest checks only the size, head and tail of {len(big)} big file(s) ({', '.join(big[:4])}"
+            f"{', ...' if len(big) > 4 else ''}): damage in the middle of one of them is not seen before loading"
+        )
+    return (
+        "every file matches its manifest's digest of its whole content, so the files are as they were saved: the "
+        "checkpoint does not fit this run (another model, or a layout or code that reads it differently)"
+    )
 
 
 @contextlib.contextmanager
@@ -227,7 +236,8 @@ def loading(folder: str | Path) -> Iterator[None]:
         raise CheckpointError(
             f"loading checkpoint {folder} failed although its files match its manifest: {exc}. Suspect: "
             f"{_suspects(Path(folder), str(exc))}. Resume from an older checkpoint "
-            f"(checkpoint.resume=<output_dir>/checkpoints/step_N)") from exc
+            f"(checkpoint.resume=<output_dir>/checkpoints/step_N)"
+        ) from exc
 
 
 # ---- saving -----------------------------------------------------------------------------------------------
@@ -264,8 +274,10 @@ def load_driver_state(checkpoint: str | Path) -> dict:
     it does not check the other files again)."""
     path = Path(checkpoint) / DRIVER_STATE
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint} is not complete: it has no {DRIVER_STATE}. Resume from another "
-                              f"checkpoint or use checkpoint.resume=auto")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is not complete: it has no {DRIVER_STATE}. Resume from another "
+            f"checkpoint or use checkpoint.resume=auto"
+        )
     return json.loads(path.read_text())
 
 

@@ -27,8 +27,13 @@ logger = logging.getLogger(__name__)
 RESTARTS = "fault_tolerance/restarts"
 SECONDS_LOST = "fault_tolerance/seconds_lost"  # wall time restarts cost, until the run was back where it failed
 # Ray's own errors for a process or node that went away outside a group call (e.g. an object on a lost node).
-LOST_WORKER_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
-                      ray.exceptions.OwnerDiedError, ray.exceptions.WorkerCrashedError)
+LOST_WORKER_ERRORS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.OwnerDiedError,
+    ray.exceptions.WorkerCrashedError,
+)
 
 
 def is_restartable(error: BaseException) -> bool:
@@ -75,9 +80,15 @@ class RestartClock:
             self.seconds_lost += lost
             if self.counters:
                 self.counters[SECONDS_LOST] = self.seconds_lost
-            logger.info("restart %d: the run stands at step %d again %.1f s after it first did (the failed step's "
-                        "lost part, shutdown, rebuild, resume, redone steps); %s=%.1f", self.restarts, step, lost,
-                        SECONDS_LOST, self.seconds_lost)
+            logger.info(
+                "restart %d: the run stands at step %d again %.1f s after it first did (the failed step's "
+                "lost part, shutdown, rebuild, resume, redone steps); %s=%.1f",
+                self.restarts,
+                step,
+                lost,
+                SECONDS_LOST,
+                self.seconds_lost,
+            )
         if step >= self.furthest_step:
             self.furthest_step, self.furthest_at = step, now
 
@@ -115,9 +126,16 @@ def run_with_restarts(config: PipelineConfig) -> list[dict]:
             checkpoint, resume_step = _restart_point(config)
             logger.warning(
                 "restart %d/%d after: %s. The last step logged was %d; resuming from %s (step %d); the time until "
-                "the run stands at step %d again counts in %s", clock.restarts, max_restarts, error,
-                max((row["step"] for row in history), default=0), checkpoint or "the start (no checkpoint yet)",
-                resume_step, clock.furthest_step, SECONDS_LOST)
+                "the run stands at step %d again counts in %s",
+                clock.restarts,
+                max_restarts,
+                error,
+                max((row["step"] for row in history), default=0),
+                checkpoint or "the start (no checkpoint yet)",
+                resume_step,
+                clock.furthest_step,
+                SECONDS_LOST,
+            )
             # Later attempts resume from the latest complete checkpoint (dropping the rows of the steps they redo)
             # and inject no fault (it already fired).
             attempt_config = dataclasses.replace(

@@ -46,8 +46,9 @@ class PipelineRun:
     `run_metrics` are added to every step's row (the restart supervisor's counters, kept by reference: it updates
     them during the run); rows go to `history` when given (the supervisor keeps one across restarts)."""
 
-    def __init__(self, config: PipelineConfig, run_metrics: dict[str, float] | None = None,
-                 history: StepHistory | None = None):
+    def __init__(
+        self, config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: StepHistory | None = None
+    ):
         from transformers import AutoTokenizer
 
         from roll_backend.pipelines.data import PromptDataset
@@ -81,7 +82,7 @@ class PipelineRun:
             self.groups.shutdown()
             raise
 
-    def __enter__(self) -> "PipelineRun":
+    def __enter__(self) -> PipelineRun:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -108,8 +109,12 @@ class PipelineRun:
             self.groups.critic.call(CriticWorker.save_checkpoint, str(staged.resolve() / "critic"))
         if self.next_batch is not None:
             self.next_batch.save_to_disk(staged / ckpt.NEXT_BATCH)
-        state = {"step": step, "kl_coef": self.kl_ctrl.value, "rng": ckpt.driver_rng_state(),
-                 "policy_version": self.policy_version}
+        state = {
+            "step": step,
+            "kl_coef": self.kl_ctrl.value,
+            "rng": ckpt.driver_rng_state(),
+            "policy_version": self.policy_version,
+        }
         return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
 
     def _resume(self, resume: str) -> None:

@@ -74,12 +74,25 @@ def test_a_damaged_newer_checkpoint_never_pushes_out_the_one_just_written(tmp_pa
 
 # ---- the manifest -------------------------------------------------------------------------------------------
 def test_commit_writes_a_manifest_listing_every_file_with_size_and_digest(tmp_path):
-    folder = save(tmp_path, 2, files={"actor/__0_0.distcp": b"x" * 1000, "actor/__1_0.distcp": b"y" * 10,
-                                      "actor/sub/common.pt": b"", "critic/a": b"c"})
+    folder = save(
+        tmp_path,
+        2,
+        files={
+            "actor/__0_0.distcp": b"x" * 1000,
+            "actor/__1_0.distcp": b"y" * 10,
+            "actor/sub/common.pt": b"",
+            "critic/a": b"c",
+        },
+    )
     manifest = json.loads((folder / ckpt.MANIFEST).read_text())
     assert manifest["version"] == ckpt.MANIFEST_VERSION
-    assert sorted(manifest["files"]) == ["actor/__0_0.distcp", "actor/__1_0.distcp", "actor/sub/common.pt",
-                                         "critic/a", ckpt.DRIVER_STATE]  # every rank's shard, the driver's state
+    assert sorted(manifest["files"]) == [
+        "actor/__0_0.distcp",
+        "actor/__1_0.distcp",
+        "actor/sub/common.pt",
+        "critic/a",
+        ckpt.DRIVER_STATE,
+    ]  # every rank's shard, the driver's state
     assert manifest["files"]["actor/__0_0.distcp"]["size"] == 1000
     assert manifest["files"][ckpt.DRIVER_STATE]["size"] == (folder / ckpt.DRIVER_STATE).stat().st_size
     assert all(len(record["blake2b"]) == 32 for record in manifest["files"].values())  # small files: whole content
@@ -97,8 +110,9 @@ def test_big_files_are_checked_by_size_and_the_digest_of_their_ends(tmp_path, mo
     shard.write_bytes(content[:100] + b"\xff" + content[101:])  # the middle: documented as not seen
     assert ckpt.checkpoint_problem(folder) is None
     shard.write_bytes(content[:-1] + b"\xff")  # the tail (a half-written end)
-    assert ckpt.checkpoint_problem(folder) == ("actor/shard has the recorded size but other content than its "
-                                               "manifest's blake2b_ends digest (damaged)")
+    assert ckpt.checkpoint_problem(folder) == (
+        "actor/shard has the recorded size but other content than its manifest's blake2b_ends digest (damaged)"
+    )
     (folder / "actor" / "small").write_bytes(b"t" * 64)  # small files: any byte
     shard.write_bytes(content)
     assert "actor/small has the recorded size but other content" in ckpt.checkpoint_problem(folder)
@@ -107,8 +121,9 @@ def test_big_files_are_checked_by_size_and_the_digest_of_their_ends(tmp_path, mo
 def test_a_manifest_that_is_not_one_is_reported(tmp_path):
     folder = save(tmp_path, 2)
     (folder / ckpt.MANIFEST).write_text('{"version": 1, "files": {"actor/.metadata": {"blake2b": "00"}}}')
-    assert ckpt.checkpoint_problem(folder) == ("its manifest.json is unreadable (ValueError: no 'files' table of "
-                                               "{file: {size, digest}})")
+    assert ckpt.checkpoint_problem(folder) == (
+        "its manifest.json is unreadable (ValueError: no 'files' table of {file: {size, digest}})"
+    )
     (folder / ckpt.MANIFEST).write_text('{"version": 1, "fi')  # torn
     assert ckpt.checkpoint_problem(folder).startswith("its manifest.json is unreadable (JSONDecodeError: ")
 
@@ -121,9 +136,12 @@ def test_auto_skips_a_truncated_newest_checkpoint_naming_the_file(tmp_path, capl
     with caplog.at_level(logging.INFO, logger=ckpt.__name__):
         assert ckpt.resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_4"
     assert [r.getMessage() for r in caplog.records] == [
-        (f"resume=auto skips checkpoint {tmp_path / 'checkpoints' / 'step_6'}: actor/__0_0.distcp has 5120 bytes, its "
-         f"manifest says 10240 (truncated or overwritten)"),
-        f"resume=auto: the run resumes from {tmp_path / 'checkpoints' / 'step_4'}"]
+        (
+            f"resume=auto skips checkpoint {tmp_path / 'checkpoints' / 'step_6'}: actor/__0_0.distcp has 5120 bytes, "
+            f"its manifest says 10240 (truncated or overwritten)"
+        ),
+        f"resume=auto: the run resumes from {tmp_path / 'checkpoints' / 'step_4'}",
+    ]
 
 
 def test_auto_skips_folders_without_a_manifest_or_missing_a_file(tmp_path, caplog):
@@ -134,14 +152,17 @@ def test_auto_skips_folders_without_a_manifest_or_missing_a_file(tmp_path, caplo
         assert ckpt.latest_checkpoint(tmp_path).name == "step_2"
     step_6, step_4 = [r.getMessage() for r in caplog.records]
     assert step_6.endswith("step_6: actor/.metadata is missing (its manifest lists 4 bytes)")
-    assert step_4.endswith("step_4: it has no manifest.json: its save did not finish, or it was written before "
-                           "checkpoints had manifests (issue #27), so nothing says its files are whole")
+    assert step_4.endswith(
+        "step_4: it has no manifest.json: its save did not finish, or it was written before "
+        "checkpoints had manifests (issue #27), so nothing says its files are whole"
+    )
     truncate(tmp_path / "checkpoints" / "step_2" / ckpt.DRIVER_STATE)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=ckpt.__name__):
         assert ckpt.resume_checkpoint("auto", tmp_path) is None  # nothing complete left: the run starts from step 1
-    assert caplog.records[-1].getMessage() == (f"resume=auto: no complete checkpoint under {tmp_path / 'checkpoints'}; "
-                                               "the run starts from step 1")
+    assert caplog.records[-1].getMessage() == (
+        f"resume=auto: no complete checkpoint under {tmp_path / 'checkpoints'}; the run starts from step 1"
+    )
 
 
 def test_an_explicit_incomplete_checkpoint_is_refused_naming_folder_and_file(tmp_path):
@@ -172,19 +193,26 @@ def test_a_rank_failing_to_load_names_the_checkpoint_and_the_files_to_suspect(tm
     def load_failing(message: str, restartable: bool = True) -> str:
         with pytest.raises(ckpt.CheckpointError if restartable else RankRaisedError) as info, ckpt.loading(folder):
             raise RankRaisedError(rank_error + message, restartable=restartable)
-        assert str(info.value).startswith(f"loading checkpoint {folder} failed although its files match its manifest"
-                                          f": {rank_error}{message}. Suspect: ") or not restartable
+        assert (
+            str(info.value).startswith(
+                f"loading checkpoint {folder} failed although its files match its manifest"
+                f": {rank_error}{message}. Suspect: "
+            )
+            or not restartable
+        )
         return str(info.value)
 
     assert "Suspect: the rank's error names actor/__0_0.distcp. Resume from an older" in load_failing(
-        f"cannot read {folder}/actor/__0_0.distcp at offset 512")
+        f"cannot read {folder}/actor/__0_0.distcp at offset 512"
+    )
     assert "Suspect: every file matches its manifest's digest of its whole content" in load_failing("shape mismatch")
     assert load_failing("a reward function raised", restartable=False).endswith("a reward function raised")
     monkeypatch.setattr(ckpt, "FULL_HASH_BYTES", 64)
     folder = save(tmp_path, 4, files={f"actor/__{rank}_0.distcp": bytes(100) for rank in range(6)})
-    assert ("Suspect: the manifest checks only the size, head and tail of 6 big file(s) (actor/__0_0.distcp, "
-            "actor/__1_0.distcp, actor/__2_0.distcp, actor/__3_0.distcp, ...): damage in the middle") in load_failing(
-        "unpickling error")
+    assert (
+        "Suspect: the manifest checks only the size, head and tail of 6 big file(s) (actor/__0_0.distcp, "
+        "actor/__1_0.distcp, actor/__2_0.distcp, actor/__3_0.distcp, ...): damage in the middle"
+    ) in load_failing("unpickling error")
 
 
 # ---- before Ray starts ------------------------------------------------------------------------------------
@@ -202,4 +230,5 @@ def test_validate_and_run_check_the_resume_choice_before_ray_starts(tmp_path, ca
     assert [r.getMessage() for r in caplog.records if r.name == ckpt.__name__] == [
         f"resume=auto skips checkpoint {step_4}: actor/.metadata has 2 bytes, its manifest says 4 (truncated or "
         f"overwritten)",
-        f"resume=auto: the run resumes from {tmp_path / 'checkpoints' / 'step_2'}"]
+        f"resume=auto: the run resumes from {tmp_path / 'checkpoints' / 'step_2'}",
+    ]

@@ -13,31 +13,47 @@ import re
 import time
 
 import pytest
+from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import checkpoint as ckpt
 from roll_backend.pipelines import run_with_restarts
 from roll_backend.pipelines.recovery import RESTARTS, SECONDS_LOST
 from roll_backend.pipelines.tracking import read_metrics
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
 STEPS = 6
 # Deadlines far above what a phase of the tiny model takes even on a loaded machine, far below the defaults.
-DEADLINES = [f"fault_tolerance.timeouts.{phase}=60"
-             for phase in ("generate", "reward", "log_probs", "train", "weight_sync")]
+DEADLINES = [
+    f"fault_tolerance.timeouts.{phase}=60" for phase in ("generate", "reward", "log_probs", "train", "weight_sync")
+]
 
 
 def six_step_config(base_config, prompt_file, model_dir, output_dir, *extra):
-    return load_config(base_config, overrides(
-        prompt_file, model_dir, output_dir, f"max_steps={STEPS}", "checkpoint.save_steps=2", "checkpoint.keep_last=3",
-        "algorithm.ppo_mini_batch_size=16", "fault_tolerance.max_restarts=1", *DEADLINES, *extra))
+    return load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            output_dir,
+            f"max_steps={STEPS}",
+            "checkpoint.save_steps=2",
+            "checkpoint.keep_last=3",
+            "algorithm.ppo_mini_batch_size=16",
+            "fault_tolerance.max_restarts=1",
+            *DEADLINES,
+            *extra,
+        ),
+    )
 
 
 def same_numbers(row: dict) -> dict:
     """A step's metrics without wall times, rates and restart counters."""
-    return {k: v for k, v in row.items()
-            if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/"))
-            and not k.endswith(("_seconds", "_per_s"))}
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/"))
+        and not k.endswith(("_seconds", "_per_s"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +74,19 @@ def uninterrupted(uninterrupted_run):
 def test_a_grpo_run_reports_every_step(uninterrupted_run):
     history, output_dir = uninterrupted_run
     for record in history:
-        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean",
-                    "timing/generate", "timing/train", "timing/weight_sync", "weight_sync/logprob_gap",
-                    "throughput/generated_tokens_per_s", "actor/broadcast_seconds"):
+        for key in (
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/reference_kl",
+            "response_length/mean",
+            "timing/generate",
+            "timing/train",
+            "timing/weight_sync",
+            "weight_sync/logprob_gap",
+            "throughput/generated_tokens_per_s",
+            "actor/broadcast_seconds",
+        ):
             assert math.isfinite(record[key]), (key, record)
         assert record["weight_sync/logprob_gap"] < 1e-4
         assert "timing/log_probs" not in record  # on-policy: the loss used the current log-probs, detached
@@ -88,14 +114,18 @@ def run_with_one_restart(config, caplog) -> tuple[list[dict], str, float]:
         history = run_with_restarts(config)
     wall = time.time() - started
     (restart,) = [r for r in caplog.records if "restart 1/1 after" in r.getMessage()]
-    (resumed,) = [r for r in caplog.records
-                  if r.getMessage().startswith("resumed from") and r.created > restart.created]
+    (resumed,) = [
+        r for r in caplog.records if r.getMessage().startswith("resumed from") and r.created > restart.created
+    ]
     (back,) = [r for r in caplog.records if r.getMessage().startswith("restart 1: the run stands at step")]
     last_logged = int(re.search(r"The last step logged was (\d+);", restart.getMessage()).group(1))
     assert {row[SECONDS_LOST] for row in history if row["step"] <= last_logged} == {0.0}
     (lost,) = {row[SECONDS_LOST] for row in history if row["step"] > last_logged}
     assert resumed.created <= back.created and back.created - restart.created <= lost < wall, (
-        back.created - restart.created, lost, wall)
+        back.created - restart.created,
+        lost,
+        wall,
+    )
     assert f"the run stands at step {last_logged} again {lost:.1f} s after it first did" in back.getMessage()
     return history, restart.getMessage(), lost
 
@@ -119,11 +149,13 @@ def damage_after_commit(monkeypatch, step: int) -> dict:
 
 
 def test_actor_rank_killed_in_train_restarts_from_the_last_complete_checkpoint(
-        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog, monkeypatch):
+    uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog, monkeypatch
+):
     # step_4 is committed, then a shard of it is truncated; the kill in step 5 restarts from step_2, saying why.
     damaged = damage_after_commit(monkeypatch, 4)
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
-                             "fault_tolerance.inject=kill:actor_train:1:train:5")
+    config = six_step_config(
+        base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=kill:actor_train:1:train:5"
+    )
     history, restart, _ = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "actor_train.train_step: the actor of [rank 1/2" in restart
@@ -131,17 +163,26 @@ def test_actor_rank_killed_in_train_restarts_from_the_last_complete_checkpoint(
     root = ckpt.checkpoint_root(tmp_path)
     messages = [r.getMessage() for r in caplog.records if r.name == ckpt.__name__]
     assert messages == [  # the rebuilt run's resume=auto (the first run started without resume)
-        (f"resume=auto skips checkpoint {root / 'step_4'}: {damaged['name']} has {damaged['kept']} bytes, its "
-         f"manifest says {damaged['size']} (truncated or overwritten)"),
-        f"resume=auto: the run resumes from {root / 'step_2'}"]
+        (
+            f"resume=auto skips checkpoint {root / 'step_4'}: {damaged['name']} has {damaged['kept']} bytes, its "
+            f"manifest says {damaged['size']} (truncated or overwritten)"
+        ),
+        f"resume=auto: the run resumes from {root / 'step_2'}",
+    ]
     assert ckpt.latest_checkpoint(tmp_path) == root / "step_6" and ckpt.checkpoint_problem(root / "step_4") is None
 
 
 def test_hung_rollout_rank_is_detected_at_the_phase_deadline_and_restarted(
-        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
-                             "fault_tolerance.inject=hang:actor_infer:0:generate:3",
-                             "fault_tolerance.timeouts.generate=15")
+    uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog
+):
+    config = six_step_config(
+        base_config,
+        prompt_file,
+        model_dir,
+        tmp_path,
+        "fault_tolerance.inject=hang:actor_infer:0:generate:3",
+        "fault_tolerance.timeouts.generate=15",
+    )
     history, restart, lost = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "The last step logged was 2; resuming from" in restart and "step_2 (step 2)" in restart  # step 3 hung
@@ -154,10 +195,12 @@ def test_hung_rollout_rank_is_detected_at_the_phase_deadline_and_restarted(
 
 
 def test_rank_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
-        uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog):
+    uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog
+):
     # The 2nd checkpoint save (step 4) dies half-written: step_4.tmp exists, step_2 is the latest complete one.
-    config = six_step_config(base_config, prompt_file, model_dir, tmp_path,
-                             "fault_tolerance.inject=kill:actor_train:0:checkpoint:2")
+    config = six_step_config(
+        base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=kill:actor_train:0:checkpoint:2"
+    )
     history, restart, _ = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
     assert "actor_train.save_checkpoint: the actor of [rank 0/2" in restart
@@ -180,8 +223,10 @@ def assert_a_changed_byte_is_seen_before_ray(output_dir, caplog) -> None:
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=ckpt.__name__):
         assert ckpt.resume_checkpoint("auto", output_dir) == root / "step_4"
-    problem = (f"{shard.relative_to(root / 'step_6').as_posix()} has the recorded size but other content than its "
-               "manifest's blake2b digest (damaged)")
+    problem = (
+        f"{shard.relative_to(root / 'step_6').as_posix()} has the recorded size but other content than its "
+        "manifest's blake2b digest (damaged)"
+    )
     assert [r.getMessage() for r in caplog.records] == [f"resume=auto skips checkpoint {root / 'step_6'}: {problem}"]
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.resume_checkpoint(str(root / "step_6"), output_dir)

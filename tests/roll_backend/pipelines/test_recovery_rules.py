@@ -22,13 +22,25 @@ from roll_backend.pipelines.tracking import MetricsTracker, read_metrics
 
 def test_lost_or_stuck_ranks_restart_and_nothing_else_does():
     died, timed_out = RankDiedError("rank died"), GroupTimeoutError("no answer")
-    for error in (died, timed_out, RankRaisedError("a rank raised"), GroupBrokenError("broken", died),
-                  ray.exceptions.NodeDiedError("node gone")):
+    for error in (
+        died,
+        timed_out,
+        RankRaisedError("a rank raised"),
+        GroupBrokenError("broken", died),
+        ray.exceptions.NodeDiedError("node gone"),
+    ):
         assert is_restartable(error), error
     user_code = RankRaisedError("a reward function raised", restartable=False)
-    for error in (user_code, GroupBrokenError("broken", user_code), WeightSyncError("probe failed"),
-                  NotRestartableError("bad data"), PlacementError("could not reserve"), DispatchError("bad arguments"),
-                  ValueError("a data file is malformed"), ConfigError(["bad key"])):
+    for error in (
+        user_code,
+        GroupBrokenError("broken", user_code),
+        WeightSyncError("probe failed"),
+        NotRestartableError("bad data"),
+        PlacementError("could not reserve"),
+        DispatchError("bad arguments"),
+        ValueError("a data file is malformed"),
+        ConfigError(["bad key"]),
+    ):
         assert not is_restartable(error), error
 
 
@@ -114,17 +126,23 @@ def test_a_failure_while_catching_up_extends_the_same_loss_and_a_clean_run_loses
 
 def test_fault_tolerance_config_is_checked_before_ray_starts():
     with pytest.raises(ConfigError) as info:
-        load_config("configs/grpo_tiny_cpu.yaml", ["fault_tolerance.max_restarts=-1",
-                                                   "fault_tolerance.timeouts.generate=0",
-                                                   "fault_tolerance.inject=kill:actor_train:1:nap:3"])
+        load_config(
+            "configs/grpo_tiny_cpu.yaml",
+            [
+                "fault_tolerance.max_restarts=-1",
+                "fault_tolerance.timeouts.generate=0",
+                "fault_tolerance.inject=kill:actor_train:1:nap:3",
+            ],
+        )
     message = str(info.value)
     assert "fault_tolerance.max_restarts=-1 must be >= 0" in message
     assert "fault_tolerance.timeouts.generate=0.0 must be > 0 seconds" in message
     assert "fault_tolerance.inject: fault injection 'kill:actor_train:1:nap:3': phase 'nap'" in message
     with pytest.raises(ConfigError, match="max_restarts=2 restarts from checkpoints, but checkpoint.save_steps=0"):
         load_config("configs/grpo_tiny_cpu.yaml", ["fault_tolerance.max_restarts=2"])
-    with pytest.raises(ConfigError,
-                       match="role 'actor' is not in this run; one of actor_train, actor_infer, reference, reward"):
+    with pytest.raises(
+        ConfigError, match="role 'actor' is not in this run; one of actor_train, actor_infer, reference, reward"
+    ):
         load_config("configs/grpo_tiny_cpu.yaml", ["fault_tolerance.inject=kill:actor:0:train:1"])
     with pytest.raises(ConfigError, match="actor_train has ranks 0..1"):
         load_config("configs/grpo_tiny_cpu.yaml", ["fault_tolerance.inject=kill:actor_train:2:train:1"])
