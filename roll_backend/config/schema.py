@@ -42,9 +42,8 @@ class RewardConfig:
     """Rule-based rewards run over `world_size` actors, each scoring its share of the batch: built-in names
     (name -> weight, see roll_backend.rewards.registry) plus user functions, summed with their weights."""
 
-    rewards: dict[str, float] | None = (
-        None  # reward name -> weight (roll_backend/rewards); None: {"math_verify": 1.0} without `functions`
-    )
+    # reward name -> weight (roll_backend/rewards); None: {"math_verify": 1.0} without `functions`
+    rewards: dict[str, float] | None = None
     # Each {path: my_rewards.py (or a module name), name: compute_score, weight: 1.0, batched: false}.
     functions: list[RewardFunctionSpec] = field(default_factory=list)
     on_function_error: str = "raise"  # "zero": a row whose function raised/returned a non-number/timed out scores 0
@@ -95,9 +94,8 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher when larger)
     dual_clip_c: float = 3.0  # dual-clip PPO bound on negative advantages
-    loss_agg_mode: str = (
-        "token-mean"  # how token losses average: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...
-    )
+    # how token losses average: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...
+    loss_agg_mode: str = "token-mean"
     entropy_coef: float = 0.0  # weight of the entropy bonus in the actor loss
     use_kl_loss: bool = True  # add KL(actor || reference) to the actor loss (needs a reference role)
     kl_loss_coef: float = 0.001  # weight of the KL loss
@@ -140,7 +138,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Save every `save_steps` (0: never) under output_dir/checkpoints; `resume`: "auto" picks the latest."""
+    """Save every `save_steps` (0: never) under output_dir/checkpoints. `resume`: "auto" picks the newest complete
+    checkpoint (its manifest, written last, matches its files), saying which it skipped and why; a folder resumes
+    from that checkpoint, refused before Ray starts when it is incomplete."""
 
     save_steps: int = 0  # save every this many steps (0: never)
     keep_last: int = 2  # checkpoints kept; older ones are deleted
@@ -170,9 +170,8 @@ class FaultToleranceConfig:
     the latest complete checkpoint, at most `max_restarts` times; config, data and user-code errors never do.
     `inject`: fault injection for tests, `action:role:rank:phase:step` (see distributed/faults.py)."""
 
-    max_restarts: int = (
-        0  # automatic restarts from the latest checkpoint before the run stops (needs checkpoint.save_steps)
-    )
+    # automatic restarts from the newest complete checkpoint before the run stops (needs checkpoint.save_steps)
+    max_restarts: int = 0
     timeouts: PhaseTimeouts = field(default_factory=PhaseTimeouts)
     settle_s: float = 10.0  # after a rank raised, how long the others of the call get before the group is broken
     inject: str | None = None  # tests only: ACTION:ROLE:RANK:PHASE:STEP, e.g. kill:actor_train:1:train:3

@@ -21,9 +21,8 @@ class ParallelLayout:
     cp: int = 1  # context-parallel size
     vpp: int | None = None  # virtual (interleaved) pipeline stages per rank
     ep: int = 1  # expert parallel: MoE experts split over this many ranks, carved out of data parallelism
-    etp: int | None = (
-        None  # expert tensor parallel: each expert split over this many ranks; None = tp (Megatron's default)
-    )
+    # expert tensor parallel: each expert split over this many ranks; None = tp (Megatron's default)
+    etp: int | None = None
 
     @property
     def model_parallel_size(self) -> int:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from roll_backend.config.schema import PipelineConfig
 from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
 from roll_backend.pipelines.rl_step import rl_step
-from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.run import PipelineRun, StepHistory
 
 
 def run_pipeline(
-    config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: list[dict] | None = None
+    config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: StepHistory | None = None
 ) -> list[dict]:
     """Run `config` to max_steps once (Ray must be initialised); returns the per-step metrics."""
     with PipelineRun(config, run_metrics, history) as run:

@@ -206,9 +206,8 @@ class MegatronInferConfig:
     """Forward-only Megatron (reference log-probs, critic values without training). The layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = (
-        1  # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
-    )
+    # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    micro_batch_size: int = 1
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
     # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
     # strategies/megatron/micro_batches.py.
@@ -273,9 +272,8 @@ class MegatronTrainConfig:
     """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
 
     model_path: str
-    micro_batch_size: int = (
-        1  # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
-    )
+    # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    micro_batch_size: int = 1
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
     # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
     # strategies/megatron/micro_batches.py.
