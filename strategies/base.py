@@ -61,18 +61,17 @@ class StrategyConfig(Protocol):
         """This config with what the run decides (e.g. samples per prompt, response length, the training horizon)."""
 
 
-def no_call_context(device: str) -> contextlib.AbstractContextManager:
-    """Nothing to enter around a strategy's calls (the default of every interface below)."""
-    return contextlib.nullcontext()
-
-
-class InferStrategy(abc.ABC):
-    """A forward-only backend for one rank of a role."""
+class Strategy:
+    """What every interface below shares: the context a rank enters around each call into the strategy."""
 
     @classmethod
     def call_context(cls, device: str) -> contextlib.AbstractContextManager:
         """What a rank enters around each call into this strategy on `device` (nothing by default)."""
-        return no_call_context(device)
+        return contextlib.nullcontext()
+
+
+class InferStrategy(Strategy):
+    """A forward-only backend for one rank of a role."""
 
     @abc.abstractmethod
     def initialize(self) -> None:
@@ -87,13 +86,8 @@ class InferStrategy(abc.ABC):
         """Critic values of `batch`'s responses: keys.VALUES [B, T_resp]."""
 
 
-class TrainStrategy(abc.ABC):
+class TrainStrategy(Strategy):
     """A training backend for one rank of a role: forward, backward, optimizer step, checkpoints, weight export."""
-
-    @classmethod
-    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
-        """What a rank enters around each call into this strategy on `device` (nothing by default)."""
-        return no_call_context(device)
 
     @abc.abstractmethod
     def initialize(self) -> None:
@@ -128,13 +122,8 @@ class TrainStrategy(abc.ABC):
         """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket)."""
 
 
-class RolloutStrategy(abc.ABC):
+class RolloutStrategy(Strategy):
     """A generation backend for one rank of the rollout role: sample responses, take new weights, probe log-probs."""
-
-    @classmethod
-    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
-        """What a rank enters around each call into this strategy on `device` (nothing by default)."""
-        return no_call_context(device)
 
     @abc.abstractmethod
     def initialize(self) -> None:

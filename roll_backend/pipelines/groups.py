@@ -35,9 +35,11 @@ def _actor_loss_config(config: PipelineConfig) -> ActorLossConfig:
     )
 
 
-def _strategy_for_run(config: PipelineConfig, name: str) -> Any:
-    """The role's strategy config with what the run decides (the strategy config's own `for_run`)."""
-    return getattr(config, name).strategy.config.for_run(run_facts(config, name))
+def _strategy_for_run(config: PipelineConfig, name: str) -> dict[str, Any]:
+    """A role worker config's `strategy` (the strategy config with what the run decides: its own `for_run`) and
+    `strategy_name`."""
+    section = getattr(config, name).strategy
+    return {"strategy": section.config.for_run(run_facts(config, name)), "strategy_name": section.name}
 
 
 @dataclass
@@ -132,33 +134,27 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
         ActorWorker,
         roles.ACTOR_TRAIN,
         ActorConfig(
-            strategy=_strategy_for_run(config, roles.ACTOR_TRAIN),
-            strategy_name=config.actor_train.strategy.name,
+            **_strategy_for_run(config, roles.ACTOR_TRAIN),
             loss=_actor_loss_config(config),
         ),
     )
     groups[roles.ACTOR_INFER] = starter.start(
         RolloutWorker,
         roles.ACTOR_INFER,
-        RolloutWorkerConfig(
-            strategy=_strategy_for_run(config, roles.ACTOR_INFER), strategy_name=config.actor_infer.strategy.name
-        ),
+        RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER)),
     )
     if config.reference is not None:
         groups[roles.REFERENCE] = starter.start(
             ReferenceWorker,
             roles.REFERENCE,
-            ReferenceConfig(
-                strategy=_strategy_for_run(config, roles.REFERENCE), strategy_name=config.reference.strategy.name
-            ),
+            ReferenceConfig(**_strategy_for_run(config, roles.REFERENCE)),
         )
     if config.critic is not None:
         groups[roles.CRITIC] = starter.start(
             CriticWorker,
             roles.CRITIC,
             CriticConfig(
-                strategy=_strategy_for_run(config, roles.CRITIC),
-                strategy_name=config.critic.strategy.name,
+                **_strategy_for_run(config, roles.CRITIC),
                 loss=CriticLossConfig(clip_range=config.algorithm.value_clip),
             ),
         )

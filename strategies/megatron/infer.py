@@ -4,30 +4,25 @@ values.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import InferStrategy
-from roll_backend.strategies.megatron import model_setup, schedule
+from roll_backend.strategies.megatron import schedule
 from roll_backend.strategies.megatron.config import MegatronInferConfig
-from roll_backend.strategies.megatron.model_setup import build_model_chunks
+from roll_backend.strategies.megatron.model_setup import MegatronCallContext, build_model_chunks
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronInferStrategy(InferStrategy):
+class MegatronInferStrategy(MegatronCallContext, InferStrategy):
     """Holds one pipeline stage of a model and runs Megatron's schedules forward-only in micro-batches.
 
     Results (a DataProto of [B, T_resp] tensors) come from the last PP stage; other stages return None.
     """
 
     config_class = MegatronInferConfig
-
-    @classmethod
-    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
-        return model_setup.call_context(device)
 
     def __init__(self, config: MegatronInferConfig, layout: ParallelLayout, device: str):
         self.config = config

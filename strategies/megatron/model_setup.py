@@ -30,6 +30,14 @@ def call_context(device: str) -> contextlib.AbstractContextManager:
     return megatron_cpu.cpu_device_mode()
 
 
+class MegatronCallContext:
+    """Mixed into both Megatron strategies: their calls run inside `call_context`."""
+
+    @classmethod
+    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
+        return call_context(device)
+
+
 def load_hf_config(model_path: str):
     from transformers import AutoConfig
 

@@ -3,7 +3,6 @@ LR scheduler, dist_checkpointing checkpoints, and full HF-named weights for expo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -21,16 +20,16 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron import micro_batches as mb
-from roll_backend.strategies.megatron import model_setup, mtp, schedule, weights
+from roll_backend.strategies.megatron import mtp, schedule, weights
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
-from roll_backend.strategies.megatron.model_setup import build_model_chunks, set_train_mode
+from roll_backend.strategies.megatron.model_setup import MegatronCallContext, build_model_chunks, set_train_mode
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronTrainStrategy(TrainStrategy):
+class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
     """One rank of a Megatron-trained model (actor with an LM head, or critic with a value head).
 
     `train_step` runs Megatron's schedule (1F1B under PP) with the loss on the last stage; metrics come from
@@ -40,10 +39,6 @@ class MegatronTrainStrategy(TrainStrategy):
     """
 
     config_class = MegatronTrainConfig
-
-    @classmethod
-    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
-        return model_setup.call_context(device)
 
     def __init__(self, config: MegatronTrainConfig, layout: ParallelLayout, device: str):
         self.config = config
