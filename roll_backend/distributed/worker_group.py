@@ -111,6 +111,19 @@ def wait_all(futures: Sequence[GroupFuture], timeout_s: float | None = None) -> 
     return [future._get_by(earliest(future.deadline, shared)) for future in futures]
 
 
+def start_together(groups: Sequence[WorkerGroup]) -> None:
+    """Wait for groups built with `wait=False`: each joins its process groups as soon as its rank 0 is up, while
+    the others still start (ranks of all groups import and join at once, not one group after another)."""
+    for group in groups:
+        try:
+            group._join()
+        except Exception:
+            group.shutdown()
+            raise
+    for group in groups:
+        group.wait_started()
+
+
 class WorkerGroup:
     """The actor group of one role: one `worker_cls` actor per rank. `call(worker_cls.method, *args)` runs a
     `@register`-ed method on every rank by its dispatch mode; `submit` returns a GroupFuture instead of waiting.
@@ -125,6 +138,8 @@ class WorkerGroup:
     one rank raised before the group counts as broken. `placement_timeout_s`: how long reserving the ranks'
     resources may wait (a PlacementError after it).
     `fault`: fault injection for tests (distributed/faults.py); None reads ROLL_BACKEND_INJECT_FAULT.
+    `wait`: return once every rank is up (False: return at once; `wait_started()`, `start_together` or the first
+    call waits).
     """
 
     def __init__(
@@ -140,6 +155,7 @@ class WorkerGroup:
         placement_timeout_s: float = 120.0,
         settle_s: float = 10.0,
         fault: str | None = None,
+        wait: bool = True,
     ):
         layout.dp_size(world_size)  # an impossible layout fails before any actor starts
         self.worker_cls, self.role, self.world_size, self.layout = worker_cls, role, world_size, layout
@@ -163,17 +179,32 @@ class WorkerGroup:
             ).remote(role, rank, world_size, layout, resources.use_gpu, worker_config, fault)
             for rank in range(world_size)
         ]
+        self._start_deadline = earliest(
+            call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)")
+        )
+        self._rendezvous, self._joining = self.workers[0].rendezvous_address.remote(), None
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> WorkerGroup:
+        """Wait until every rank is up and has joined the group's process groups (at once when it already has).
+        A group built with `wait=False` starts its ranks in the background, so several groups start together
+        (`start_together`)."""
+        if self.coords:
+            return self
         try:
-            started = earliest(call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)"))
-            master_addr, master_port = self._gather(
-                "rendezvous_address", [self.workers[0].rendezvous_address.remote()], started
-            )[0]
-            self.coords = self._gather(
-                "init_distributed", [w.init_distributed.remote(master_addr, master_port) for w in self.workers], started
-            )
+            self._join()
+            self.coords = self._gather("init_distributed", self._joining, self._start_deadline)
         except Exception:
             self.shutdown()
             raise
+        return self
+
+    def _join(self) -> None:
+        """Once rank 0 is up, send every rank the rendezvous address to join the process groups (no waiting)."""
+        if self._joining is None:
+            master_addr, master_port = self._gather("rendezvous_address", [self._rendezvous], self._start_deadline)[0]
+            self._joining = [w.init_distributed.remote(master_addr, master_port) for w in self.workers]
 
     def call(self, method, *args, timeout_s: float | None = None, **kwargs):
         """Run `method` (a `@register`-ed method of this group's worker class, e.g. `ActorWorker.train_step`) on
@@ -204,6 +235,7 @@ class WorkerGroup:
         self, method_name: str, spec: MethodDispatch, args: tuple, kwargs: dict, deadline: Deadline | None
     ) -> GroupFuture:
         self._check_usable(method_name)
+        self.wait_started()  # a group built with wait=False: its first call waits for its ranks
         try:
             split = spec.mode.split(self.coords, args, kwargs)
         except DispatchError:

@@ -11,7 +11,7 @@ from roll_backend import roles
 from roll_backend.config.run_facts import run_facts
 from roll_backend.config.schema import PipelineConfig, RoleConfig
 from roll_backend.distributed.placement import create_placement_group
-from roll_backend.distributed.worker_group import RankResources, WorkerGroup
+from roll_backend.distributed.worker_group import RankResources, WorkerGroup, start_together
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 from roll_backend.workers.critic import CriticConfig, CriticLossConfig, CriticWorker
 from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
@@ -106,6 +106,7 @@ class _GroupStarter:
             resources,
             placement_group=self.placement_for(name, role),
             worker_config=worker_config,
+            wait=False,
             **self.health,
         )
 
@@ -123,12 +124,13 @@ class _GroupStarter:
             reward.world_size,
             resources=RankResources(num_cpus=reward.num_cpus_per_rank),
             worker_config=worker_config,
+            wait=False,
             **self.health,
         )
 
 
 def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
-    """Start every role's group into `groups` (so a failure part-way can shut down what started)."""
+    """Start every role's group into `groups` (so a failure part-way can shut down what started), all at once."""
     starter = _GroupStarter(config)
     groups[roles.ACTOR_TRAIN] = starter.start(
         ActorWorker,
@@ -159,6 +161,7 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
             ),
         )
     groups[roles.REWARD] = starter.start_reward()
+    start_together(list(groups.values()))
 
 
 _INIT_MODEL = {

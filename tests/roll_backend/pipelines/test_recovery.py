@@ -2,8 +2,10 @@
 writing a checkpoint each cost one restart from the latest complete checkpoint (passing over one whose shard was
 truncated after it was committed, saying so), and the run ends with the same metrics as an uninterrupted one
 (timings aside); metrics.jsonl keeps one row per step; seconds_lost holds the whole restart (the wait that saw the
-failure, the rebuild, the redone steps). The uninterrupted GRPO run is also where a plain run's metrics are checked;
-the checkpoints of the last run are where a changed byte in a shard is shown to be seen before Ray starts."""
+failure, the rebuild, the redone steps). The actor runs at PP2 with an MTP layer, so every restart also shows that a
+run resumed from a checkpoint repeats the uninterrupted run exactly at that layout (the MTP stage's checkpoint is the
+case that used to fail). The uninterrupted GRPO run is also where a plain run's metrics are checked; the checkpoints
+of the last run are where a changed byte in a shard is shown to be seen before Ray starts."""
 
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ from roll_backend.pipelines.recovery import RESTARTS, SECONDS_LOST
 from roll_backend.pipelines.tracking import read_metrics
 
 STEPS = 6
+ACTOR_AT_PP2_WITH_MTP = (
+    "actor_train.strategy.tp=1",
+    "actor_train.strategy.pp=2",
+    "actor_train.strategy.mtp_num_layers=1",
+)
 # Deadlines far above what a phase of the tiny model takes even on a loaded machine, far below the defaults.
 DEADLINES = [
     f"fault_tolerance.timeouts.{phase}=60" for phase in ("generate", "reward", "log_probs", "train", "weight_sync")
@@ -40,6 +47,7 @@ def six_step_config(base_config, prompt_file, model_dir, output_dir, *extra):
             "checkpoint.keep_last=3",
             "algorithm.ppo_mini_batch_size=16",
             "fault_tolerance.max_restarts=1",
+            *ACTOR_AT_PP2_WITH_MTP,
             *DEADLINES,
             *extra,
         ),
@@ -77,6 +85,7 @@ def test_a_grpo_run_reports_every_step(uninterrupted_run):
         for key in (
             "reward/mean",
             "actor/pg_loss",
+            "actor/mtp_loss",
             "actor/grad_norm",
             "actor/reference_kl",
             "response_length/mean",
