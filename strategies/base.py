@@ -23,7 +23,9 @@ from roll_backend.protocol import DataProto
 # loss_fn(per_token, micro_batch) -> (loss, metrics). `per_token` holds [B_mb, T_resp] tensors (keys.LOG_PROBS,
 # keys.ENTROPY or keys.VALUES) that carry gradients; micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] is the
 # number of loss tokens in the whole DP mini-batch, and the loss must be normalised by it (its sum over
-# micro-batches and DP ranks is the step's loss).
+# micro-batches and DP ranks is the step's loss). So must every metric: each is the micro-batch's share of the
+# step's value (algorithms.token_mean_share turns a masked mean into one), and the strategy reports their sums,
+# which do not depend on the micro-batch split or the layout.
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate
+from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate, token_mean_share
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -70,10 +70,11 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
         token_weights=correction,
     )
     loss = policy.loss
+    # Every metric is this micro-batch's share of the step's value (see LossFn): the strategy sums them.
     metrics = {
         "pg_loss": policy.loss.detach(),
-        "pg_clipfrac": policy.clipfrac.detach(),
-        "ppo_kl": policy.approx_kl.detach(),
+        "pg_clipfrac": token_mean_share(policy.clipfrac.detach(), mask, global_tokens),
+        "ppo_kl": token_mean_share(policy.approx_kl.detach(), mask, global_tokens),
     }
     if keys.ENTROPY in per_token:
         entropy = agg_loss(per_token[keys.ENTROPY], mask, "token-mean", dp_size=1, batch_num_tokens=global_tokens)

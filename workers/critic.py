@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from roll_backend import keys
+from roll_backend.algorithms.aggregation import token_mean_share
 from roll_backend.algorithms.value_loss import value_loss
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
@@ -43,7 +44,8 @@ def critic_loss(cfg: CriticLossConfig, per_token: dict[str, torch.Tensor], micro
         dp_size=1,
         batch_num_tokens=micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT],
     )
-    return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach()}
+    mask, global_tokens = batch[keys.RESPONSE_MASK].float(), micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT]
+    return loss, {"vf_loss": loss.detach(), "vf_clipfrac": token_mean_share(clipfrac.detach(), mask, global_tokens)}
 
 
 class CriticWorker(Worker):

@@ -12,7 +12,7 @@ from roll_backend.algorithms.advantages import (
     remax_advantage,
     rloo_advantage,
 )
-from roll_backend.algorithms.aggregation import AGG_MODE_NAMES, AGG_MODES, agg_loss, get_agg_mode
+from roll_backend.algorithms.aggregation import AGG_MODE_NAMES, AGG_MODES, agg_loss, get_agg_mode, token_mean_share
 from roll_backend.algorithms.controllers import (
     KL_CONTROLLER_NAMES,
     KL_CONTROLLERS,
@@ -90,6 +90,7 @@ __all__ = [
     "KL_ESTIMATOR_NAMES",
     # aggregation
     "agg_loss",
+    "token_mean_share",
     "get_agg_mode",
     "AGG_MODES",
     "AGG_MODE_NAMES",

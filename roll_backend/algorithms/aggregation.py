@@ -102,3 +102,9 @@ def agg_loss(
     aggregate = get_agg_mode(mode)
     dp_size = 1 if dp_size is None else dp_size
     return aggregate(loss_mat, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+
+
+def token_mean_share(mean: torch.Tensor, mask: torch.Tensor, global_tokens: float | torch.Tensor) -> torch.Tensor:
+    """A micro-batch's masked token mean (of `mask` [B, T]) as its share of the mean over `global_tokens` tokens: the
+    shares of all micro-batches and DP ranks add up to the global token mean, however the rows were split."""
+    return mean * mask.sum() / global_tokens

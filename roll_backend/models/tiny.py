@@ -43,6 +43,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
     vocab_size: int = 320  # target size for the tokenizer's BPE training (tokenizer="bpe")
+    # The model's vocabulary (embedding rows) when it should be larger than the tokenizer's, as real models pad
+    # theirs (Qwen2.5: 151936 rows for 151665 tokens); None: the tokenizer's size.
+    model_vocab_size: int | None = None
     seed: int = 0
     # "bpe": byte-level BPE trained on the corpus. "char": one token per character of `char_alphabet` (plus
     # the chat template's characters): a vocabulary of a few dozen, so a random model samples the right
@@ -167,8 +170,13 @@ def _hf_config(spec: TinyModelSpec, tokenizer):
     """The transformers config of `spec` for its family (float32, default RoPE)."""
     from transformers import AutoConfig
 
+    if spec.model_vocab_size is not None and spec.model_vocab_size < len(tokenizer):
+        raise ValueError(
+            f"TinyModelSpec.model_vocab_size={spec.model_vocab_size} is below the tokenizer's {len(tokenizer)} tokens; "
+            "raise it or leave it None"
+        )
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=spec.model_vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 from roll_backend.strategies.megatron import moe as moe_lib
 from roll_backend.strategies.megatron import mtp
-from roll_backend.strategies.megatron.config import hf_model_problems, stage_split_problem, value_head_problem
+from roll_backend.strategies.megatron.config import (
+    hf_model_problems,
+    mtp_problem,
+    stage_split_problem,
+    value_head_problem,
+)
 from roll_backend.strategies.megatron.layers import RMSNorm, ValueHead
 from roll_backend.strategies.megatron.moe import MoEArch
 
@@ -265,9 +270,12 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
         options.first_stage_layers,
         options.last_stage_layers,
     )
-    value_problem = value_head_problem(options.value_head, arch.moe is not None, options.mtp_num_layers, options.tp)
-    if value_problem:
-        raise ValueError(value_problem + ".")
+    for problem in (
+        value_head_problem(options.value_head, arch.moe is not None, options.mtp_num_layers, options.tp),
+        mtp_problem(arch.moe is not None, options.mtp_num_layers),
+    ):
+        if problem:
+            raise ValueError(problem + ".")
     config = transformer_config(arch, options)
     spec = layer_spec(config, options.use_transformer_engine, vp_stage, options.use_torch_compile)
     pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -277,6 +285,11 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
         mtp_spec = get_gpt_mtp_block_spec(
             config, spec, use_transformer_engine=options.use_transformer_engine, vp_stage=vp_stage
         )
+        if mtp_spec is not None and not options.use_transformer_engine:
+            # The local MTP spec takes torch's norm, which refuses sequence parallelism (on with MoE at tp > 1):
+            # give the MTP layers the decoder's norm, as the TE spec gives them TE's.
+            for layer in mtp_spec.layer_specs:
+                layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = spec.layer_norm
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

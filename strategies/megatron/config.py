@@ -144,6 +144,17 @@ def expert_layout_problems(
     return problems
 
 
+def mtp_problem(moe: bool, mtp_num_layers: int) -> str | None:
+    """Why MTP cannot be used with this model, or None. The MTP layer of a MoE model is a MoE layer, and the HF
+    names of its experts are not mapped: they would neither load nor export, and would start from a layout-dependent
+    initialisation (found by tests/strategies/megatron/test_layout_properties.py)."""
+    if moe and mtp_num_layers:
+        return (
+            "MTP on a MoE model is not supported yet (its MTP layer's experts have no HF mapping); set mtp_num_layers=0"
+        )
+    return None
+
+
 def value_head_problem(value_head: bool, moe: bool, mtp_num_layers: int, tp: int) -> str | None:
     """Why a critic's value head cannot be built this way, or None."""
     if value_head and mtp_num_layers:
@@ -422,6 +433,9 @@ def _model_problems(cfg, run: RunFacts, fields: Mapping[str, Any]) -> list[str]:
     value_problem = value_head_problem(cfg.value_head, moe, 0, layout.tp)
     if value_problem:
         problems.append(f"{where}: {value_problem}")
+    moe_mtp_problem = mtp_problem(moe, cfg.mtp_num_layers)
+    if moe_mtp_problem:
+        problems.append(f"{where}: {moe_mtp_problem}")
     return problems
 
 

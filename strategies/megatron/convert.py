@@ -207,18 +207,16 @@ def load_hf_weights(
 
     Routed experts are split over the expert-tensor-parallel ranks (`etp_rank`/`etp_size`, default: TP's). MTP
     weights the folder does not carry are initialised from `seed` on their full shape (see mtp.py).
-    `value_head_from_score`: the value head (last stage) takes the reward model's `score.weight` (replicated over TP).
+    `value_head_from_score`: the value head (last stage) takes the reward model's `score.weight` (replicated over TP);
+    else it starts from `seed` on its full shape, the same at every layout.
     """
     reader = SafetensorsReader(model_dir)
     offset = stage_layer_offset(model)
     first_expert = moe_convert.first_local_expert(model)
     untouched, fresh = [], []
     for name, param in model.named_parameters():
-        if value_head_from_score and name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
-            problem = score_head_problem(model_dir)
-            if problem:
-                raise ValueError(problem)
-            param.copy_(reader.get(SCORE_HEAD).to(param.dtype))
+        if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
+            param.copy_(_value_head_weight(reader, model_dir, value_head_from_score, param, seed, model.config))
             continue
         mapping = _mapped(model, name, arch, offset, first_expert)
         if mapping is None:
@@ -239,6 +237,17 @@ def load_hf_weights(
     if fresh:
         logger.info("MTP parameters not in %s, initialised from seed %d: %s", model_dir, seed, fresh)
     return untouched
+
+
+def _value_head_weight(reader, model_dir: str, from_score: bool, param, seed: int, config) -> torch.Tensor:
+    """The reward model's `score.weight`, or a fresh draw seeded by (seed, name) on the full [1, H] shape: Megatron's
+    own initialisation would depend on how much of the random stream the rank's other layers used (TP, PP)."""
+    if from_score:
+        problem = score_head_problem(model_dir)
+        if problem:
+            raise ValueError(problem)
+        return reader.get(SCORE_HEAD).to(param.dtype)
+    return mtp.seeded_normal("value_head.weight", tuple(param.shape), seed, config.init_method_std).to(param.dtype)
 
 
 def export_mappings(model, arch: HFArch, include_mtp: bool = False) -> list[ParamMapping]:

@@ -35,7 +35,7 @@ class MegatronInferStrategy(MegatronCallContext, InferStrategy):
         self.model, self.arch, self.hf_config = build_model_chunks(
             self.config, self.layout, self.device, self.config.test_swap_gate_up
         )
-        self.capture = schedule.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
+        schedule.attach_head(self)
 
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         return schedule.strategy_forward(self, batch, value_head=False, what="compute_log_probs")

@@ -75,10 +75,6 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
         recompute_activations=getattr(cfg, "recompute_activations", False),
         use_torch_compile=cfg.use_torch_compile,
     )
-    if cfg.mtp_num_layers:
-        from roll_backend.patches import megatron_mtp
-
-        megatron_mtp.apply()
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     chunks = []

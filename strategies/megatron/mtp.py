@@ -75,6 +75,12 @@ def _seed_for(seed: int, hf_name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(hf_name.encode())) % (2**63)
 
 
+def seeded_normal(hf_name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """N(0, std) on the full shape from a generator seeded by (seed, name): the same at every layout."""
+    generator = torch.Generator().manual_seed(_seed_for(seed, hf_name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
 def initial_hf_tensor(
     hf_name: str, shape: tuple[int, ...], seed: int, init_std: float, num_layers: int
 ) -> torch.Tensor:
@@ -84,9 +90,7 @@ def initial_hf_tensor(
     if hf_name.endswith(".bias"):
         return torch.zeros(shape)
     residual_output = hf_name.endswith(("o_proj.weight", "down_proj.weight"))
-    std = init_std / math.sqrt(2.0 * num_layers) if residual_output else init_std
-    generator = torch.Generator().manual_seed(_seed_for(seed, hf_name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return seeded_normal(hf_name, shape, seed, init_std / math.sqrt(2.0 * num_layers) if residual_output else init_std)
 
 
 def drop_unused_output_weight(model) -> None:

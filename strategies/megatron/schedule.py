@@ -17,6 +17,7 @@ from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.model_setup import set_train_mode
+from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 
 
 class HeadCapture:
@@ -51,16 +52,24 @@ class HeadCapture:
         return output
 
 
+def attach_head(strategy) -> None:
+    """Give a Megatron strategy its HeadCapture and, with MTP, its MtpLoss (both hook into the head's chunk)."""
+    depths = strategy.config.mtp_num_layers
+    strategy.capture = HeadCapture(strategy.model, copy=depths > 0)
+    strategy.mtp_loss = MtpLoss(unwrap(strategy.model[-1]), depths, strategy.arch.vocab_size) if depths else None
+
+
 def run_pipeline(
     chunks: list,
     capture: HeadCapture,
     micro_batches: list[MicroBatch],
     forward_only: bool,
-    mtp: bool,
+    mtp: MtpLoss | None,
     loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
 ) -> list[dict]:
     """Run Megatron's schedule (interleaved with several model chunks) over the micro-batches; returns the
-    loss_func dicts (last PP stage only, else []). Under CP each rank feeds the model its chunks of the sequence."""
+    loss_func dicts (last PP stage only, else []). Under CP each rank feeds the model its chunks of the sequence.
+    `mtp`: the model's MTP loss (labels and mask go to every chunk; the head's chunk computes it), None without."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
@@ -70,8 +79,8 @@ def run_pipeline(
             "position_ids": micro.position_ids,
             "attention_mask": micro.attention_mask,
         }
-        if mtp:
-            inputs.update(labels=micro.labels, loss_mask=micro.loss_mask)
+        if mtp is not None:
+            inputs.update(mtp.inputs(micro.labels, micro.loss_mask))
         extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
         output = chunk(**slice_for_this_cp_rank(inputs), **extra)
         if capture.applies_to(chunk):
@@ -85,8 +94,8 @@ def run_pipeline(
         # activations (the schedule's seq_length and micro_batch_size only size fixed-shape receives).
         for chunk in chunks:
             unwrap(chunk).config.variable_seq_lengths = True
-    real = sum(micro.has_rows for micro in micro_batches)
-    with mtp_loss_averaged_over(real, len(micro_batches)) if mtp and not forward_only else contextlib.nullcontext():
+    training_mtp = mtp is not None and not forward_only
+    with mtp.training([m.loss_mask for m in micro_batches]) if training_mtp else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -96,22 +105,6 @@ def run_pipeline(
             micro_batch_size=first.input_ids.shape[0],
             forward_only=forward_only,
         )
-
-
-@contextlib.contextmanager
-def mtp_loss_averaged_over(real_micro_batches: int, all_micro_batches: int):
-    """Megatron scales each micro-batch's MTP loss gradient by 1 / num_microbatches, which counts the all-padding
-    micro-batches the interleaved schedule needs: the MTP gradient would shrink with vpp. This rescales it to
-    1 / (micro-batches with rows), as the main loss and the reported `mtp_loss` are."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-
-    factor = all_micro_batches / max(1, real_micro_batches)
-    original = MTPLossAutoScaler.__dict__["set_loss_scale"]
-    MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original.__func__(scale * factor))
-    try:
-        yield
-    finally:
-        MTPLossAutoScaler.set_loss_scale = original
 
 
 def is_last_stage() -> bool:
@@ -130,7 +123,7 @@ def forward_per_token(
     temperature: float,
     value_head: bool,
     with_entropy: bool,
-    mtp: bool,
+    mtp: MtpLoss | None,
     what: str,
 ) -> DataProto | None:
     """Forward-only per-token outputs of the batch's responses, in its row order; a DataProto on the last PP
@@ -168,6 +161,6 @@ def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) ->
         config.temperature,
         value_head,
         config.compute_entropy,
-        config.mtp_num_layers > 0,
+        strategy.mtp_loss,
         what,
     )

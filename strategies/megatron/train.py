@@ -73,7 +73,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         model_config.finalize_model_grads_func = finalize_model_grads
         no_sync = [model.no_sync for model in self.model]
         model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        self.capture = schedule.HeadCapture(self.model, copy=self.config.mtp_num_layers > 0)
+        schedule.attach_head(self)
         self.router_metrics = None
         if self.arch.moe is not None:
             from roll_backend.strategies.megatron.moe import RouterMetrics
@@ -177,8 +177,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         (config.max_tokens_per_microbatch, use_sequence_packing); the loss function always sees full-width rows.
         Megatron divides each micro-batch loss by the number of micro-batches and DDP averages gradients over DP; both
         are undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
-        global loss (summed over micro-batches and DP), other loss_fn metrics are averaged, plus `grad_norm`,
-        `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy averaged over micro-batches and DP). MoE models add
+        global loss and the loss_fn's other metrics (shares of the step's values, see LossFn), each summed over
+        micro-batches and DP, plus `grad_norm`, `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy's mean over
+        the global batch's tokens, see mtp_loss.py). MoE models add
         router metrics (`moe/aux_loss`, `moe/load_balancing_loss`, `moe/expert_load_min|max|imbalance`, see
         moe.py); the aux loss's gradient joins in backward as Megatron adds it, and is not in `loss`.
         """
@@ -206,7 +207,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             self.capture,
             micro_batches,
             forward_only=False,
-            mtp=self.config.mtp_num_layers > 0,
+            mtp=self.mtp_loss,
             loss_func=loss_func,
         )
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -214,7 +215,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             self.scheduler.step(increment=1)
         self.steps_done += 1
         real = [micro.has_rows for micro in micro_batches]
-        mtp_loss = self._pop_mtp_loss(max(1, sum(real)))
+        mtp_loss = self.mtp_loss.reported() if self.mtp_loss is not None else None
         router = self.router_metrics.pop(max(1, sum(real))) if self.router_metrics is not None else {}
         if not schedule.is_last_stage():
             return None
@@ -239,33 +240,14 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             self.router_metrics.reset()
 
     def _reduce_metrics(self, stored: list[dict]) -> dict[str, float]:
-        """Loss summed over micro-batches and DP ranks; other metrics averaged over both."""
+        """The loss function's metrics summed over micro-batches and DP ranks: each is a share of the step's value
+        (see LossFn), so the sums are the same numbers at every layout and micro-batch split."""
         from megatron.core import parallel_state as mpu
 
         names = sorted(stored[0])
-        values = torch.tensor(
-            [sum(d[n] for d in stored) if n == "loss" else sum(d[n] for d in stored) / len(stored) for n in names],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        dp_group = mpu.get_data_parallel_group()
-        dist.all_reduce(values, group=dp_group)
-        dp_size = dist.get_world_size(dp_group)
-        return {n: float(v) if n == "loss" else float(v) / dp_size for n, v in zip(names, values)}
-
-    def _pop_mtp_loss(self, num_micro_batches: int) -> float | None:
-        """The MTP loss Megatron's tracker summed over this step's micro-batches, averaged (and reset)."""
-        if not self.config.mtp_num_layers:
-            return None
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-        tracker = MTPLossLoggingHelper.tracker
-        if "values" not in tracker:
-            return None
-        MTPLossLoggingHelper.reduce_loss_in_tracker()  # averages over DP (the tracker's avg_group)
-        value = float(tracker["values"].sum()) / num_micro_batches / self.config.mtp_num_layers
-        MTPLossLoggingHelper.clean_loss_in_tracker()
-        return value if schedule.is_last_stage() else None
+        values = torch.tensor([sum(d[n] for d in stored) for n in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        return {n: float(v) for n, v in zip(names, values)}
 
     def param_grad_norms(self, prefix: str = "") -> dict[str, float]:
         """L2 norm of each local parameter's gradient from the last train_step (diagnostics), by Megatron name."""

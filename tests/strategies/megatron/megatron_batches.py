@@ -60,3 +60,22 @@ def hf_response_log_probs(model_dir: str, tensors: dict[str, torch.Tensor], temp
 
 def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a.double() - b.double()).abs() * mask).max())
+
+
+# Tolerances derived from float32 rounding: a value computed two ways (another layout, kernel or summation order)
+# may differ by a few dozen units in the last place of the largest magnitude it went through.
+EPS32 = torch.finfo(torch.float32).eps
+ULPS = 64
+
+
+def float32_bound(*references) -> float:
+    """What float32 rounding may move a value whose computation went through magnitudes up to these."""
+    scale = max(float(torch.as_tensor(r).abs().max()) for r in references)
+    return ULPS * EPS32 * max(1.0, scale)
+
+
+def after_step_bound(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor, layers: int) -> float:
+    """For outputs after one optimizer step: the forward bound plus the update's rounding, ULPS * eps per layer (and
+    the head) of what the step moved them (a relative error of the gradient becomes one of the update)."""
+    moved = float(((after.double() - before.double()).abs() * mask).max())
+    return float32_bound(after * mask) + ULPS * EPS32 * (layers + 1) * moved

@@ -2,16 +2,24 @@
 ActorWorker on real Ray actors, gloo and megatron-core: log-prob parity with transformers at every layout, one
 train step equal to TP1's (loss, grad norm, log-probs after the step), a checkpoint saved at PP2 x vpp2 loaded
 at CP2, HF export and weight publishing in HF order under vpp, critic values and a critic step at CP2 equal to TP1's.
-MTP at CP2 x PP2 x vpp2 is in test_megatron_mtp_layouts.py.
+MTP at every layout is in test_layout_properties.py and test_layouts_mtp.py.
 
-Tests run in file order and share groups: parity runs on fresh weights before any training.
+Tests run in file order and share groups: parity runs on fresh weights before any training. The actor and critic
+tests use the package's shared groups where they have the layout (conftest.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
+from megatron_batches import (
+    after_step_bound,
+    float32_bound,
+    hf_response_log_probs,
+    make_rl_batch_tensors,
+    max_masked_diff,
+)
+from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
@@ -19,7 +27,7 @@ from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
-from roll_backend.workers.critic import CriticConfig, CriticWorker
+from roll_backend.workers.critic import CriticConfig
 
 TOL = 1e-5
 
@@ -54,8 +62,11 @@ def batch_tensors(model_dirs) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def actor(make_group, model_dirs):
-    """actor(layout, layers=4) -> an initialised ActorWorker group (one per layout and model in this module)."""
+def actor(make_group, layout_actors, model_dirs):
+    """actor(layout, layers=4) -> an initialised actor group: the package's shared group where it has the layout
+    (this module's model loaded into it once per layer count), else one of this module's own."""
+    shared = {layout: name for name, layout in layout_actors.layouts.items()}
+    loaded: dict[int, int] = {}  # id of a shared group -> the layer count of the model loaded into it
 
     def build(layout: ParallelLayout, layers: int = 4):
         config = ActorConfig(
@@ -64,12 +75,19 @@ def actor(make_group, model_dirs):
             ),
             loss=ActorLossConfig(clip_low=0.2),
         )
+        if layout in shared:
+            group = layout_actors[shared[layout]]
+            if loaded.get(id(group)) != layers:
+                group.call(ReconfigurableActor.init_model_with, config)
+                loaded[id(group)] = layers
+            return group
         group = make_group(ActorWorker, layout.model_parallel_size, layout, role=f"actor{layers}", worker_config=config)
         if not getattr(group, "initialised", False):
             group.call(ActorWorker.init_model)
             group.initialised = True
         return group
 
+    build.forget = loaded.clear  # after a test loaded another model into the shared groups
     return build
 
 
@@ -79,6 +97,26 @@ def _log_probs(group, tensors) -> torch.Tensor:
 
 def _train_step(group, tensors) -> dict:
     return group.call(ActorWorker.train_step, DataProto.from_dict(tensors=tensors))[0]
+
+
+def test_reference_log_probs_and_entropy_at_cp2(make_group, model_dirs, batch_tensors):
+    """MegatronInferStrategy under CP, with the compiled layers (use_torch_compile): log-probs and entropy at
+    temperature 0.7 equal transformers'."""
+    from roll_backend.strategies.megatron.config import MegatronInferConfig
+    from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
+
+    config = ReferenceConfig(
+        strategy=MegatronInferConfig(
+            model_path=model_dirs[4], micro_batch_size=2, compute_entropy=True, temperature=0.7, use_torch_compile=True
+        )
+    )
+    group = make_group(ReferenceWorker, 2, CP2, role="reference", worker_config=config)
+    group.call(ReferenceWorker.init_model)
+    out = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors))
+    expected_lp, expected_entropy = hf_response_log_probs(model_dirs[4], batch_tensors, temperature=0.7)
+    mask = batch_tensors[keys.RESPONSE_MASK]
+    assert max_masked_diff(out.batch[keys.LOG_PROBS], expected_lp, mask) < TOL
+    assert max_masked_diff(out.batch[keys.ENTROPY], expected_entropy, mask) < TOL
 
 
 @pytest.mark.parametrize(
@@ -158,53 +196,34 @@ def test_checkpoint_saved_with_vpp_loads_at_cp2(actor, batch_tensors, tmp_path):
     assert resumed["grad_norm"] == pytest.approx(next_step["grad_norm"], abs=TOL, rel=1e-5)
 
 
-def test_reference_log_probs_and_entropy_at_cp2(make_group, model_dirs, batch_tensors):
-    """MegatronInferStrategy under CP, with the compiled layers (use_torch_compile): log-probs and entropy at
-    temperature 0.7 equal transformers'."""
-    from roll_backend.strategies.megatron.config import MegatronInferConfig
-    from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
-
-    config = ReferenceConfig(
-        strategy=MegatronInferConfig(
-            model_path=model_dirs[4], micro_batch_size=2, compute_entropy=True, temperature=0.7, use_torch_compile=True
-        )
-    )
-    group = make_group(ReferenceWorker, 2, CP2, role="reference", worker_config=config)
-    group.call(ReferenceWorker.init_model)
-    out = group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=batch_tensors))
-    expected_lp, expected_entropy = hf_response_log_probs(model_dirs[4], batch_tensors, temperature=0.7)
-    mask = batch_tensors[keys.RESPONSE_MASK]
-    assert max_masked_diff(out.batch[keys.LOG_PROBS], expected_lp, mask) < TOL
-    assert max_masked_diff(out.batch[keys.ENTROPY], expected_entropy, mask) < TOL
-
-
-def test_critic_values_and_step_at_cp2_equal_tp1(make_group, model_dirs, batch_tensors):
+def test_critic_values_and_step_at_cp2_equal_tp1(actor, layout_actors, model_dirs, batch_tensors):
     """Values gathered over CP into token order, and the value loss reduced over CP (global token mean); the CP2
     critic runs the compiled layers (use_torch_compile), forward and backward, against TP1's eager ones."""
+    actor.forget()  # the shared TP1 and CP2 groups become critics here
     results = []
-    for layout in (ParallelLayout(), CP2):
+    for group in (layout_actors["tp1"], layout_actors["cp2"]):
         config = CriticConfig(
             strategy=MegatronTrainConfig(
                 model_path=model_dirs[4],
                 micro_batch_size=2,
                 value_head=True,
                 optimizer=OptimizerSettings(lr=1e-2),
-                use_torch_compile=layout.cp > 1,
+                use_torch_compile=group.layout.cp > 1,
             )
         )
-        group = make_group(CriticWorker, layout.model_parallel_size, layout, role="critic", worker_config=config)
-        group.call(CriticWorker.init_model)
-        values = group.call(CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
+        group.call(ReconfigurableActor.init_model_with, config)
+        values = group.call(ReconfigurableActor.compute_values, DataProto.from_dict(tensors=batch_tensors))
+        values = values.batch[keys.VALUES]
         tensors = dict(batch_tensors, **{keys.VALUES: values, keys.RETURNS: torch.ones_like(values)})
-        step = group.call(CriticWorker.train_step, DataProto.from_dict(tensors=tensors))[0]
-        after = group.call(CriticWorker.compute_values, DataProto.from_dict(tensors=batch_tensors)).batch[keys.VALUES]
-        results.append((values, step, after))
+        step = group.call(ReconfigurableActor.critic_train_step, DataProto.from_dict(tensors=tensors))[0]
+        after = group.call(ReconfigurableActor.compute_values, DataProto.from_dict(tensors=batch_tensors))
+        results.append((values, step, after.batch[keys.VALUES]))
     (values1, step1, after1), (values2, step2, after2) = results
     mask = batch_tensors[keys.RESPONSE_MASK]
-    assert max_masked_diff(values2, values1, mask) < TOL
+    assert max_masked_diff(values2, values1, mask) <= float32_bound(values1 * mask)
     assert max_masked_diff(after1, values1, mask) > 1e-3  # the step moved the values
-    assert step2["vf_loss"] == pytest.approx(step1["vf_loss"], abs=TOL)
-    assert step2["grad_norm"] == pytest.approx(step1["grad_norm"], abs=TOL, rel=1e-5)
-    # After a 1e-2 step the compiled CP2 kernels and TP1's eager ones differ by 1.01e-5 on an AVX2-only CPU (the
-    # same before the move to strategies/megatron/); 1e-5 held on AVX512 ones.
-    assert max_masked_diff(after2, after1, mask) < 2 * TOL
+    assert abs(step2["vf_loss"] - step1["vf_loss"]) <= float32_bound(step1["vf_loss"])
+    assert abs(step2["grad_norm"] - step1["grad_norm"]) <= float32_bound(step1["grad_norm"])
+    # Not a fixed 1e-5: after a 1e-2 step the compiled CP2 kernels and TP1's eager ones differed by 1.013e-5 on an
+    # AVX2-only CPU (values ~1.1), which the step's rounding explains and this derived bound allows.
+    assert max_masked_diff(after2, after1, mask) <= after_step_bound(values1, after1, mask, layers=4)

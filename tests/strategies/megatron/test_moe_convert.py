@@ -107,3 +107,5 @@ def test_run_config_refuses_an_impossible_ep_before_ray(tmp_path):
         load_config("configs/grpo_tiny_cpu.yaml", base + ["actor_train.strategy.ep=2"]).actor_train.strategy.layout.ep
         == 2
     )
+    with pytest.raises(ConfigError, match="MTP on a MoE model is not supported yet .*set mtp_num_layers=0"):
+        load_config("configs/grpo_tiny_cpu.yaml", base + ["actor_train.strategy.mtp_num_layers=1"])

@@ -1,0 +1,252 @@
+"""Layout independence as a property of every shape (issue #28). Each example is a model shape and a batch; at TP1
+(micro-batches of 2 rows) it gives the reference numbers, and TP2, PP2, TP2 x PP2, CP2, PP2 x vpp2, EP2 (two
+data-parallel ranks, over which a MoE model splits its experts) and TP1 with micro-batches of one row must give the
+same, for the actor and for a critic (value head) on the same model, wherever the builder accepts the layout (vpp
+needs the layers to split into chunks; a MoE critic runs at TP1; the skipped layouts are printed):
+- log-probs and entropy (values) before the step;
+- every metric the step reports (loss, pg_loss, entropy, kl_loss, ppo_kl, pg_clipfrac, mtp_loss, grad_norm; loss,
+  vf_loss, vf_clipfrac, grad_norm);
+- log-probs (values) after the step, which must have moved them.
+The first two examples are the case the issue found (vocabulary 1001, which TP2 pads, 4 layers, MTP; untied and
+tied); the others are drawn from a seeded generator over vocabulary size (divisible by TP or not), tied or untied
+embeddings, layer counts that split evenly or not, GQA ratio, qkv bias (qwen2) or q/k norms (qwen3), dense or
+MoE (qwen2_moe with a shared expert, qwen3_moe; without the load-balancing loss, a per-micro-batch objective that
+the split moves by Megatron's design), MTP on or off, and batches of left-padded prompts and right-padded
+responses with odd widths and nearly empty rows. A failing example is named with its whole shape;
+ROLL_BACKEND_PROPERTY_SEED / ROLL_BACKEND_PROPERTY_EXAMPLES draw others.
+
+Tolerances are derived from float32 rounding, not picked: a value computed two ways in float32 may differ by a few
+units in the last place of the largest magnitude it went through (`float32_bound`). The step adds the rounding
+of the update: Adam moves each weight by about lr, with a relative rounding of the gradient direction; its effect
+on log-probs is bounded by the step's own effect on them times a small multiple of float32 epsilon per layer
+(`after_step_bound`). The issue's MTP error (~1e-3 in the MTP loss) is about 20 times these bounds, and fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+
+import pytest
+import torch
+from megatron_batches import after_step_bound, float32_bound
+from reconfigurable_workers import ReconfigurableActor
+
+from roll_backend import keys
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron.config import (
+    MegatronTrainConfig,
+    OptimizerSettings,
+    default_stage_split,
+    value_head_problem,
+)
+from roll_backend.workers.actor import ActorConfig, ActorLossConfig
+from roll_backend.workers.critic import CriticConfig, CriticLossConfig
+
+SEED = int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))
+RANDOM_EXAMPLES = int(os.environ.get("ROLL_BACKEND_PROPERTY_EXAMPLES", "6"))
+LR = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    family: str
+    vocab_size: int
+    tied: bool
+    layers: int
+    kv_heads: int
+    mtp: int
+    rows: int
+    prompt_width: int
+    response_width: int
+    seed: int
+
+    def spec(self) -> TinyModelSpec:
+        return TinyModelSpec(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=self.layers,
+            num_attention_heads=4,
+            num_key_value_heads=self.kv_heads,
+            model_vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tied,
+            family=self.family,
+            seed=self.seed,
+            # Megatron's load-balancing loss is a per-micro-batch objective: the split moves it by design.
+            router_aux_loss_coef=0.0,
+        )
+
+
+def examples() -> list[Example]:
+    issue_case = Example("qwen2", 1001, False, 4, 2, 1, 6, 7, 5, 0)
+    drawn, rng = [], random.Random(SEED)
+    for index in range(RANDOM_EXAMPLES):
+        drawn.append(
+            Example(
+                family=rng.choice(["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"]),
+                vocab_size=rng.randrange(330, 1100) | (1 if index % 2 == 0 else 0),  # odd: TP2 pads; even: it splits
+                tied=rng.random() < 0.5,
+                layers=rng.choice([2, 3, 4, 5]),
+                kv_heads=rng.choice([2, 4]),
+                mtp=rng.choice([0, 1]),
+                rows=rng.randrange(3, 8),
+                prompt_width=rng.randrange(3, 9),
+                response_width=rng.randrange(2, 8),
+                seed=rng.randrange(1000),
+            )
+        )
+    # The config refuses MTP on MoE models (strategies/megatron/config.py: mtp_problem).
+    drawn = [dataclasses.replace(e, mtp=0) if e.family.endswith("_moe") else e for e in drawn]
+    return [issue_case, dataclasses.replace(issue_case, tied=True), *drawn]
+
+
+def rl_batch(example: Example, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded responses of random lengths; row 0 has one prompt and one response
+    token (nearly empty), every other row at least one response token."""
+    gen = torch.Generator().manual_seed(example.seed)
+    rows, p_width, r_width = example.rows, example.prompt_width, example.response_width
+    prompts = torch.zeros(rows, p_width, dtype=torch.long)
+    responses = torch.zeros(rows, r_width, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, p_width, dtype=torch.long)
+    response_mask = torch.zeros(rows, r_width, dtype=torch.long)
+    for row in range(rows):
+        p_len = 1 if row == 0 else int(torch.randint(1, p_width + 1, (1,), generator=gen))
+        r_len = 1 if row == 0 else int(torch.randint(1, r_width + 1, (1,), generator=gen))
+        prompts[row, p_width - p_len :] = torch.randint(3, vocab_size, (p_len,), generator=gen)
+        prompt_mask[row, p_width - p_len :] = 1
+        responses[row, :r_len] = torch.randint(3, vocab_size, (r_len,), generator=gen)
+        response_mask[row, :r_len] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        keys.PROMPTS: prompts,
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+        keys.ATTENTION_MASK: attention_mask,
+        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        keys.RESPONSE_MASK: response_mask,
+        keys.ADVANTAGES: torch.randn(rows, r_width, generator=gen),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What one role computes before and after its step, and the metrics its step reports."""
+
+    forward: object  # the worker method giving per-token outputs
+    outputs: tuple[str, ...]  # their columns compared before the step (the first also after it)
+    train: object
+    metrics: tuple[str, ...]
+
+
+ACTOR = Role(
+    ReconfigurableActor.compute_log_probs,
+    (keys.LOG_PROBS, keys.ENTROPY),
+    ReconfigurableActor.train_step,
+    ("loss", "pg_loss", "entropy", "kl_loss", "ppo_kl", "pg_clipfrac", "grad_norm"),
+)
+CRITIC = Role(
+    ReconfigurableActor.compute_values,
+    (keys.VALUES,),
+    ReconfigurableActor.critic_train_step,
+    ("loss", "vf_loss", "vf_clipfrac", "grad_norm"),
+)
+
+
+def _config(model_dir: str, example: Example, role: Role, micro_batch_size: int = 2) -> ActorConfig | CriticConfig:
+    settings = dict(model_path=model_dir, micro_batch_size=micro_batch_size, optimizer=OptimizerSettings(lr=LR))
+    if role is CRITIC:
+        return CriticConfig(strategy=MegatronTrainConfig(**settings, value_head=True), loss=CriticLossConfig(0.2))
+    return ActorConfig(
+        strategy=MegatronTrainConfig(**settings, mtp_num_layers=example.mtp, mtp_loss_scaling_factor=0.3),
+        loss=ActorLossConfig(kl_loss_coef=0.05, entropy_coef=0.01),
+    )
+
+
+def _run(group, config, role: Role, batch: DataProto) -> dict:
+    group.call(ReconfigurableActor.init_model_with, config)
+    before = group.call(role.forward, batch).batch
+    metrics = next(m for m in group.call(role.train, batch) if m is not None)
+    after = group.call(role.forward, batch).batch[role.outputs[0]]
+    return {**{column: before[column] for column in role.outputs}, "metrics": metrics, "after": after}
+
+
+def _layout_problem(model_dir: str, layout, role: Role) -> str | None:
+    """Why the model cannot run at this layout in this role (the builder's own rules), or None."""
+    from transformers import AutoConfig
+
+    from roll_backend.strategies.megatron.builder import HFArch
+
+    try:
+        arch = HFArch.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        first, last = default_stage_split(arch.num_layers, layout.pp, layout.vpp)
+        arch.check_layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.vpp, first, last)
+    except ValueError as exc:
+        return str(exc)
+    return value_head_problem(True, arch.moe is not None, 0, layout.tp) if role is CRITIC else None
+
+
+def _name(example: Example) -> str:
+    tied = "tied" if example.tied else "untied"
+    return f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-mtp{example.mtp}"
+
+
+def _role_batch(role: Role, tensors: dict, outputs: DataProto) -> DataProto:
+    """The step's inputs from the reference's outputs: old log-probs and a reference policy a little away (so
+    kl_loss > 0) for the actor; old values and returns for the critic."""
+    noise = torch.randn(tensors[keys.RESPONSES].shape, generator=torch.Generator().manual_seed(1))
+    if role is ACTOR:
+        old = outputs.batch[keys.LOG_PROBS]
+        return DataProto.from_dict(tensors={**tensors, keys.OLD_LOG_PROBS: old, keys.REF_LOG_PROBS: old + 0.1 * noise})
+    values = outputs.batch[keys.VALUES]
+    return DataProto.from_dict(tensors={**tensors, keys.VALUES: values, keys.RETURNS: values + noise})
+
+
+def _compare(example: Example, role: Role, ref: dict, runs: dict, mask: torch.Tensor) -> list[str]:
+    """Every check of every layout against the reference, as lines; failing ones start with 'FAIL'."""
+    first = role.outputs[0]
+    moved = float(((ref["after"] - ref[first]).abs() * mask).max())
+    post = after_step_bound(ref[first], ref["after"], mask, example.layers)
+    lines = [f"the step moved {first} by {moved:.3g}" if moved > 100 * post else f"FAIL the step hardly moved {first}"]
+    names = role.metrics + (("mtp_loss",) if role is ACTOR and example.mtp else ())
+    for name, run in runs.items():
+        checks = [
+            (c, float(((run[c] - ref[c]).abs() * mask).max()), float32_bound(ref[c] * mask)) for c in role.outputs
+        ]
+        checks.append((f"{first} after the step", float(((run["after"] - ref["after"]).abs() * mask).max()), post))
+        for metric in names:
+            got, want = run["metrics"][metric], ref["metrics"][metric]
+            checks.append((metric, abs(got - want), float32_bound(want, ref["metrics"]["loss"])))
+        for what, diff, bound in checks:
+            lines.append(f"{'FAIL ' if diff > bound else ''}{name} {what}: {diff:.3g} (bound {bound:.3g})")
+    return lines
+
+
+@pytest.mark.parametrize("example", examples(), ids=_name)
+def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
+    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
+    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
+    tensors = rl_batch(example, vocab_size)
+    mask = tensors[keys.RESPONSE_MASK].float()
+    reference = layout_actors["tp1"]
+    report = []
+    for role in (ACTOR, CRITIC):
+        role_name = "actor" if role is ACTOR else "critic"
+        config = _config(model_dir, example, role)
+        reference.call(ReconfigurableActor.init_model_with, config)
+        batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
+        ref = _run(reference, config, role, batch)
+        runs = {}
+        for name, group in layout_actors.items():
+            problem = _layout_problem(model_dir, group.layout, role) if name != "tp1" else "the reference"
+            if problem is None:
+                runs[name] = _run(group, config, role, batch)
+            elif name != "tp1":
+                report.append(f"{role_name} not at {name}: {problem}")
+        runs["tp1_mbs1"] = _run(reference, _config(model_dir, example, role, micro_batch_size=1), role, batch)
+        report += [f"{role_name} {line}" for line in _compare(example, role, ref, runs, mask)]
+    print(f"{_name(example)} (vocab {vocab_size}):", *report, sep="\n  ")
+    failures = [line for line in report if "FAIL" in line]
+    assert not failures, f"{example} (vocab {vocab_size}):\n" + "\n".join(failures)
