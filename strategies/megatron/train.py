@@ -202,25 +202,17 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = schedule.run_pipeline(
-            self.model,
-            self.capture,
-            micro_batches,
-            forward_only=False,
-            mtp=self.mtp_loss,
-            loss_func=loss_func,
-        )
+        stored = schedule.run_pipeline(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
         self.steps_done += 1
-        real = [micro.has_rows for micro in micro_batches]
+        real = sum(micro.has_rows for micro in micro_batches)
         mtp_loss = self.mtp_loss.reported() if self.mtp_loss is not None else None
-        router = self.router_metrics.pop(max(1, sum(real))) if self.router_metrics is not None else {}
+        router = self.router_metrics.pop(max(1, real)) if self.router_metrics is not None else {}
         if not schedule.is_last_stage():
             return None
-        # Metrics of all-padding micro-batches would dilute the averages.
-        metrics = self._reduce_metrics([d for d, keep in zip(stored, real) if keep] or stored)
+        metrics = self._reduce_metrics(stored)  # (an all-padding micro-batch's shares are 0)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(self.optimizer.param_groups[0]["lr"]),
