@@ -87,6 +87,7 @@ class MicroBatch:
     labels: torch.Tensor  # [b, T] int64, next token
     loss_mask: torch.Tensor  # [b, T] float, 1 where the next token is a response token
     responses: torch.Tensor  # [b, T_resp] int64
+    token_mask: torch.Tensor  # [b, T] bool, True at real tokens (not padding)
     # Token-budget and packed micro-batches: where each response token's prediction sits in the output (None: the
     # last T_resp columns), the input rows they hold, and THD packing parameters.
     gather: OutputGather | None = None
@@ -140,13 +141,17 @@ def split_micro_batches(
     needed = -(-num_rows // micro_batch_size)  # ceil: micro-batches of at most micro_batch_size rows
     count = -(-needed // count_multiple) * count_multiple
     micro_batch_size = -(-num_rows // count) if count else micro_batch_size
+    # CP cuts every sequence into 2 x CP equal chunks.
+    multiple = math.lcm(SEQUENCE_MULTIPLE, 2 * cp.cp_group_and_size()[1])
+    width = max(model_width(batch.batch[keys.ATTENTION_MASK], multiple), batch.batch[keys.RESPONSES].shape[1] + 1)
+    width = -(-width // multiple) * multiple
+    shapes = agreed_shapes([(micro_batch_size, width)] * count, device)
+    count = len(shapes)
+    micro_batch_size = max((rows for rows, _ in shapes), default=micro_batch_size)
+    width = max((w for _, w in shapes), default=width)
     pad = count * micro_batch_size - num_rows
     tensors = {k: _pad_rows(v, pad) for k, v in batch.batch.items()}
     non_tensors = {k: _pad_rows(np.asarray(v, dtype=object), pad) for k, v in batch.non_tensor_batch.items()}
-    # CP cuts every sequence into 2 x CP equal chunks.
-    multiple = math.lcm(SEQUENCE_MULTIPLE, 2 * cp.cp_group_and_size()[1])
-    width = max(model_width(tensors[keys.ATTENTION_MASK], multiple), tensors[keys.RESPONSES].shape[1] + 1)
-    width = -(-width // multiple) * multiple
     micro_batches = []
     for start in range(0, num_rows + pad, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -157,6 +162,26 @@ def split_micro_batches(
         )
         micro_batches.append(model_inputs(proto, device, width))
     return micro_batches, num_rows
+
+
+def agreed_shapes(shapes: list[tuple[int, int]], device: str) -> list[tuple[int, int]]:
+    """The (rows, width) of each micro-batch, raised to the largest any rank of the expert-parallel group has at
+    that place, and as many micro-batches as the rank with the most; `shapes` itself without expert parallelism.
+
+    Every MoE layer exchanges tokens over that group once per micro-batch, so its ranks (different DP ranks with
+    their own rows) must run the same number of micro-batches; the allgather dispatcher (CPU) also gathers equal
+    token counts. Added rows and columns are padding, outside every mask; added micro-batches hold no rows."""
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized() or mpu.get_expert_model_parallel_world_size() == 1:
+        return shapes
+    group = mpu.get_expert_model_parallel_group()
+    count = torch.tensor([len(shapes)], device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+    agreed = torch.zeros(int(count), 2, dtype=torch.long, device=device)
+    agreed[: len(shapes)] = torch.tensor(shapes, dtype=torch.long, device=device).view(-1, 2)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [(int(rows), int(width)) for rows, width in agreed.tolist()]
 
 
 def model_inputs(proto: DataProto, device: str, width: int) -> MicroBatch:
@@ -180,7 +205,7 @@ def model_inputs(proto: DataProto, device: str, width: int) -> MicroBatch:
     loss_mask[:, total - resp_len - 1 : total - 1] = response_mask.float()
     labels = torch.roll(input_ids, shifts=-1, dims=1)
     labels[:, -1] = 0
-    return MicroBatch(proto, input_ids, position_ids, ~visible, labels, loss_mask, responses)
+    return MicroBatch(proto, input_ids, position_ids, ~visible, labels, loss_mask, responses, attention)
 
 
 # ---- token budgets and packing -------------------------------------------------------------------------
@@ -312,23 +337,30 @@ def split(batch: DataProto, plan: BatchingPlan, device: str, what: str) -> tuple
         # A prompt needs at least one token: its last column predicts the first response token.
         lengths = [max(p, 1) + r for p, r in zip(prompt_used, response_used)]
         groups = pack_by_token_budget(lengths, plan.max_tokens)
+        widths = [round_up(sum(lengths[i] for i in g), plan.width_multiple) for g in groups]
+        shapes = agreed_shapes([(1, w) for w in widths], device)
+        groups += [[]] * (len(shapes) - len(groups))
         return [
-            _packed(batch, g, [max(prompt_used[i], 1) for i in g], [response_used[i] for i in g], device, plan)
-            for g in groups
+            _packed(batch, g, [max(prompt_used[i], 1) for i in g], [response_used[i] for i in g], device, plan, w)
+            for g, (_, w) in zip(groups, shapes)
         ], len(batch)
     groups = group_by_token_budget(prompt_used, response_used, plan.max_tokens, plan.width_multiple)
+    extents = [(max(prompt_used[i] for i in g), max(response_used[i] for i in g)) for g in groups]
+    widths = [round_up(max(p, 1) + r, plan.width_multiple) for p, r in extents]
+    shapes = agreed_shapes([(len(g), w) for g, w in zip(groups, widths)], device)
+    groups += [[]] * (len(shapes) - len(groups))
+    extents += [(0, 0)] * (len(shapes) - len(extents))
     return [
-        _trimmed(
-            batch, g, max(prompt_used[i] for i in g), max(response_used[i] for i in g), device, plan.width_multiple
-        )
-        for g in groups
+        _trimmed(batch, g, prompt, response, device, shape)
+        for g, (prompt, response), shape in zip(groups, extents, shapes)
     ], len(batch)
 
 
 def _trimmed(
-    batch: DataProto, rows: list[int], prompt_width: int, response_width: int, device: str, multiple: int
+    batch: DataProto, rows: list[int], prompt_width: int, response_width: int, device: str, shape: tuple[int, int]
 ) -> MicroBatch:
-    """The rows cut to the columns they use: prompt_width before the response, response_width of it."""
+    """The rows cut to the columns they use (prompt_width before the response, response_width of it), at
+    `shape` (rows, width): zero rows below and padding columns on the left fill what they do not use."""
     proto = batch.select_idxs(rows)
     full = proto.batch[keys.RESPONSES].shape[1]
     prompt_width = max(prompt_width, 1)
@@ -342,7 +374,8 @@ def _trimmed(
     inputs[keys.RESPONSES] = proto.batch[keys.RESPONSES][:, :response_width]
     if keys.RESPONSE_MASK in proto.batch.keys():
         inputs[keys.RESPONSE_MASK] = proto.batch[keys.RESPONSE_MASK][:, :response_width]
-    width = round_up(prompt_width + response_width, multiple)
+    inputs = {name: _pad_rows(value, shape[0] - len(rows)) for name, value in inputs.items()}
+    width = shape[1]
     micro = model_inputs(DataProto.from_dict(tensors=inputs), device, width)
     n = len(rows)
     j = torch.arange(full, device=device)
@@ -353,15 +386,21 @@ def _trimmed(
         cols=(width - response_width - 1 + j.clamp(max=max(response_width - 1, 0)))[None].expand(n, full),
         valid=(j < response_width)[None].expand(n, full),
     )
-    micro.index = torch.tensor(rows)
+    micro.index = torch.tensor(rows, dtype=torch.long)
     return micro
 
 
 def _packed(
-    batch: DataProto, rows: list[int], prompt_used: list[int], response_used: list[int], device: str, plan: BatchingPlan
+    batch: DataProto,
+    rows: list[int],
+    prompt_used: list[int],
+    response_used: list[int],
+    device: str,
+    plan: BatchingPlan,
+    width: int,
 ) -> MicroBatch:
-    """The rows' used tokens end to end in one row, each sequence with its own positions, attending only within
-    itself."""
+    """The rows' used tokens end to end in one row of `width`, each sequence with its own positions, attending
+    only within itself."""
     proto = batch.select_idxs(rows)
     input_ids = proto.batch[keys.INPUT_IDS]
     full = proto.batch[keys.RESPONSES].shape[1]
@@ -385,7 +424,6 @@ def _packed(
         cols[i] = offset + prompt - 1 + torch.arange(full).clamp(max=max(response - 1, 0))
         valid[i, :response] = True
         offset += length
-    width = round_up(offset, plan.width_multiple)
     tail = width - offset  # padding at the end: a segment of its own, never gathered
     pieces.append(torch.zeros(tail, dtype=input_ids.dtype))
     segments.append(torch.full((tail,), len(rows)))
@@ -403,9 +441,10 @@ def _packed(
         labels=labels,
         loss_mask=torch.cat(loss_mask)[None].to(device),
         responses=proto.batch[keys.RESPONSES].to(device),
+        token_mask=(torch.arange(width) < offset)[None].to(device),
     )
     micro.gather = OutputGather(rows=torch.zeros_like(cols).to(device), cols=cols.to(device), valid=valid.to(device))
-    micro.index = torch.tensor(rows)
+    micro.index = torch.tensor(rows, dtype=torch.long)
     if plan.thd:
         micro.packed_seq_params = _thd_params([p + r for p, r in zip(prompt_used, response_used)] + [tail], device)
     return micro

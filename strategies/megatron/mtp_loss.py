@@ -6,6 +6,9 @@ the TP-padded vocabulary (the padded columns' logits count in the softmax, so TP
 not divide the vocabulary), masked, then divided by the micro-batch's own token count on this CP rank (so the micro-
 batch split, DP and CP change the weights of tokens). Its gradient is further scaled by 1 / num_microbatches and
 averaged over DP x CP by DDP. Here:
+- a depth's loss mask is the rolled response mask at positions that are themselves real tokens: position i of depth
+  d joins its hidden state with the embeddings of tokens i+1..i+d, so a left-padding position before a one-token
+  prompt would predict the first response token from padding (a value that moves with the micro-batch's width);
 - the model is fed a loss mask of ones, so Megatron's divisor is the (never zero) count of rolled positions on
   this rank, `passed`;
 - `compute_language_model_loss` is replaced on the head's chunk: padded vocabulary columns are left out of the
@@ -18,11 +21,15 @@ the global token mean per depth (its average over DP x CP of K-scaled shares).
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
+
+if TYPE_CHECKING:
+    from roll_backend.strategies.megatron.micro_batches import MicroBatch
 
 
 def rolled(mask: torch.Tensor, depth: int) -> torch.Tensor:
@@ -34,9 +41,15 @@ def rolled(mask: torch.Tensor, depth: int) -> torch.Tensor:
     return out
 
 
-def token_counts(loss_mask: torch.Tensor, depths: int) -> torch.Tensor:
-    """[depths] float64: loss tokens each MTP depth predicts in these full rows."""
-    return torch.stack([rolled(loss_mask, d).sum() for d in range(1, depths + 1)]).double()
+def depth_mask(micro: MicroBatch, depth: int) -> torch.Tensor:
+    """[b, T] loss mask of MTP depth `depth` over the micro-batch's full rows: the rolled response mask, at real
+    token positions only."""
+    return rolled(micro.loss_mask, depth) * micro.token_mask.to(micro.loss_mask.dtype)
+
+
+def token_counts(micro: MicroBatch, depths: int) -> torch.Tensor:
+    """[depths] float64: loss tokens each MTP depth predicts in the micro-batch."""
+    return torch.stack([depth_mask(micro, d).sum() for d in range(1, depths + 1)]).double()
 
 
 class MtpLoss:
@@ -51,17 +64,17 @@ class MtpLoss:
             head_chunk.compute_language_model_loss = self._per_token_loss
 
     @contextlib.contextmanager
-    def training(self, loss_masks: list[torch.Tensor]):
+    def training(self, micro_batches: list[MicroBatch]):
         """Around one train step's schedule: counts each depth's loss tokens over this rank's micro-batches (full
         rows) and the DP group, and undoes Megatron's 1 / num_microbatches on the MTP gradient (the weights already
         make the micro-batches add up to the global token mean)."""
         from megatron.core import parallel_state as mpu
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-        local = sum(token_counts(mask, self.depths) for mask in loss_masks)
+        local = sum(token_counts(micro, self.depths) for micro in micro_batches)
         dist.all_reduce(local, group=mpu.get_data_parallel_group())
         original = MTPLossAutoScaler.__dict__["set_loss_scale"]
-        num_micro_batches = len(loss_masks)
+        num_micro_batches = len(micro_batches)
         MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original.__func__(scale * num_micro_batches))
         self.global_tokens = local
         try:
@@ -83,19 +96,19 @@ class MtpLoss:
         MTPLossLoggingHelper.clean_loss_in_tracker()
         return value
 
-    def inputs(self, labels: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def inputs(self, micro: MicroBatch) -> dict[str, torch.Tensor]:
         """The model's `labels` and `loss_mask` for one micro-batch (full rows, before the CP split); queues the
         per-position weights of each depth for the head's loss."""
-        ones = torch.ones_like(loss_mask)
+        ones = torch.ones_like(micro.loss_mask)
         self._weights = []
         if self.global_tokens is not None:
             scale = _dp_cp_size()
             for depth in range(1, self.depths + 1):
-                true_mask = slice_for_this_cp_rank({"m": rolled(loss_mask, depth)})["m"]
+                true_mask = slice_for_this_cp_rank({"m": depth_mask(micro, depth)})["m"]
                 passed = slice_for_this_cp_rank({"m": rolled(ones, depth)})["m"].sum()
                 total = float(self.global_tokens[depth - 1])
                 self._weights.append(true_mask * (scale * passed / total) if total > 0 else torch.zeros_like(true_mask))
-        return {"labels": labels, "loss_mask": ones}
+        return {"labels": micro.labels, "loss_mask": ones}
 
     def _per_token_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Replaces LanguageModule.compute_language_model_loss: labels [b, s], logits [s, b, V/TP] -> [b, s]."""

@@ -80,7 +80,7 @@ def run_pipeline(
             "attention_mask": micro.attention_mask,
         }
         if mtp is not None:
-            inputs.update(mtp.inputs(micro.labels, micro.loss_mask))
+            inputs.update(mtp.inputs(micro))
         extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
         output = chunk(**slice_for_this_cp_rank(inputs), **extra)
         if capture.applies_to(chunk):
@@ -95,7 +95,7 @@ def run_pipeline(
         for chunk in chunks:
             unwrap(chunk).config.variable_seq_lengths = True
     training_mtp = mtp is not None and not forward_only
-    with mtp.training([m.loss_mask for m in micro_batches]) if training_mtp else contextlib.nullcontext():
+    with mtp.training(micro_batches) if training_mtp else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],

@@ -39,6 +39,31 @@ def make_rl_batch_tensors(
     }
 
 
+def rl_batch_of_lengths(
+    prompt_lens: list[int], response_lens: list[int], prompt_width: int, response_width: int, vocab_size: int, gen
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded responses of the given lengths, random tokens and advantages."""
+    rows = len(prompt_lens)
+    prompts = torch.zeros(rows, prompt_width, dtype=torch.long)
+    responses = torch.zeros(rows, response_width, dtype=torch.long)
+    prompt_mask, response_mask = torch.zeros_like(prompts), torch.zeros_like(responses)
+    for row, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[row, prompt_width - p :] = torch.randint(3, vocab_size, (p,), generator=gen)
+        prompt_mask[row, prompt_width - p :] = 1
+        responses[row, :r] = torch.randint(3, vocab_size, (r,), generator=gen)
+        response_mask[row, :r] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        keys.PROMPTS: prompts,
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+        keys.ATTENTION_MASK: attention_mask,
+        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        keys.RESPONSE_MASK: response_mask,
+        keys.ADVANTAGES: torch.randn(rows, response_width, generator=gen),
+    }
+
+
 @torch.no_grad()
 def hf_response_log_probs(model_dir: str, tensors: dict[str, torch.Tensor], temperature: float = 1.0):
     """(log_probs, entropy) [B, T_resp] of the responses under transformers' model, float32."""

@@ -1,6 +1,7 @@
 """Layout independence as a property of every shape (issue #28). Each example is a model shape and a batch; at TP1
 (micro-batches of 2 rows) it gives the reference numbers, and TP2, PP2, TP2 x PP2, CP2, PP2 x vpp2, EP2 (two
-data-parallel ranks, over which a MoE model splits its experts) and TP1 with micro-batches of one row must give the
+data-parallel ranks, over which a MoE model splits its experts; also with micro-batches cut by a token budget and
+packed, so the two ranks' micro-batches differ in number and shape) and TP1 with micro-batches of one row must give the
 same, for the actor and for a critic (value head) on the same model, wherever the builder accepts the layout (vpp
 needs the layers to split into chunks; a MoE critic runs at TP1; the skipped layouts are printed):
 - log-probs and entropy (values) before the step;
@@ -31,7 +32,7 @@ import random
 
 import pytest
 import torch
-from megatron_batches import after_step_bound, float32_bound
+from megatron_batches import after_step_bound, float32_bound, rl_batch_of_lengths
 from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
@@ -49,6 +50,12 @@ from roll_backend.workers.critic import CriticConfig, CriticLossConfig
 SEED = int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))
 RANDOM_EXAMPLES = int(os.environ.get("ROLL_BACKEND_PROPERTY_EXAMPLES", "6"))
 LR = 1e-3
+# Token-budget and packed micro-batches at EP2, where the DP ranks' micro-batches must still line up for the
+# experts' token exchange: budgets below most rows' lengths give the two ranks different counts and widths.
+EXPERT_BATCHING = {
+    "budget": {keys.META_MAX_TOKENS_PER_MICROBATCH: 16},
+    "packed": {keys.META_MAX_TOKENS_PER_MICROBATCH: 12, keys.META_SEQUENCE_PACKING: True},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,27 +115,9 @@ def rl_batch(example: Example, vocab_size: int) -> dict[str, torch.Tensor]:
     token (nearly empty), every other row at least one response token."""
     gen = torch.Generator().manual_seed(example.seed)
     rows, p_width, r_width = example.rows, example.prompt_width, example.response_width
-    prompts = torch.zeros(rows, p_width, dtype=torch.long)
-    responses = torch.zeros(rows, r_width, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, p_width, dtype=torch.long)
-    response_mask = torch.zeros(rows, r_width, dtype=torch.long)
-    for row in range(rows):
-        p_len = 1 if row == 0 else int(torch.randint(1, p_width + 1, (1,), generator=gen))
-        r_len = 1 if row == 0 else int(torch.randint(1, r_width + 1, (1,), generator=gen))
-        prompts[row, p_width - p_len :] = torch.randint(3, vocab_size, (p_len,), generator=gen)
-        prompt_mask[row, p_width - p_len :] = 1
-        responses[row, :r_len] = torch.randint(3, vocab_size, (r_len,), generator=gen)
-        response_mask[row, :r_len] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        keys.PROMPTS: prompts,
-        keys.RESPONSES: responses,
-        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention_mask,
-        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        keys.RESPONSE_MASK: response_mask,
-        keys.ADVANTAGES: torch.randn(rows, r_width, generator=gen),
-    }
+    prompt_lens = [1] + torch.randint(1, p_width + 1, (rows - 1,), generator=gen).tolist()
+    response_lens = [1] + torch.randint(1, r_width + 1, (rows - 1,), generator=gen).tolist()
+    return rl_batch_of_lengths(prompt_lens, response_lens, p_width, r_width, vocab_size, gen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +160,10 @@ def _run(group, config, role: Role, batch: DataProto) -> dict:
     metrics = next(m for m in group.call(role.train, batch) if m is not None)
     after = group.call(role.forward, batch).batch[role.outputs[0]]
     return {**{column: before[column] for column in role.outputs}, "metrics": metrics, "after": after}
+
+
+def _with_meta(batch: DataProto, meta: dict) -> DataProto:
+    return DataProto.from_dict(tensors=dict(batch.batch.items()), meta_info={**batch.meta_info, **meta})
 
 
 def _layout_problem(model_dir: str, layout, role: Role) -> str | None:
@@ -246,6 +239,11 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
             elif name != "tp1":
                 report.append(f"{role_name} not at {name}: {problem}")
         runs["tp1_mbs1"] = _run(reference, _config(model_dir, example, role, micro_batch_size=1), role, batch)
+        if "ep2" in runs:  # micro-batches cut by tokens: the two DP ranks' counts and shapes differ
+            for mode, meta in EXPERT_BATCHING.items():
+                if mode == "packed" and example.mtp and role is ACTOR:
+                    continue  # refused: MTP labels would cross packed sequences
+                runs[f"ep2_{mode}"] = _run(layout_actors["ep2"], config, role, _with_meta(batch, meta))
         report += [f"{role_name} {line}" for line in _compare(example, role, ref, runs, mask)]
     print(f"{_name(example)} (vocab {vocab_size}):", *report, sep="\n  ")
     failures = [line for line in report if "FAIL" in line]

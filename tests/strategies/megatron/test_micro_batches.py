@@ -212,3 +212,21 @@ def test_balanced_dispatch_restores_the_input_order_with_uneven_splits_and_paddi
     assert balance.IMBALANCE_BEFORE in mode.collect(coords, [{"loss": 1.0}] * len(coords), split.context)[0]
     batch.meta_info[keys.META_BALANCE_DP] = False
     assert "balance_order" not in mode.split(coords, (batch,), {}).context
+
+
+def test_mtp_depth_masks_cover_response_targets_predicted_from_real_positions_only():
+    from roll_backend.strategies.megatron.mtp_loss import depth_mask
+
+    batch = _batch()
+    micro = mb.model_inputs(batch, "cpu", batch.batch[keys.INPUT_IDS].shape[1])
+    prompt_end = batch.batch[keys.INPUT_IDS].shape[1] - batch.batch[keys.RESPONSES].shape[1]
+    for depth in (1, 2, 3):
+        mask = depth_mask(micro, depth)
+        for row, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+            # Position i of depth d predicts token i+d+1 from tokens i..i+d: all real, the target a response.
+            expected = torch.zeros(mask.shape[1])
+            for i in range(mask.shape[1]):
+                target = i + depth + 1
+                if i >= prompt_end - p and prompt_end <= target < prompt_end + r:
+                    expected[i] = 1
+            assert torch.equal(mask[row], expected), (row, depth)

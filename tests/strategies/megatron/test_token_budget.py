@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_batches import hf_response_log_probs, max_masked_diff
+from megatron_batches import hf_response_log_probs, max_masked_diff, rl_batch_of_lengths
 
 from roll_backend import keys
 from roll_backend.distributed.balance import IMBALANCE_AFTER, IMBALANCE_BEFORE
@@ -43,26 +43,7 @@ def model_dir(tmp_path_factory) -> str:
 def _batch_tensors(vocab_size: int) -> dict[str, torch.Tensor]:
     """Left-padded prompts and right-padded responses of very uneven lengths."""
     gen = torch.Generator().manual_seed(5)
-    rows = len(PROMPT_LENS)
-    prompts = torch.zeros(rows, PROMPT_WIDTH, dtype=torch.long)
-    responses = torch.zeros(rows, RESPONSE_WIDTH, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompts)
-    response_mask = torch.zeros_like(responses)
-    for row, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        prompts[row, PROMPT_WIDTH - p :] = torch.randint(3, vocab_size, (p,), generator=gen)
-        prompt_mask[row, PROMPT_WIDTH - p :] = 1
-        responses[row, :r] = torch.randint(3, vocab_size, (r,), generator=gen)
-        response_mask[row, :r] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        keys.PROMPTS: prompts,
-        keys.RESPONSES: responses,
-        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention_mask,
-        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        keys.RESPONSE_MASK: response_mask,
-        keys.ADVANTAGES: torch.randn(rows, RESPONSE_WIDTH, generator=gen),
-    }
+    return rl_batch_of_lengths(PROMPT_LENS, RESPONSE_LENS, PROMPT_WIDTH, RESPONSE_WIDTH, vocab_size, gen)
 
 
 @pytest.fixture(scope="module")
