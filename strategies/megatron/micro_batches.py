@@ -409,13 +409,15 @@ def _packed(
         response_mask = proto.batch[keys.RESPONSE_MASK]
     else:
         response_mask = proto.batch[keys.ATTENTION_MASK][:, prompt_end:]
-    pieces, segments, positions, loss_mask = [], [], [], []
+    attention = proto.batch[keys.ATTENTION_MASK].bool()
+    pieces, segments, positions, loss_mask, real = [], [], [], [], []
     cols = torch.zeros(len(rows), full, dtype=torch.long)
     valid = torch.zeros(len(rows), full, dtype=torch.bool)
     offset = 0
     for i, (prompt, response) in enumerate(zip(prompt_used, response_used)):
         length = prompt + response
         pieces.append(input_ids[i, prompt_end - prompt : prompt_end + response])
+        real.append(attention[i, prompt_end - prompt : prompt_end + response])  # a row of padding keeps one token
         segments.append(torch.full((length,), i))
         positions.append(torch.arange(length))
         predicts = torch.zeros(length)  # 1 where the next token is a response token in the loss
@@ -429,6 +431,7 @@ def _packed(
     segments.append(torch.full((tail,), len(rows)))
     positions.append(torch.arange(tail))
     loss_mask.append(torch.zeros(tail))
+    real.append(torch.zeros(tail, dtype=torch.bool))
     tokens = torch.cat(pieces)[None].to(device)
     segment = torch.cat(segments).to(device)
     labels = torch.roll(tokens, shifts=-1, dims=1)
@@ -441,7 +444,7 @@ def _packed(
         labels=labels,
         loss_mask=torch.cat(loss_mask)[None].to(device),
         responses=proto.batch[keys.RESPONSES].to(device),
-        token_mask=(torch.arange(width) < offset)[None].to(device),
+        token_mask=torch.cat(real)[None].to(device),
     )
     micro.gather = OutputGather(rows=torch.zeros_like(cols).to(device), cols=cols.to(device), valid=valid.to(device))
     micro.index = torch.tensor(rows, dtype=torch.long)

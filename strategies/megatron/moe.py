@@ -117,19 +117,38 @@ def mark_expert_params(model) -> None:
             param.allreduce = False
 
 
+def router_padding_mask(model, padding_mask: torch.Tensor) -> torch.Tensor:
+    """The [b, s] padding mask (True = padding) a GPTModel chunk takes for its MoE routers.
+
+    megatron-core 0.16.1 cuts the mask to this rank's part of the sequence under sequence parallelism only in a
+    chunk that embeds (pre_process); a later pipeline stage's chunk would route [s/TP] tokens against the whole
+    mask, so it gets the cut mask here.
+    """
+    if model.pre_process or not model.config.sequence_parallel:
+        return padding_mask
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+
+
 class RouterMetrics:
     """Router statistics of a train step: the load-balancing loss and the token load per expert.
 
-    Token load counts the (token, expert) assignments of every router during training forwards (all positions the
-    model sees, padding included); `pop` reduces them over all ranks and reports, per layer, each expert's load
-    relative to the layer's mean (1.0 = perfectly balanced): min and max over layers and experts, and the
-    imbalance (max / mean, averaged over layers). The aux loss comes from Megatron's tracker, reduced the way
-    Megatron's own logging reduces it.
+    Token load counts the (token, expert) assignments of every router during training forwards, real tokens only
+    (the schedule gives the routers the micro-batch's padding mask), so it is the same at every layout and
+    micro-batch split; `pop` reduces it over all ranks and reports, per layer, each expert's load relative to the
+    layer's mean (1.0 = perfectly balanced): min and max over layers and experts, and the imbalance (max / mean,
+    averaged over layers). The aux loss comes from Megatron's tracker, reduced the way Megatron's own logging
+    reduces it: a mean over micro-batches of a per-micro-batch objective (Megatron's and Hugging Face's
+    definition), padding left out, so it is the same at every model-parallel layout for the same micro-batches.
     """
 
     def __init__(self, model_chunks: list, num_layers: int, num_experts: int, aux_loss_coef: float, device: str):
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
         from megatron.core.transformer.moe.router import TopKRouter
 
+        # Megatron's tracker is process-global and sized by the first model's layers: a new model starts it afresh.
+        get_moe_layer_wise_logging_tracker().clear()
         self.aux_loss_coef = aux_loss_coef
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         for chunk in model_chunks:
@@ -140,6 +159,9 @@ class RouterMetrics:
     def _hook(self, router, args, output):
         if router.training and router.layer_number is not None and router.layer_number <= self.counts.shape[0]:
             _, routing_map = output
+            padding = args[1] if len(args) > 1 else None  # [s, b] True = padding, in routing_map's token order
+            if padding is not None:
+                routing_map = routing_map[~padding.reshape(-1)]
             self.counts[router.layer_number - 1] += routing_map.detach().sum(dim=0).to(self.counts.dtype)
 
     def reset(self) -> None:

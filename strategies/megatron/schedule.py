@@ -17,6 +17,7 @@ from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.model_setup import set_train_mode
+from roll_backend.strategies.megatron.moe import router_padding_mask
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 
 
@@ -81,12 +82,19 @@ def run_pipeline(
         }
         if mtp is not None:
             inputs.update(mtp.inputs(micro))
+        if routed:
+            inputs["padding_mask"] = ~micro.token_mask
+        inputs = slice_for_this_cp_rank(inputs)
+        if routed:
+            inputs["padding_mask"] = router_padding_mask(unwrap(chunk), inputs["padding_mask"])
         extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
-        output = chunk(**slice_for_this_cp_rank(inputs), **extra)
+        output = chunk(**inputs, **extra)
         if capture.applies_to(chunk):
             output = capture.pop()
         return output, functools.partial(loss_func, micro)
 
+    # MoE routers leave padding out of their load-balancing loss, z-loss and token counts.
+    routed = bool(unwrap(chunks[0]).config.num_moe_experts)
     first = micro_batches[0]
     iterators = [iter(micro_batches) for _ in chunks]  # the interleaved schedule reads one per model chunk
     if len({tuple(m.input_ids.shape) for m in micro_batches}) > 1:

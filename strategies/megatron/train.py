@@ -157,10 +157,12 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         and sequence counts in its meta_info (what the loss function normalises by)."""
         tensors = dict(batch.batch.items())
         if keys.DISPATCH_PADDING in tensors:
-            # Rows the dispatcher repeated to split the batch evenly over DP: out of the loss and the token count.
+            # Rows the dispatcher repeated to split the batch evenly over DP: padding, like a micro-batch's zero rows
+            # (out of the loss, the token count, MoE routing statistics and the MTP loss).
             keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
-            mask = tensors[keys.RESPONSE_MASK]
-            tensors[keys.RESPONSE_MASK] = mask * keep[:, None].to(mask.dtype)
+            for name in (keys.RESPONSE_MASK, keys.ATTENTION_MASK):
+                if name in tensors:
+                    tensors[name] = tensors[name] * keep[:, None].to(tensors[name].dtype)
         batch = DataProto.from_dict(
             tensors=tensors, non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info)
         )

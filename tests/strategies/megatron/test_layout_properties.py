@@ -50,6 +50,9 @@ from roll_backend.workers.critic import CriticConfig, CriticLossConfig
 SEED = int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))
 RANDOM_EXAMPLES = int(os.environ.get("ROLL_BACKEND_PROPERTY_EXAMPLES", "6"))
 LR = 1e-3
+WIDER = 9  # padding columns added in the `tp1_wider` run: more padding per micro-batch must change nothing
+ROUTER_METRICS = ("moe/expert_load_min", "moe/expert_load_max", "moe/expert_load_imbalance")
+AUX_METRICS = ("moe/load_balancing_loss", "moe/aux_loss")
 # Token-budget and packed micro-batches at EP2, where the DP ranks' micro-batches must still line up for the
 # experts' token exchange: budgets below most rows' lengths give the two ranks different counts and widths.
 EXPERT_BATCHING = {
@@ -70,6 +73,9 @@ class Example:
     prompt_width: int
     response_width: int
     seed: int
+    # Megatron's load-balancing loss is a per-micro-batch objective: another split moves it by design, so the
+    # examples run without it and test_moe_load_balancing_loss_is_layout_independent adds it.
+    aux_loss_coef: float = 0.0
 
     def spec(self) -> TinyModelSpec:
         return TinyModelSpec(
@@ -82,9 +88,12 @@ class Example:
             tie_word_embeddings=self.tied,
             family=self.family,
             seed=self.seed,
-            # Megatron's load-balancing loss is a per-micro-batch objective: the split moves it by design.
-            router_aux_loss_coef=0.0,
+            router_aux_loss_coef=self.aux_loss_coef,
         )
+
+    @property
+    def moe(self) -> bool:
+        return self.family.endswith("_moe")
 
 
 def examples() -> list[Example]:
@@ -106,7 +115,7 @@ def examples() -> list[Example]:
             )
         )
     # The config refuses MTP on MoE models (strategies/megatron/config.py: mtp_problem).
-    drawn = [dataclasses.replace(e, mtp=0) if e.family.endswith("_moe") else e for e in drawn]
+    drawn = [dataclasses.replace(e, mtp=0) if e.moe else e for e in drawn]
     return [issue_case, dataclasses.replace(issue_case, tied=True), *drawn]
 
 
@@ -162,6 +171,23 @@ def _run(group, config, role: Role, batch: DataProto) -> dict:
     return {**{column: before[column] for column in role.outputs}, "metrics": metrics, "after": after}
 
 
+def _widened(batch: DataProto, extra: int) -> DataProto:
+    """The batch with `extra` more response columns, all padding: every micro-batch gets wider, nothing else."""
+    total_width = (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)
+    response_width = batch.batch[keys.RESPONSES].shape[1]
+    tensors = {}
+    for name, value in batch.batch.items():
+        if name in total_width or (name != keys.PROMPTS and value.dim() == 2 and value.shape[1] == response_width):
+            value = torch.nn.functional.pad(value, (0, extra))
+        tensors[name] = value
+    return DataProto.from_dict(tensors=tensors, meta_info=dict(batch.meta_info))
+
+
+def _narrowed(run: dict, role: Role, width: int) -> dict:
+    """A run's per-token outputs cut back to the first `width` response columns."""
+    return {k: v[:, :width] if k in (*role.outputs, "after") else v for k, v in run.items()}
+
+
 def _with_meta(batch: DataProto, meta: dict) -> DataProto:
     return DataProto.from_dict(tensors=dict(batch.batch.items()), meta_info={**batch.meta_info, **meta})
 
@@ -204,6 +230,8 @@ def _compare(example: Example, role: Role, ref: dict, runs: dict, mask: torch.Te
     post = after_step_bound(ref[first], ref["after"], mask, example.layers)
     lines = [f"the step moved {first} by {moved:.3g}" if moved > 100 * post else f"FAIL the step hardly moved {first}"]
     names = role.metrics + (("mtp_loss",) if role is ACTOR and example.mtp else ())
+    names += ROUTER_METRICS if example.moe else ()
+    names += AUX_METRICS if role is ACTOR and example.aux_loss_coef else ()
     for name, run in runs.items():
         checks = [
             (c, float(((run[c] - ref[c]).abs() * mask).max()), float32_bound(ref[c] * mask)) for c in role.outputs
@@ -239,6 +267,8 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
             elif name != "tp1":
                 report.append(f"{role_name} not at {name}: {problem}")
         runs["tp1_mbs1"] = _run(reference, _config(model_dir, example, role, micro_batch_size=1), role, batch)
+        width = tensors[keys.RESPONSES].shape[1]
+        runs["tp1_wider"] = _narrowed(_run(reference, config, role, _widened(batch, WIDER)), role, width)
         if "ep2" in runs:  # micro-batches cut by tokens: the two DP ranks' counts and shapes differ
             for mode, meta in EXPERT_BATCHING.items():
                 if mode == "packed" and example.mtp and role is ACTOR:
@@ -248,3 +278,31 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
     print(f"{_name(example)} (vocab {vocab_size}):", *report, sep="\n  ")
     failures = [line for line in report if "FAIL" in line]
     assert not failures, f"{example} (vocab {vocab_size}):\n" + "\n".join(failures)
+
+
+# The split moves the load-balancing loss (a per-micro-batch objective), the model-parallel layout and the amount
+# of padding must not: the same micro-batches at TP2 x PP2 (sequence parallel on a later stage) and CP2, and wider.
+AUX_LAYOUTS = ("tp2pp2", "cp2")
+
+
+@pytest.mark.parametrize(
+    "example", [dataclasses.replace(e, aux_loss_coef=0.05) for e in examples() if e.moe][:2], ids=_name
+)
+def test_moe_load_balancing_loss_is_layout_independent(layout_actors, example, tmp_path):
+    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
+    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
+    tensors = rl_batch(example, vocab_size)
+    config = _config(model_dir, example, ACTOR)
+    reference = layout_actors["tp1"]
+    reference.call(ReconfigurableActor.init_model_with, config)
+    batch = _role_batch(ACTOR, tensors, reference.call(ACTOR.forward, DataProto.from_dict(tensors=tensors)))
+    ref = _run(reference, config, ACTOR, batch)
+    assert ref["metrics"]["moe/aux_loss"] > 0
+    width = tensors[keys.RESPONSES].shape[1]
+    runs = {"tp1_wider": _narrowed(_run(reference, config, ACTOR, _widened(batch, WIDER)), ACTOR, width)}
+    for name in AUX_LAYOUTS:
+        if _layout_problem(model_dir, layout_actors[name].layout, ACTOR) is None:
+            runs[name] = _run(layout_actors[name], config, ACTOR, batch)
+    report = _compare(example, ACTOR, ref, runs, tensors[keys.RESPONSE_MASK].float())
+    print(f"{_name(example)} with the load-balancing loss:", *report, sep="\n  ")
+    assert len(runs) > 1 and not [line for line in report if "FAIL" in line], "\n".join(report)
