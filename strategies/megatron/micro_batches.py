@@ -405,11 +405,10 @@ def _packed(
     input_ids = proto.batch[keys.INPUT_IDS]
     full = proto.batch[keys.RESPONSES].shape[1]
     prompt_end = input_ids.shape[1] - full
-    if keys.RESPONSE_MASK in proto.batch.keys():
-        response_mask = proto.batch[keys.RESPONSE_MASK]
-    else:
-        response_mask = proto.batch[keys.ATTENTION_MASK][:, prompt_end:]
     attention = proto.batch[keys.ATTENTION_MASK].bool()
+    response_mask = (
+        proto.batch[keys.RESPONSE_MASK] if keys.RESPONSE_MASK in proto.batch.keys() else attention[:, prompt_end:]
+    )
     pieces, segments, positions, loss_mask, real = [], [], [], [], []
     cols = torch.zeros(len(rows), full, dtype=torch.long)
     valid = torch.zeros(len(rows), full, dtype=torch.bool)
