@@ -48,14 +48,15 @@ def _load(config_path: str, overrides: list[str]):
     """The typed, validated config with its prompt data checked: every problem found here, before Ray starts."""
     from roll_backend.config.loader import load_config
     from roll_backend.config.typed import ConfigError
-    from roll_backend.pipelines.data import DataError, check_data
+    from roll_backend.pipelines.data import DataError, check_data, driver_tokenizer, load_validation_prompts
 
     try:
         config = load_config(config_path, overrides)
     except ConfigError as exc:
         raise CliError(f"{config_path}: {exc}") from exc
     try:
-        check_data(config)
+        if check_data(config) is not None:
+            load_validation_prompts(config, driver_tokenizer(config))
     except DataError as exc:
         raise CliError(f"{config_path}: invalid data: {exc}") from exc
     return config
@@ -109,6 +110,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     if reward is not None:
         summary += f", last reward/mean {reward:.4f}"
     print(f"{summary}; outputs in {Path(config.output_dir).resolve()}")
+    return EXIT_OK
+
+
+# ---- eval -----------------------------------------------------------------------------------------------
+def eval_target(config_path: str, overrides: list[str]):
+    """(config, checkpoint folder or None) for `eval`: `checkpoint=PATH` (or `auto`: the run's newest complete one)
+    among the overrides picks the weights; the results go under output_dir/eval/<checkpoint or "model">, so the
+    run's own metrics stay as they are."""
+    import dataclasses
+
+    from roll_backend.pipelines.checkpoint import CheckpointError, resume_checkpoint
+
+    chosen = [item.split("=", 1)[1] for item in overrides if item.startswith("checkpoint=")]
+    config = _load(config_path, [item for item in overrides if not item.startswith("checkpoint=")])
+    if not config.data.val_paths():
+        raise CliError(f"{config_path}: eval needs validation prompts: set data.val_path (a file or a list)")
+    try:
+        checkpoint = resume_checkpoint(chosen[-1], config.output_dir) if chosen else None
+    except CheckpointError as exc:
+        raise CliError(f"{config_path}: {exc}") from exc
+    if chosen and checkpoint is None:
+        raise CliError(f"{config_path}: checkpoint={chosen[-1]}: no complete checkpoint under {config.output_dir}")
+    out = Path(config.output_dir) / "eval" / (checkpoint.name if checkpoint else "model")
+    resume = str(Path(checkpoint).resolve()) if checkpoint else None
+    config = dataclasses.replace(
+        config, output_dir=str(out), checkpoint=dataclasses.replace(config.checkpoint, resume=resume)
+    )
+    return config, checkpoint
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    config, _ = eval_target(args.config, args.overrides)
+    from roll_backend.distributed.ray_env import init_local_ray
+    from roll_backend.pipelines import evaluate
+
+    init_local_ray(num_cpus=config.ray_num_cpus)
+    import ray
+
+    try:
+        metrics = evaluate(config)
+    finally:
+        ray.shutdown()
+    print(json.dumps(metrics, indent=1))
+    print(f"validation of step {metrics['step']}; samples in {Path(config.output_dir).resolve() / 'validation.jsonl'}")
     return EXIT_OK
 
 
@@ -276,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="print the resolved config, or every problem in it (exit 2)")
     with_config(validate)
     validate.set_defaults(handler=cmd_validate)
+
+    evaluation = commands.add_parser(
+        "eval", help="validate a model or checkpoint on data.val_path alone (add checkpoint=PATH or checkpoint=auto)"
+    )
+    with_config(evaluation)
+    evaluation.set_defaults(handler=cmd_eval)
 
     submit = commands.add_parser(
         "submit",

@@ -134,6 +134,28 @@ class DataConfig:
     # Rows that are not JSON objects or whose prompt/answer is missing or null: False stops the run naming them
     # (file:line); True skips them, logs the count and reports it as the metric data/skipped_rows.
     skip_invalid_rows: bool = False
+    # Validation prompts (one file or a list; same formats and checks as train_path), used by the `eval` block.
+    # A row's `data_source` column names its source in the val/ metrics, else the file's name without extension.
+    val_path: str | tuple[str, ...] | None = None
+
+    def val_paths(self) -> tuple[str, ...]:
+        return (self.val_path,) if isinstance(self.val_path, str) else tuple(self.val_path or ())
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation on data.val_path: before training, every `every_steps` and after the last step. It never trains
+    and never moves the training data order or sampling (each generation is seeded on its own)."""
+
+    before_train: bool = True  # evaluate before the first step of a fresh run
+    every_steps: int = 0  # also after every this many steps (0: never during training; the last step always)
+    n: int = 1  # samples per prompt
+    temperature: float | None = None  # None: greedy when n = 1, else the rollout's sampling temperature
+    top_p: float | None = None  # None: the rollout's validation setting
+    pass_k: tuple[int, ...] = ()  # report val/<source>/pass@k for each k (<= n), unbiased estimator
+    maj_k: tuple[int, ...] = ()  # report val/<source>/maj@k for each k (<= n), majority vote over answers
+    correct_threshold: float = 1.0  # a sample counts as correct when its reward is at least this
+    prompts_per_call: int = 256  # validation prompts per generate call
 
 
 @dataclass(frozen=True)
@@ -177,13 +199,31 @@ class FaultToleranceConfig:
     inject: str | None = None  # tests only: ACTION:ROLE:RANK:PHASE:STEP, e.g. kill:actor_train:1:train:3
 
 
+LOGGER_NAMES = ("console", "jsonl", "mlflow", "tensorboard", "wandb")  # logging.backends (pipelines.loggers)
+WANDB_MODES = ("offline", "online")
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Where step metrics go besides the returned history."""
+    """Where step metrics go besides the returned history: every backend gets the same scalars at the same step.
+    `backends` names them (LOGGER_NAMES); left null, the three switches below pick them."""
 
-    jsonl: bool = True  # write output_dir/metrics.jsonl
-    tensorboard: bool = True  # write TensorBoard events under output_dir
-    progress_bar: bool = True  # show a progress bar on the console
+    # any of tensorboard, jsonl, wandb, mlflow, console (the progress bar); null: the switches below
+    backends: tuple[str, ...] | None = None
+    jsonl: bool = True  # write output_dir/metrics.jsonl (when backends is null)
+    tensorboard: bool = True  # write TensorBoard events under output_dir (when backends is null)
+    progress_bar: bool = True  # show a progress bar on the console (when backends is null)
+    project: str = "roll-backend"  # W&B project and MLflow experiment
+    run_name: str | None = None  # the run's name in W&B and MLflow; null: the output_dir's folder name
+    # offline: the W&B run is written under output_dir/wandb (upload it later with `wandb sync`); online: sent live
+    wandb_mode: str = "offline"
+
+    def enabled_backends(self) -> tuple[str, ...]:
+        """The backends to write, in order and each once: `backends`, else those the switches turn on."""
+        if self.backends is not None:
+            return tuple(dict.fromkeys(self.backends))
+        switches = {"jsonl": self.jsonl, "tensorboard": self.tensorboard, "console": self.progress_bar}
+        return tuple(name for name, on in switches.items() if on)
 
 
 @dataclass(frozen=True)
@@ -235,6 +275,7 @@ class PipelineConfig:
     critic: RoleConfig | None = None
     reward: RewardConfig = field(default_factory=RewardConfig)
     async_generation: AsyncGenerationConfig = field(default_factory=AsyncGenerationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation on data.val_path
     weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from roll_backend import roles
 from roll_backend.config.run_facts import run_facts
-from roll_backend.config.schema import PipelineConfig, RoleConfig
+from roll_backend.config.schema import LOGGER_NAMES, WANDB_MODES, PipelineConfig, RoleConfig
 
 PIPELINES = ("grpo", "ppo")
 
@@ -263,6 +263,49 @@ def _check_perf(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(f"perf.probe_seconds={perf.probe_seconds} must be > 0")
 
 
+def _check_eval(config: PipelineConfig, problems: list[str]) -> None:
+    ev, paths = config.eval, config.data.val_paths()
+    for path in paths:
+        if not Path(path).exists():
+            problems.append(f"data.val_path: {path!r} does not exist")
+    if ev.n < 1:
+        problems.append(f"eval.n={ev.n} must be >= 1 (samples per validation prompt)")
+    for name in ("pass_k", "maj_k"):
+        wrong = [k for k in getattr(ev, name) if not 1 <= k <= ev.n]
+        if wrong:
+            problems.append(f"eval.{name}={list(getattr(ev, name))}: each k must be 1..eval.n={ev.n}; raise eval.n")
+    if ev.every_steps < 0:
+        problems.append(f"eval.every_steps={ev.every_steps} must be >= 0 (0: only before training and at the end)")
+    if ev.n > 1 and ev.temperature == 0:
+        problems.append(f"eval.n={ev.n} with eval.temperature=0: greedy samples are all the same; set a temperature")
+    if ev.prompts_per_call < 1:
+        problems.append(f"eval.prompts_per_call={ev.prompts_per_call} must be >= 1")
+    if paths and config.async_generation.enabled:
+        problems.append(
+            "data.val_path with async_generation.enabled: validation runs in synchronous runs only so far; "
+            "drop data.val_path or async_generation"
+        )
+    if not paths and (ev.every_steps or ev.pass_k or ev.maj_k):
+        problems.append("eval: every_steps, pass_k and maj_k need validation prompts; set data.val_path")
+
+
+def _check_logging(config: PipelineConfig, problems: list[str]) -> None:
+    section = config.logging
+    for name in section.backends or ():
+        if name not in LOGGER_NAMES:
+            problems.append(f"logging.backends: unknown backend {name!r}; choose from {', '.join(LOGGER_NAMES)}")
+    # A listed backend whose switch is false: the switches only apply without `backends`, so one of them is a slip.
+    for switch, backend in (("jsonl", "jsonl"), ("tensorboard", "tensorboard"), ("progress_bar", "console")):
+        if not getattr(section, switch) and backend in (section.backends or ()):
+            problems.append(
+                f"logging.{switch}=false contradicts logging.backends, which names {backend!r}; drop one of the two"
+            )
+    if section.wandb_mode not in WANDB_MODES:
+        problems.append(f"logging.wandb_mode={section.wandb_mode!r}; choose one of {', '.join(WANDB_MODES)}")
+    if not section.project:
+        problems.append("logging.project is empty; name the W&B project / MLflow experiment, e.g. roll-backend")
+
+
 def validate(config: PipelineConfig) -> list[str]:
     """Every cross-field problem of `config` (empty when it can run)."""
     problems: list[str] = []
@@ -293,6 +336,7 @@ def validate(config: PipelineConfig) -> list[str]:
                         f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs "
                         f"{other.world_size}); colocated roles share bundles rank by rank"
                     )
+    _check_eval(config, problems)
     if config.data.train_path is None and config.data.synthetic is None:
         problems.append("data: set data.train_path (JSONL or parquet) or data.synthetic")
     if config.data.train_path is not None and not Path(config.data.train_path).exists():
@@ -305,4 +349,5 @@ def validate(config: PipelineConfig) -> list[str]:
     _check_batches(config, problems)
     _check_fault_tolerance(config, problems)
     _check_perf(config, problems)
+    _check_logging(config, problems)
     return problems

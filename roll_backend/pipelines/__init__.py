@@ -4,7 +4,7 @@ The loops are imported on first use, so the data and config checks (roll_backend
 without Ray: `roll-backend validate` checks the prompts and starts nothing heavy.
 """
 
-__all__ = ["run_pipeline", "run_with_restarts"]
+__all__ = ["evaluate", "run_pipeline", "run_with_restarts"]
 
 
 def __getattr__(name: str):
@@ -12,6 +12,10 @@ def __getattr__(name: str):
         from roll_backend.pipelines.driver import run_pipeline
 
         return run_pipeline
+    if name == "evaluate":
+        from roll_backend.pipelines.driver import evaluate
+
+        return evaluate
     if name == "run_with_restarts":
         from roll_backend.pipelines.recovery import run_with_restarts
 

@@ -7,6 +7,7 @@ each epoch a permutation drawn from its own seed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -163,6 +164,23 @@ def check_data(config: PipelineConfig) -> PromptDataset | None:
     """Load and check the run's prompts on the driver, before Ray or any actor starts (raises DataError)."""
     tokenizer = driver_tokenizer(config)
     return None if tokenizer is None else PromptDataset(config.data, tokenizer, config.seed)
+
+
+def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
+    """Every prompt of data.val_path in file order (checked like the training prompts), a `data_source` from the row
+    or the file's name, and a stable UID per prompt; None without val_path."""
+    parts = []
+    for path in config.data.val_paths():
+        data = dataclasses.replace(config.data, train_path=path, synthetic=None, shuffle=False)
+        dataset = PromptDataset(data, tokenizer, config.seed)
+        dataset.data_sources[dataset.data_sources == ""] = Path(path).stem
+        parts.append(dataset.batch_at(0, len(dataset)))
+    if not parts:
+        return None
+    prompts = DataProto.concat(parts)
+    prompts.non_tensor_batch[keys.UID] = np.array([f"val-{i}" for i in range(len(prompts))], dtype=object)
+    prompts.meta_info = {}
+    return prompts
 
 
 def _extra_info(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:

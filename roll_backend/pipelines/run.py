@@ -15,6 +15,7 @@ from roll_backend.pipelines import phases
 from roll_backend.pipelines.groups import RoleGroups, build_role_groups
 from roll_backend.pipelines.perf import PhasePerf
 from roll_backend.pipelines.tracking import MetricsTracker, phase_deadline
+from roll_backend.pipelines.validation import Validation
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
@@ -51,14 +52,16 @@ class PipelineRun:
     ):
         from transformers import AutoTokenizer
 
-        from roll_backend.pipelines.data import PromptDataset
+        from roll_backend.pipelines.data import PromptDataset, load_validation_prompts
 
         self.config = config
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(config_to_yaml(config))
         ensure_model(config)
-        self.data = PromptDataset(config.data, AutoTokenizer.from_pretrained(config.model_path), config.seed)
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.data = PromptDataset(config.data, tokenizer, config.seed)
+        val_prompts = load_validation_prompts(config, tokenizer)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timeouts = config.fault_tolerance.timeouts
@@ -77,6 +80,9 @@ class PipelineRun:
                 with phase_deadline(self.timeouts, roles.CHECKPOINT):
                     self._resume(config.checkpoint.resume)
             self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
+            self.validation = (
+                None if val_prompts is None else Validation(config, val_prompts, self.output_dir, self.first_step)
+            )
             self.history.resumed(self.first_step - 1)
         except BaseException:
             self.groups.shutdown()
@@ -97,7 +103,7 @@ class PipelineRun:
         self.history.append({"step": step, **metrics})
         self.tracker.log(step, metrics)
         save_every = self.config.checkpoint.save_steps
-        if save_every and step % save_every == 0:
+        if save_every and step and step % save_every == 0:  # (step 0: validation before training)
             with phase_deadline(self.timeouts, roles.CHECKPOINT):
                 self.save_checkpoint(step)
 

@@ -9,6 +9,7 @@ of the last run are where a changed byte in a shard is shown to be seen before R
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -17,9 +18,10 @@ import time
 import pytest
 from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
 
+from roll_backend import cli
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import checkpoint as ckpt
-from roll_backend.pipelines import run_with_restarts
+from roll_backend.pipelines import evaluate, run_with_restarts
 from roll_backend.pipelines.recovery import RESTARTS, SECONDS_LOST
 from roll_backend.pipelines.tracking import read_metrics
 
@@ -36,21 +38,22 @@ DEADLINES = [
 
 
 def six_step_config(base_config, prompt_file, model_dir, output_dir, *extra):
-    return load_config(
-        base_config,
-        overrides(
-            prompt_file,
-            model_dir,
-            output_dir,
-            f"max_steps={STEPS}",
-            "checkpoint.save_steps=2",
-            "checkpoint.keep_last=3",
-            "algorithm.ppo_mini_batch_size=16",
-            "fault_tolerance.max_restarts=1",
-            *ACTOR_AT_PP2_WITH_MTP,
-            *DEADLINES,
-            *extra,
-        ),
+    return load_config(base_config, six_step_overrides(prompt_file, model_dir, output_dir, *extra))
+
+
+def six_step_overrides(prompt_file, model_dir, output_dir, *extra) -> list[str]:
+    return overrides(
+        prompt_file,
+        model_dir,
+        output_dir,
+        f"max_steps={STEPS}",
+        "checkpoint.save_steps=2",
+        "checkpoint.keep_last=3",
+        "algorithm.ppo_mini_batch_size=16",
+        "fault_tolerance.max_restarts=1",
+        *ACTOR_AT_PP2_WITH_MTP,
+        *DEADLINES,
+        *extra,
     )
 
 
@@ -105,12 +108,19 @@ def test_a_grpo_run_reports_every_step(uninterrupted_run):
     assert any((output_dir / "tensorboard").iterdir())
 
 
+def training_rows(history: list[dict]) -> list[dict]:
+    """The steps' rows without validation (its step-0 row and val/ metrics)."""
+    return [{k: v for k, v in row.items() if not k.startswith("val/")} for row in history if row["step"] > 0]
+
+
 def assert_finished_like(uninterrupted, history, output_dir, restarted_at: int) -> None:
+    history = training_rows(history)
     assert [row["step"] for row in history] == list(range(1, STEPS + 1))
     for ours, theirs in zip(history, uninterrupted):
         assert same_numbers(ours) == pytest.approx(same_numbers(theirs), rel=1e-6, abs=1e-7), ours["step"]
     assert [row[RESTARTS] for row in history] == [0.0 if row["step"] < restarted_at else 1.0 for row in history]
-    assert [row["step"] for row in read_metrics(output_dir)] == list(range(1, STEPS + 1))  # the redone step once
+    logged = [row["step"] for row in read_metrics(output_dir) if row["step"] > 0]
+    assert logged == list(range(1, STEPS + 1))  # the redone step once
 
 
 def run_with_one_restart(config, caplog) -> tuple[list[dict], str, float]:
@@ -207,15 +217,72 @@ def test_rank_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
     uninterrupted, base_config, prompt_file, model_dir, tmp_path, caplog
 ):
     # The 2nd checkpoint save (step 4) dies half-written: step_4.tmp exists, step_2 is the latest complete one.
+    # The run also validates (before training and every 2 steps, again after the restart): its training steps are
+    # still those of the run without validation.
     config = six_step_config(
-        base_config, prompt_file, model_dir, tmp_path, "fault_tolerance.inject=kill:actor_train:0:checkpoint:2"
+        base_config,
+        prompt_file,
+        model_dir,
+        tmp_path,
+        "fault_tolerance.inject=kill:actor_train:0:checkpoint:2",
+        *validation_overrides(tmp_path),
     )
     history, restart, _ = run_with_one_restart(config, caplog)
     assert_finished_like(uninterrupted, history, tmp_path, restarted_at=3)
+    assert_validated(history, tmp_path, steps=[0, 2, 4, 6])
+    # `roll-backend eval` on the last checkpoint repeats the run's own validation of that step.
+    eval_config, checkpoint = cli.eval_target(
+        str(base_config),
+        [*six_step_overrides(prompt_file, model_dir, tmp_path, *validation_overrides(tmp_path)), "checkpoint=auto"],
+    )
+    assert checkpoint.name == "step_6" and eval_config.output_dir == str(tmp_path / "eval" / "step_6")
+    evaluated = evaluate(eval_config)
+    (last,) = [row for row in history if row["step"] == STEPS]
+    assert evaluated["step"] == STEPS
+    val_keys = [key for key in last if key.startswith("val/")]
+    assert {k: evaluated[k] for k in val_keys} == pytest.approx({k: last[k] for k in val_keys}, rel=1e-6, abs=1e-7)
     assert "actor_train.save_checkpoint: the actor of [rank 0/2" in restart
     assert "The last step logged was 4; resuming from" in restart and "step_2 (step 2)" in restart
     assert (tmp_path / "checkpoints" / "step_6").is_dir()  # the half-written step_4.tmp was never loaded
     assert_a_changed_byte_is_seen_before_ray(tmp_path, caplog)
+
+
+VAL_ROWS = {"arith": [("copy: 11", "11"), ("copy: 3", "3")], "words": [("copy: 42", "42")]}
+
+
+def validation_overrides(output_dir) -> tuple[str, ...]:
+    """Two validation files (sources from a column, and from the file name), 2 samples per prompt."""
+    paths = []
+    for name, rows in VAL_ROWS.items():
+        path = output_dir / f"{name}.jsonl"
+        column = {"data_source": "arith"} if name == "arith" else {}
+        path.write_text("".join(json.dumps({"prompt": p, "answer": a, **column}) + "\n" for p, a in rows))
+        paths.append(str(path))
+    return (
+        f"data.val_path=[{','.join(paths)}]",
+        "eval.every_steps=2",
+        "eval.n=2",
+        "eval.pass_k=[1,2]",
+        "eval.maj_k=[2]",
+        "eval.correct_threshold=0.5",
+    )
+
+
+def assert_validated(history: list[dict], output_dir, steps: list[int]) -> None:
+    """val/ metrics at exactly `steps`, equal to what the written samples give (pass@2 from each prompt's pair)."""
+    assert [row["step"] for row in history if "val/all/mean@2" in row] == steps
+    samples = [json.loads(line) for line in (output_dir / "validation.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == steps and len(samples) == len(steps) * 3 * 2
+    for row in (row for row in history if row["step"] in steps):
+        ours = [s for s in samples if s["step"] == row["step"]]
+        assert {s["data_source"] for s in ours} == {"arith", "words"}
+        for source in ("arith", "words"):
+            rewards = [s["reward"] for s in ours if s["data_source"] == source]
+            assert row[f"val/{source}/mean@2"] == pytest.approx(sum(rewards) / len(rewards))
+            pairs = [rewards[i : i + 2] for i in range(0, len(rewards), 2)]
+            expected = sum(max(p) >= 0.5 for p in pairs) / len(pairs)
+            assert row[f"val/{source}/pass@2"] == pytest.approx(expected)
+            assert 0 <= row[f"val/{source}/maj@2"] <= row[f"val/{source}/pass@2"]
 
 
 def assert_a_changed_byte_is_seen_before_ray(output_dir, caplog) -> None:
