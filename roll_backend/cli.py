@@ -48,7 +48,8 @@ def _load(config_path: str, overrides: list[str]):
     """The typed, validated config with its prompt data checked: every problem found here, before Ray starts."""
     from roll_backend.config.loader import load_config
     from roll_backend.config.typed import ConfigError
-    from roll_backend.pipelines.data import DataError, check_data, driver_tokenizer, load_validation_prompts
+    from roll_backend.pipelines.data import DataError, driver_tokenizer
+    from roll_backend.pipelines.prompts import check_data, load_validation_prompts
 
     try:
         config = load_config(config_path, overrides)

@@ -34,12 +34,17 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             problems.append(f"{path}: null is not allowed here; give a value")
             return None
         non_none = [o for o in options if o is not type(None)]
+        trials = []
         for option in non_none:  # first option that converts cleanly
             trial: list[str] = []
             converted = _convert(option, value, path, trial)
             if not trial:
                 return converted
-        _convert(non_none[0], value, path, problems)
+            trials.append(trial)
+        # None fits: report the option whose shape matched (its problems are deeper than `path` itself), so a
+        # list with one bad entry names that entry rather than "expected str, got list".
+        shaped = [trial for trial in trials if not any(p.startswith(f"{path}: expected") for p in trial)]
+        problems.extend(shaped[0] if shaped else trials[0])
         return None
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # already built (e.g. a role section built by the loader)

@@ -2,12 +2,12 @@
 
 `batch_at(step, batch_size)` depends only on (seed, step, batch_size), so a run resumed at step k gets exactly
 the batch the uninterrupted run had: step k reads rows [k*B, (k+1)*B) of an endless stream made of epochs,
-each epoch a permutation drawn from its own seed.
+each epoch a permutation drawn from its own seed. No sampler state is needed in a checkpoint. Several files mixed
+by weight (data.train_path as a list) are a PromptMixture (pipelines.data_mixture), built on one PromptDataset each.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,9 +34,10 @@ class PromptDataset:
     rollout applies the tokenizer's template to them), else the raw text.
     """
 
-    def __init__(self, config: DataConfig, tokenizer, seed: int):
+    def __init__(self, config: DataConfig, tokenizer, seed: int, order_key: tuple[int, ...] = ()):
         self.config = config
         self.seed = seed
+        self.order_key = order_key  # joins the seed of each epoch's order: a mixture's files shuffle independently
         loaded = _load_rows(config)
         rows = loaded.rows
         self.skipped_rows = loaded.skipped  # bad rows skipped under data.skip_invalid_rows
@@ -71,41 +72,53 @@ class PromptDataset:
         """What the step metrics report about the data: the bad rows skipped under data.skip_invalid_rows."""
         return {"data/skipped_rows": self.skipped_rows} if self.skipped_rows else {}
 
+    def step_metrics(self, step: int, batch_size: int) -> dict[str, float]:
+        """Per-step data metrics; none for one file (a mixture counts its sources' prompts)."""
+        return {}
+
     def indices_at(self, step: int, batch_size: int) -> np.ndarray:
         """Row indices of step `step`'s batch: positions [step*B, (step+1)*B) of the epoch-by-epoch stream."""
         if step < 0 or batch_size < 1:
             raise ValueError(f"batch_at needs step >= 0 and batch_size >= 1, got step={step}, batch_size={batch_size}.")
-        start = step * batch_size
-        positions = np.arange(start, start + batch_size)
-        epochs, offsets = np.divmod(positions, len(self))
-        return np.array(
-            [self._epoch_order(int(epoch))[offset] for epoch, offset in zip(epochs, offsets)], dtype=np.int64
-        )
+        return self.indices_from(step * batch_size, batch_size)
+
+    def indices_from(self, start: int, count: int) -> np.ndarray:
+        """Row indices at positions [start, start + count) of the endless stream of epochs, each a permutation."""
+        epochs, offsets = np.divmod(np.arange(start, start + count), len(self))
+        indices = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):  # one permutation per epoch touched, not one per row
+            in_epoch = epochs == epoch
+            indices[in_epoch] = self._epoch_order(int(epoch))[offsets[in_epoch]]
+        return indices
+
+    def columns_at(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows' non-tensor columns: PROMPT_TEXT, ANSWER, DATA_SOURCE and EXTRA_INFO, [len(indices)] each."""
+        return {
+            keys.PROMPT_TEXT: self.prompts[indices],
+            keys.ANSWER: self.answers[indices],
+            keys.DATA_SOURCE: self.data_sources[indices],
+            keys.EXTRA_INFO: self.extra_infos[indices],
+        }
 
     def batch_at(self, step: int, batch_size: int) -> DataProto:
         """The prompts of step `step`: non-tensor PROMPT_TEXT, ANSWER, DATA_SOURCE and EXTRA_INFO, [batch_size] each."""
-        indices = self.indices_at(step, batch_size)
         return DataProto.from_dict(
-            non_tensors={
-                keys.PROMPT_TEXT: self.prompts[indices],
-                keys.ANSWER: self.answers[indices],
-                keys.DATA_SOURCE: self.data_sources[indices],
-                keys.EXTRA_INFO: self.extra_infos[indices],
-            },
-            meta_info={"step": step},
+            non_tensors=self.columns_at(self.indices_at(step, batch_size)), meta_info={"step": step}
         )
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.config.shuffle:
             return np.arange(len(self))
         # One generator per (seed, epoch): the order of epoch e never depends on which steps ran before.
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self))
+        return np.random.default_rng([self.seed, *self.order_key, epoch]).permutation(len(self))
 
 
 def _load_rows(config: DataConfig) -> Rows:
     """Checked rows with the prompt and answer columns, from `train_path` or the synthetic task."""
-    if config.train_path is not None:
+    if isinstance(config.train_path, str):
         return read_rows(config.train_path, config.prompt_key, config.answer_key, config.skip_invalid_rows)
+    if config.train_path is not None:  # a list: PromptMixture reads each file with a PromptDataset of its own
+        raise DataError("a PromptDataset reads one file; use training_prompts() for a list of data.train_path files.")
     if config.synthetic is not None:
         synthetic = config.synthetic
         try:
@@ -158,29 +171,6 @@ def driver_tokenizer(config: PipelineConfig):
         spec = TinyModelSpec(**{"seed": config.seed, **config.build_tiny_model})
         return tokenizer_for(spec)
     return None
-
-
-def check_data(config: PipelineConfig) -> PromptDataset | None:
-    """Load and check the run's prompts on the driver, before Ray or any actor starts (raises DataError)."""
-    tokenizer = driver_tokenizer(config)
-    return None if tokenizer is None else PromptDataset(config.data, tokenizer, config.seed)
-
-
-def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
-    """Every prompt of data.val_path in file order (checked like the training prompts), a `data_source` from the row
-    or the file's name, and a stable UID per prompt; None without val_path."""
-    parts = []
-    for path in config.data.val_paths():
-        data = dataclasses.replace(config.data, train_path=path, synthetic=None, shuffle=False)
-        dataset = PromptDataset(data, tokenizer, config.seed)
-        dataset.data_sources[dataset.data_sources == ""] = Path(path).stem
-        parts.append(dataset.batch_at(0, len(dataset)))
-    if not parts:
-        return None
-    prompts = DataProto.concat(parts)
-    prompts.non_tensor_batch[keys.UID] = np.array([f"val-{i}" for i in range(len(prompts))], dtype=object)
-    prompts.meta_info = {}
-    return prompts
 
 
 def _extra_info(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class PipelineRun:
     ):
         from transformers import AutoTokenizer
 
-        from roll_backend.pipelines.data import PromptDataset, load_validation_prompts
+        from roll_backend.pipelines.prompts import load_validation_prompts, training_prompts
 
         self.config = config
         self.output_dir = Path(config.output_dir)
@@ -60,7 +60,7 @@ class PipelineRun:
         (self.output_dir / "config.yaml").write_text(config_to_yaml(config))
         ensure_model(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.data = PromptDataset(config.data, tokenizer, config.seed)
+        self.data = training_prompts(config.data, tokenizer, config.seed)
         val_prompts = load_validation_prompts(config, tokenizer)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -100,6 +100,8 @@ class PipelineRun:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {**metrics, **self.run_metrics, **self.data.metrics()}
+        if step:  # (step 0: validation before training, no training batch)
+            metrics |= self.data.step_metrics(step, self.config.rollout_batch_size)
         self.history.append({"step": step, **metrics})
         self.tracker.log(step, metrics)
         save_every = self.config.checkpoint.save_steps
