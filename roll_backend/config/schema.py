@@ -107,7 +107,11 @@ class AlgorithmConfig:
     ppo_epochs: int = 1  # passes over each step's batch
     ppo_mini_batch_size: int | None = None  # responses per optimizer step; None: the whole step's batch
     value_clip: float = 0.5  # critic: clip of the value update (PPO value clipping)
-    dynamic_sampling: bool = False  # drop prompt groups whose rewards are all equal (DAPO)
+    # Dynamic sampling (DAPO): train only on prompt groups whose rewards differ, generating more groups until the
+    # step has rollout_batch_size of them or max_generation_rounds rounds ran (then it trains on what there is).
+    dynamic_sampling: bool = False
+    max_generation_rounds: int = 4  # dynamic sampling: generation rounds per step at most (1: drop, never refill)
+    refill_oversample: float = 1.0  # dynamic sampling: a refill round draws this many prompts per group missing
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
@@ -121,10 +125,24 @@ class SyntheticDataConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Prompts: a JSONL or parquet file, or a synthetic task. Rows need a prompt and an answer column."""
+class TrainSource:
+    """One training prompt file of a mixture: each step draws about `weight / sum of weights` of its prompts here."""
 
-    train_path: str | None = None  # prompt file: .jsonl, .json or .parquet, one row per prompt
+    path: str  # prompt file: .jsonl, .json or .parquet, one row per prompt
+    weight: float = 1.0  # relative share of each step's prompts (> 0)
+    # The source's name in data/<source>/ metrics and the reward's data_source; null: each row's `data_source`
+    # column, else the file's name without extension.
+    data_source: str | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts: a JSONL or parquet file, a weighted list of them, or a synthetic task. Rows need a prompt and an
+    answer column."""
+
+    # One prompt file (.jsonl, .json or .parquet, one row per prompt), or a mixture: a list of
+    # {path, weight, data_source} entries (TrainSource), each step's prompts drawn from them by weight.
+    train_path: str | tuple[TrainSource, ...] | None = None
     synthetic: SyntheticDataConfig | None = None
     prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
     answer_key: str = "answer"  # column holding the reference answer the reward compares with

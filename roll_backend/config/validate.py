@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from roll_backend import roles
@@ -158,6 +159,16 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
         )
 
 
+def _check_dynamic_sampling(config: PipelineConfig, problems: list[str]) -> None:
+    algo = config.algorithm
+    if algo.max_generation_rounds < 1:
+        problems.append(f"algorithm.max_generation_rounds={algo.max_generation_rounds} must be >= 1 (1: no refill)")
+    if not algo.refill_oversample >= 1.0:
+        problems.append(
+            f"algorithm.refill_oversample={algo.refill_oversample} must be >= 1 (prompts per group missing)"
+        )
+
+
 def _check_async(config: PipelineConfig, problems: list[str]) -> None:
     """One-step off-policy needs the rollout on its own resources: colocated, generation and training would share
     the devices they are meant to overlap on."""
@@ -289,6 +300,34 @@ def _check_eval(config: PipelineConfig, problems: list[str]) -> None:
         problems.append("eval: every_steps, pass_k and maj_k need validation prompts; set data.val_path")
 
 
+def _check_train_path(config: PipelineConfig, problems: list[str]) -> None:
+    """One prompt file, or a mixture whose every entry exists and has a positive weight."""
+    train_path = config.data.train_path
+    if train_path is None:
+        if config.data.synthetic is None:
+            problems.append("data: set data.train_path (JSONL or parquet) or data.synthetic")
+        return
+    if isinstance(train_path, str):
+        if not Path(train_path).exists():
+            problems.append(f"data.train_path={train_path!r} does not exist")
+        return
+    if not train_path:
+        problems.append(
+            "data.train_path is an empty list; give one file, or at least one {path, weight, data_source} entry"
+        )
+    for index, source in enumerate(train_path):
+        where = f"data.train_path[{index}]"
+        if not Path(source.path).is_file():
+            problems.append(f"{where}.path={source.path!r} does not exist; point it at a JSONL or parquet file")
+        if not (source.weight > 0 and math.isfinite(source.weight)):
+            problems.append(
+                f"{where}.weight={source.weight} must be a finite number > 0 (its share of each step's prompts is "
+                "weight / sum of weights); drop the entry to leave the file out"
+            )
+        if source.data_source is not None and not source.data_source.strip():
+            problems.append(f"{where}.data_source is empty; name the source, or drop the key to use the file's")
+
+
 def _check_logging(config: PipelineConfig, problems: list[str]) -> None:
     section = config.logging
     for name in section.backends or ():
@@ -337,10 +376,8 @@ def validate(config: PipelineConfig) -> list[str]:
                         f"{other.world_size}); colocated roles share bundles rank by rank"
                     )
     _check_eval(config, problems)
-    if config.data.train_path is None and config.data.synthetic is None:
-        problems.append("data: set data.train_path (JSONL or parquet) or data.synthetic")
-    if config.data.train_path is not None and not Path(config.data.train_path).exists():
-        problems.append(f"data.train_path={config.data.train_path!r} does not exist")
+    _check_dynamic_sampling(config, problems)
+    _check_train_path(config, problems)
     if not config.model_path and config.build_tiny_model is None:
         problems.append("model_path is empty; point it at a Hugging Face model folder")
     _check_reward(config, problems)

@@ -38,14 +38,17 @@ def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
     return (config.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
 
 
-def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> DataProto:
-    """Prompts -> n responses each; the engine's sampler is reseeded per step so a resumed run samples alike."""
-    return collect_generated(submit_generate(groups, prompts, config, step))
+def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int, salt: int = 0) -> DataProto:
+    """Prompts -> n responses each; the engine's sampler is reseeded per step (and `salt`: another generation of
+    the same step) so a resumed run samples alike."""
+    return collect_generated(submit_generate(groups, prompts, config, step, salt))
 
 
-def submit_generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int) -> GroupFuture:
+def submit_generate(
+    groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int, salt: int = 0
+) -> GroupFuture:
     """Start `generate` without waiting (the asynchronous loop trains meanwhile); `collect_generated` ends it."""
-    prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step)
+    prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step, salt)
     return groups.actor_infer.submit(RolloutWorker.generate, prompts)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from roll_backend import keys, roles
 from roll_backend.pipelines import phases
+from roll_backend.pipelines.data_mixture import per_source_reward_metrics
+from roll_backend.pipelines.dynamic_sampling import generate_filled
 from roll_backend.pipelines.perf import SequenceLengths
 from roll_backend.pipelines.run import PipelineRun
 from roll_backend.pipelines.tracking import PhaseTimer
@@ -17,11 +19,16 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     """One step of GRPO (no critic) or PPO (critic + GAE), following the data path of DESIGN.md."""
     config = run.config
     timer = PhaseTimer(config.fault_tolerance.timeouts)
-    with timer.phase(roles.GENERATE):
-        batch = phases.generate(run.groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+    if config.algorithm.dynamic_sampling:  # generates and scores until the batch is full of informative groups
+        batch, refill_metrics = generate_filled(run, step, timer)
+    else:
+        with timer.phase(roles.GENERATE):
+            batch = phases.generate(run.groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+        refill_metrics = {}
     phases.stamp_policy_version(batch, run.rollout_version)
     generated = SequenceLengths.of(batch)
     metrics, trained = train_on_batch(run, batch, step, timer, timer.seconds[roles.GENERATE])
+    metrics |= refill_metrics
     if len(trained):
         metrics |= sync_rollout_weights(run, trained, timer)
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
@@ -35,10 +42,15 @@ def prepare_batch(
     while the actor trains (async_generation.prepare_ahead); it then stores the result with `mark_prepared`."""
     groups, algo = run.groups, run.config.algorithm
     metrics = {}
-    with timer.phase(roles.SCORE):
-        metrics |= phases.score(groups, batch)
+    if len(batch) == 0:  # dynamic sampling found no group with differing rewards
+        return metrics, batch
+    refilled = keys.TOKEN_LEVEL_SCORES in batch.batch.keys()  # dynamic_sampling.generate_filled scored and kept it
+    if not refilled:
+        with timer.phase(roles.SCORE):
+            metrics |= phases.score(groups, batch)
     metrics |= phases.batch_metrics(batch, seconds_generating)
-    if algo.dynamic_sampling:
+    metrics |= per_source_reward_metrics(batch)
+    if algo.dynamic_sampling and not refilled:  # (the asynchronous loop: drop without refill)
         batch, dropped = phases.drop_uniform_groups(batch)
         metrics["dynamic_sampling/dropped_responses"] = dropped
     if groups.reference is not None and len(batch):

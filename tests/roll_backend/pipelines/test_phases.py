@@ -27,6 +27,16 @@ def test_dynamic_sampling_drops_only_groups_whose_rewards_are_all_equal():
     assert kept.non_tensor_batch[keys.UID].tolist() == ["b", "b"]  # all-negative but different: kept
 
 
+def test_refill_keeps_the_first_groups_in_the_order_they_came():
+    from roll_backend.pipelines.dynamic_sampling import first_groups
+
+    batch = scored_batch([1, 0, 2, 3, 0, 1, 5, 4], ["c", "c", "a", "a", "b", "b", "d", "d"])
+    kept = first_groups(batch, 2)
+    assert kept.non_tensor_batch[keys.UID].tolist() == ["c", "c", "a", "a"]
+    assert kept.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [1, 0, 2, 3]
+    assert len(first_groups(batch, 9)) == 8
+
+
 def test_grpo_advantages_on_the_batch_are_group_normalised_and_masked():
     batch = scored_batch([1.0, 0.0, 0.5, 0.5], ["a", "a", "b", "b"])
     metrics = advantages(batch, AlgorithmConfig(adv_estimator="grpo", use_kl_loss=False), kl_coef=0.0)

@@ -86,7 +86,15 @@ def test_ppo_run_with_critic_gae_and_rollout_correction(ray_session, base_config
 
 def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, model_dir, tmp_path):
     """Megatron actor and reference in bf16 (fp32 main weights in the optimizer) and vLLM in bf16: the weights
-    the engine receives score like the trainer's to within bf16 rounding, well inside the 16-bit probe limit."""
+    the engine receives score like the trainer's to within bf16 rounding, well inside the 16-bit probe limit.
+    With dynamic sampling on a reward most groups get alike (1 for a response whose CRC32 is a multiple of 10: a
+    group of 4 differs with chance 1 - 0.9^4 - 0.1^4 = 0.34): each step refills until it has rollout_batch_size
+    groups with differing rewards, or says it ran out of rounds."""
+    rare = tmp_path / "rare_reward.py"
+    rare.write_text(
+        "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(zlib.crc32(solution_str.encode()) % 10 == 0)\n"
+    )
     from roll_backend.config.schema import HALF_PRECISION_LOGPROB_GAP
 
     config = load_config(
@@ -100,6 +108,11 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             "actor_train.strategy.params_dtype=bfloat16",
             "reference.strategy.params_dtype=bfloat16",
             "actor_infer.strategy.dtype=bfloat16",
+            "reward.rewards={exact_match: 0.0}",
+            f"reward.functions=[{{path: {rare}, name: compute_score, weight: 1.0}}]",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.max_generation_rounds=6",
+            "algorithm.refill_oversample=2",
         ),
     )
     assert config.logprob_gap_limit() == HALF_PRECISION_LOGPROB_GAP
@@ -110,6 +123,15 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             assert math.isfinite(record[key]), (key, record)
         assert 0 < record["weight_sync/logprob_gap"] < HALF_PRECISION_LOGPROB_GAP / 3
     assert abs(history[0]["actor/reference_kl"]) < 0.05  # step 1: bf16 rollout and bf16 reference hold the same weights
+    for record in history:
+        rounds, kept = record["dynamic_sampling/rounds"], record["dynamic_sampling/groups_kept"]
+        assert (kept == 4 and rounds <= 6) if record["dynamic_sampling/filled"] else rounds == 6, record
+        # Every group generated was kept or dropped; refill rounds drew 2 prompts per group still missing.
+        prompts = record["dynamic_sampling/prompts"]
+        assert kept + record["dynamic_sampling/groups_dropped"] >= prompts - 2 * 4 + 1, record  # (the last surplus)
+        assert (rounds == 1) == (prompts == 4) and prompts <= 4 + (rounds - 1) * 2 * 4, record
+        assert record["dynamic_sampling/dropped_responses"] == 4 * record["dynamic_sampling/groups_dropped"]
+    assert any(record["dynamic_sampling/rounds"] > 1 for record in history)  # a refill happened
 
 
 def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
