@@ -7,7 +7,9 @@ needs the layers to split into chunks; a MoE critic runs at TP1; the skipped lay
 - log-probs and entropy (values) before the step;
 - every metric the step reports (loss, pg_loss, entropy, kl_loss, ppo_kl, pg_clipfrac, mtp_loss, grad_norm; loss,
   vf_loss, vf_clipfrac, grad_norm);
-- log-probs (values) after the step, which must have moved them.
+- log-probs (values) after the step, which must have moved them;
+- for the actor, a checkpoint saved at TP1 after the step and loaded at TP2 x PP2, PP2 x vpp2 and EP2: the
+  same log-probs, and the same next step (the optimizer state moved too).
 The first two examples are the case the issue found (vocabulary 1001, which TP2 pads, 4 layers, MTP; untied and
 tied); the others are drawn from a seeded generator over vocabulary size (divisible by TP or not), tied or untied
 embeddings, layer counts that split evenly or not, GQA ratio, qkv bias (qwen2) or q/k norms (qwen3), dense or
@@ -245,6 +247,44 @@ def _compare(example: Example, role: Role, ref: dict, runs: dict, mask: torch.Te
     return lines
 
 
+# A checkpoint saved at TP1 after the step loads at these layouts: the same log-probs, and the same next step (the
+# optimizer's moments moved too).
+CHECKPOINT_LAYOUTS = ("tp2pp2", "pp2vpp2", "ep2")  # (CP shards no weights)
+
+
+class _MovedCheckpoint:
+    """The reference group's state after `_run`, saved, and the reference's next step from it."""
+
+    def __init__(self, reference, role: Role, batch: DataProto, path):
+        self.role, self.batch, self.path = role, batch, str(path)
+        reference.call(ReconfigurableActor.save_checkpoint, self.path)
+        self.loaded = reference.call(role.forward, batch).batch[role.outputs[0]]
+        reference.call(role.train, batch)
+        self.next_step = reference.call(role.forward, batch).batch[role.outputs[0]]
+
+    def check(self, name: str, group, mask: torch.Tensor, layers: int) -> list[str]:
+        group.call(ReconfigurableActor.load_checkpoint, self.path)
+        loaded = group.call(self.role.forward, self.batch).batch[self.role.outputs[0]]
+        group.call(self.role.train, self.batch)
+        next_step = group.call(self.role.forward, self.batch).batch[self.role.outputs[0]]
+        checks = [
+            ("loaded from TP1's checkpoint", loaded, self.loaded, float32_bound(self.loaded * mask)),
+            (
+                "the next step from it",
+                next_step,
+                self.next_step,
+                after_step_bound(self.loaded, self.next_step, mask, layers),
+            ),
+        ]
+        lines = []
+        for what, got, want, bound in checks:
+            diff = float(((got - want).abs() * mask).max())
+            lines.append(
+                f"{'FAIL ' if diff > bound else ''}checkpoint at {name}, {what}: {diff:.3g} (bound {bound:.3g})"
+            )
+        return lines
+
+
 @pytest.mark.parametrize("example", examples(), ids=_name)
 def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
     model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
@@ -259,11 +299,16 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
         reference.call(ReconfigurableActor.init_model_with, config)
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
         ref = _run(reference, config, role, batch)
+        moved = (
+            _MovedCheckpoint(reference, role, batch, tmp_path / f"{role_name}_checkpoint") if role is ACTOR else None
+        )
         runs = {}
         for name, group in layout_actors.items():
             problem = _layout_problem(model_dir, group.layout, role) if name != "tp1" else "the reference"
             if problem is None:
                 runs[name] = _run(group, config, role, batch)
+                if moved is not None and name in CHECKPOINT_LAYOUTS:
+                    report += moved.check(name, group, mask, example.layers)
             elif name != "tp1":
                 report.append(f"{role_name} not at {name}: {problem}")
         runs["tp1_mbs1"] = _run(reference, _config(model_dir, example, role, micro_batch_size=1), role, batch)
