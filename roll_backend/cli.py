@@ -125,8 +125,11 @@ def eval_target(config_path: str, overrides: list[str]):
 
     chosen = [item.split("=", 1)[1] for item in overrides if item.startswith("checkpoint=")]
     config = _load(config_path, [item for item in overrides if not item.startswith("checkpoint=")])
-    if not config.data.val_paths():
-        raise CliError(f"{config_path}: eval needs validation prompts: set data.val_path (a file or a list)")
+    if not config.data.has_validation():
+        raise CliError(
+            f"{config_path}: eval needs validation prompts: set data.val_path (a file or a list) or "
+            "data.val_reasoning_gym"
+        )
     try:
         checkpoint = resume_checkpoint(chosen[-1], config.output_dir) if chosen else None
     except CheckpointError as exc:

@@ -116,6 +116,17 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class ReasoningGymData:
+    """Prompts from a reasoning-gym dataset (pipelines.procedural_tasks), scored by the library's own verifier
+    (reward.functions: [{path: roll_backend.rewards.procedural, name: compute_score}])."""
+
+    name: str  # the dataset, e.g. basic_arithmetic, chain_sum, leg_counting (reasoning_gym.factory.DATASETS)
+    size: int = 500  # entries generated
+    seed: int = 0  # seed of the generated entries
+    config: dict[str, Any] = field(default_factory=dict)  # the generator's own settings (e.g. max_terms)
+
+
+@dataclass(frozen=True)
 class SyntheticDataConfig:
     """A generated prompt set (see roll_backend.pipelines.data): the demo's task, no files needed."""
 
@@ -144,6 +155,8 @@ class DataConfig:
     # {path, weight, data_source} entries (TrainSource), each step's prompts drawn from them by weight.
     train_path: str | tuple[TrainSource, ...] | None = None
     synthetic: SyntheticDataConfig | None = None
+    # Training prompts from a reasoning-gym dataset (when train_path is unset; it wins over synthetic).
+    reasoning_gym: ReasoningGymData | None = None
     prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
     answer_key: str = "answer"  # column holding the reference answer the reward compares with
     apply_chat_template: bool = True  # wrap text prompts as one user message for the tokenizer's chat template
@@ -155,9 +168,13 @@ class DataConfig:
     # Validation prompts (one file or a list; same formats and checks as train_path), used by the `eval` block.
     # A row's `data_source` column names its source in the val/ metrics, else the file's name without extension.
     val_path: str | tuple[str, ...] | None = None
+    val_reasoning_gym: ReasoningGymData | None = None  # validation prompts from a reasoning-gym dataset (as well)
 
     def val_paths(self) -> tuple[str, ...]:
         return (self.val_path,) if isinstance(self.val_path, str) else tuple(self.val_path or ())
+
+    def has_validation(self) -> bool:
+        return bool(self.val_paths()) or self.val_reasoning_gym is not None
 
 
 @dataclass(frozen=True)

@@ -291,21 +291,23 @@ def _check_eval(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(f"eval.n={ev.n} with eval.temperature=0: greedy samples are all the same; set a temperature")
     if ev.prompts_per_call < 1:
         problems.append(f"eval.prompts_per_call={ev.prompts_per_call} must be >= 1")
-    if paths and config.async_generation.enabled:
+    if config.data.has_validation() and config.async_generation.enabled:
         problems.append(
             "data.val_path with async_generation.enabled: validation runs in synchronous runs only so far; "
             "drop data.val_path or async_generation"
         )
-    if not paths and (ev.every_steps or ev.pass_k or ev.maj_k):
-        problems.append("eval: every_steps, pass_k and maj_k need validation prompts; set data.val_path")
+    if not config.data.has_validation() and (ev.every_steps or ev.pass_k or ev.maj_k):
+        problems.append(
+            "eval: every_steps, pass_k and maj_k need validation prompts; set data.val_path or data.val_reasoning_gym"
+        )
 
 
 def _check_train_path(config: PipelineConfig, problems: list[str]) -> None:
     """One prompt file, or a mixture whose every entry exists and has a positive weight."""
     train_path = config.data.train_path
     if train_path is None:
-        if config.data.synthetic is None:
-            problems.append("data: set data.train_path (JSONL or parquet) or data.synthetic")
+        if config.data.synthetic is None and config.data.reasoning_gym is None:
+            problems.append("data: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic")
         return
     if isinstance(train_path, str):
         if not Path(train_path).exists():

@@ -18,6 +18,7 @@ import numpy as np
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
 from roll_backend.pipelines.data_rows import DataError, Rows, dropped_characters, read_rows, rows_error
+from roll_backend.pipelines.procedural_tasks import reasoning_gym_rows
 from roll_backend.pipelines.synthetic_tasks import generate_task
 from roll_backend.protocol import DataProto
 
@@ -114,11 +115,14 @@ class PromptDataset:
 
 
 def _load_rows(config: DataConfig) -> Rows:
-    """Checked rows with the prompt and answer columns, from `train_path` or the synthetic task."""
+    """Checked rows with the prompt and answer columns, from `train_path`, a reasoning-gym dataset or the synthetic
+    task."""
     if isinstance(config.train_path, str):
         return read_rows(config.train_path, config.prompt_key, config.answer_key, config.skip_invalid_rows)
     if config.train_path is not None:  # a list: PromptMixture reads each file with a PromptDataset of its own
         raise DataError("a PromptDataset reads one file; use training_prompts() for a list of data.train_path files.")
+    if config.reasoning_gym is not None:
+        return reasoning_gym_rows(config.reasoning_gym)
     if config.synthetic is not None:
         synthetic = config.synthetic
         try:
@@ -126,7 +130,7 @@ def _load_rows(config: DataConfig) -> Rows:
         except ValueError as exc:  # an unknown task name: a data problem like the others
             raise DataError(f"data.synthetic: {exc}") from None
         return Rows(rows, [f"data.synthetic task {synthetic.task!r} row {i + 1}" for i in range(len(rows))])
-    raise DataError("no prompts: set data.train_path (JSONL or parquet) or data.synthetic.")
+    raise DataError("no prompts: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic.")
 
 
 def _check_encodable(tokenizer, prompts: list, locations: list[str]) -> None:

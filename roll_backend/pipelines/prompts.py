@@ -33,13 +33,16 @@ def check_data(config: PipelineConfig):
 
 def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
     """Every prompt of data.val_path in file order (checked like the training prompts), a `data_source` from the row
-    or the file's name, and a stable UID per prompt; None without val_path."""
+    or the file's name, then those of data.val_reasoning_gym; a stable UID per prompt; None without either."""
     parts = []
+    plain = dataclasses.replace(config.data, train_path=None, synthetic=None, reasoning_gym=None, shuffle=False)
     for path in config.data.val_paths():
-        data = dataclasses.replace(config.data, train_path=path, synthetic=None, shuffle=False)
-        dataset = PromptDataset(data, tokenizer, config.seed)
+        dataset = PromptDataset(dataclasses.replace(plain, train_path=path), tokenizer, config.seed)
         dataset.data_sources[dataset.data_sources == ""] = Path(path).stem
         parts.append(dataset.batch_at(0, len(dataset)))
+    if config.data.val_reasoning_gym is not None:
+        data = dataclasses.replace(plain, reasoning_gym=config.data.val_reasoning_gym)
+        parts.append(PromptDataset(data, tokenizer, config.seed).batch_at(0, config.data.val_reasoning_gym.size))
     if not parts:
         return None
     prompts = DataProto.concat(parts)

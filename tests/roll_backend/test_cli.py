@@ -279,7 +279,9 @@ def test_submit_reports_a_failed_job_with_exit_1(ray_head, job_dir):
 
 
 def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
-    """The job also loads a user reward function by a path relative to the working dir it was uploaded with."""
+    """The job also loads a user reward function by a path relative to the working dir it was uploaded with. It
+    trains on a reasoning-gym task from YAML alone (prompts from the library's generator, the reward from its own
+    verifier) and validates on another draw of it before and after the step."""
     from omegaconf import OmegaConf
 
     (job_dir / "my_rewards.py").write_text(
@@ -287,7 +289,15 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
         "    return {'score': float(solution_str.strip() == ground_truth), 'chars': float(len(solution_str))}\n"
     )
     tree = OmegaConf.load(job_dir / "grpo.yaml")
-    tree.reward.functions = [{"path": "my_rewards.py", "name": "compute_score", "weight": 1.0}]
+    tree.reward.functions = [
+        {"path": "my_rewards.py", "name": "compute_score", "weight": 1.0},
+        {"path": "roll_backend.rewards.procedural", "name": "compute_score", "weight": 1.0},
+    ]
+    tree.data.train_path = None
+    tree.data.reasoning_gym = {"name": "basic_arithmetic", "size": 20, "seed": 1}
+    tree.data.val_reasoning_gym = {"name": "basic_arithmetic", "size": 3, "seed": 2}
+    tree.data.max_prompt_length = tree.actor_infer.strategy.max_prompt_length = 96
+    tree.actor_infer.strategy.max_model_len = 128
     OmegaConf.save(tree, job_dir / "grpo.yaml")
     out = job_dir / "out"
     start = time.monotonic()
@@ -315,4 +325,11 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [row["step"] for row in rows][-1] == 1 and "reward/mean" in rows[-1]
     assert "reward/my_rewards.compute_score/chars" in rows[-1]  # the function ran in the job's reward workers
+    assert "reward/roll_backend.rewards.procedural.compute_score/mean" in rows[-1]
+    assert [row["step"] for row in rows if "val/basic_arithmetic/mean@1" in row] == [0, 1]
+    samples = [json.loads(line) for line in (out / "validation.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 3 + [1] * 3 and {s["data_source"] for s in samples} == {
+        "basic_arithmetic"
+    }
+    assert [s["prompt"][0]["content"] for s in samples[:3]] == [s["prompt"][0]["content"] for s in samples[3:]]
     print(f"one-step job round trip: {time.monotonic() - start:.1f}s")

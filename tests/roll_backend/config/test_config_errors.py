@@ -340,7 +340,7 @@ def test_colocated_roles_need_equal_world_sizes(base):
 # ---- data, model, checkpoints -------------------------------------------------------------------------
 def test_data_needs_a_path_or_a_synthetic_task(base):
     assert problems_of(base + ["data.synthetic=null", "data.train_path=null"]) == [
-        "data: set data.train_path (JSONL or parquet) or data.synthetic"
+        "data: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic"
     ]
 
 
