@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_config_errors import CONFIG, TINY_HEADS
+from config_fixtures import CONFIG, TINY_HEADS
 
 from roll_backend.config.loader import load_config
 from roll_backend.config.schema import FULL_PRECISION_LOGPROB_GAP, HALF_PRECISION_LOGPROB_GAP

@@ -7,21 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from config_fixtures import CONFIG, TINY_HEADS
 
 from roll_backend.config.loader import load_config
 from roll_backend.config.typed import ConfigError
-
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
-
-# Every roles' model_path interpolates ${output_dir}; a folder that does not exist means the head counts come
-# from build_tiny_model (4 attention heads of size 32, 2 kv heads, untied: set here), never from a model
-# someone built in runs/.
-TINY_HEADS = [
-    "build_tiny_model.num_attention_heads=4",
-    "build_tiny_model.num_key_value_heads=2",
-    "build_tiny_model.hidden_size=128",
-    "build_tiny_model.tie_word_embeddings=false",
-]
 
 
 @pytest.fixture()

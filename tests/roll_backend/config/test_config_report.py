@@ -7,22 +7,15 @@ from pathlib import Path
 
 import pytest
 from cli_checks import assert_refused_before_ray
+from config_fixtures import CONFIG, TINY_HEADS
 
 from roll_backend.config.loader import load_config
 from roll_backend.config.typed import ConfigError
 
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
-TINY = [
-    "build_tiny_model.num_attention_heads=4",
-    "build_tiny_model.num_key_value_heads=2",
-    "build_tiny_model.hidden_size=128",
-    "build_tiny_model.tie_word_embeddings=false",
-]
-
 
 @pytest.fixture()
 def base(tmp_path) -> list[str]:
-    return [f"output_dir={tmp_path}/run", *TINY]
+    return [f"output_dir={tmp_path}/run", *TINY_HEADS]
 
 
 def problems_of(overrides: list[str]) -> list[str]:

@@ -4,22 +4,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from config_fixtures import CONFIG, TINY_HEADS
 
 from roll_backend import cli
 from roll_backend.config.loader import load_config
 from roll_backend.config.typed import ConfigError
-
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
-# The demo's model is built from these (test_config_errors.py: TINY_HEADS), never read from runs/.
-TINY_HEADS = [
-    "build_tiny_model.num_attention_heads=4",
-    "build_tiny_model.num_key_value_heads=2",
-    "build_tiny_model.hidden_size=128",
-    "build_tiny_model.tie_word_embeddings=false",
-]
 
 
 @pytest.fixture()
