@@ -332,4 +332,7 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
         "basic_arithmetic"
     }
     assert [s["prompt"][0]["content"] for s in samples[:3]] == [s["prompt"][0]["content"] for s in samples[3:]]
+    for row in (row for row in rows if "val/basic_arithmetic/mean@1" in row):  # the accuracy of its own samples
+        rewards = [s["reward"] for s in samples if s["step"] == row["step"]]
+        assert row["val/basic_arithmetic/mean@1"] == pytest.approx(sum(rewards) / len(rewards))
     print(f"one-step job round trip: {time.monotonic() - start:.1f}s")
