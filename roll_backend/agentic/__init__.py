@@ -1,0 +1,1 @@
+"""Multi-turn agentic rollouts: environments, tools and their sandbox, token-exact trajectories."""

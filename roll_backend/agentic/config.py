@@ -1,0 +1,106 @@
+"""The `agentic` config section: which environment, tools or agent function a multi-turn rollout runs, and its limits.
+
+User code (environments, tools, agents) is named only through the explicit `path` + `name` fields below, and
+runs in subprocesses (agentic.env_host), never in a rank's own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_backend.agentic.environments import EnvSpec
+
+ENV_REWARD_MODES = ("sum", "last")
+ON_ENV_ERROR = ("end_trajectory", "raise")
+ON_TEMPLATE_BREAK = ("error", "new_segment")
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool the model may call: a built-in (`builtin: python | calculator`, with `kwargs`: e.g. the python
+    sandbox's limits {wall_s, cpu_s, memory_mb, output_bytes}), or user functions: `path` (a .py file or module)
+    and `name` (a function or Tool in it)."""
+
+    builtin: str | None = None
+    path: str | None = None
+    name: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.builtin is None) == (self.path is None):
+            raise ValueError(
+                f"a tool needs exactly one of `builtin` (python, calculator) or `path` (+ `name`); got "
+                f"builtin={self.builtin!r}, path={self.path!r}"
+            )
+        if self.path is not None and not self.name:
+            raise ValueError(f"tool path={self.path!r} needs `name`: the function (or Tool) to load from it")
+
+    @property
+    def label(self) -> str:
+        return self.builtin if self.builtin is not None else f"{self.path}:{self.name}"
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent function users bring: `async def name(task, client, **kwargs)` in `path` (a .py file or module).
+    `task` is {prompt, answer, extra_info}; `client` an openai.AsyncOpenAI bound to the rollout engine's loopback
+    endpoint (every completion it requests is recorded as tokens). Returns a reward (a number) or None to leave
+    the score to the reward functions."""
+
+    path: str
+    name: str = "run_agent"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    concurrency: int = 16  # agents one worker process runs at once (asyncio)
+
+
+@dataclass(frozen=True)
+class AgenticConfig:
+    """Multi-turn rollouts: an environment (`env`), tools the model calls, or an agent function (`agent`).
+
+    Each turn samples at most `max_tokens_per_turn`; a trajectory's sampled plus inserted tokens stay within
+    the run's response_length (its row width), and it ends at `max_turns`, when the environment terminates, or
+    (tools without an environment) at a reply with no tool call."""
+
+    env: EnvSpec | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    agent: AgentSpec | None = None
+    max_turns: int = 4  # assistant turns per trajectory
+    max_tokens_per_turn: int | None = None  # None: the run's response_length
+    system_prompt: str | None = None  # a system message before the first observation
+    observation_template: str = "{observation}"  # how an environment observation is written as a message
+    observation_role: str = "user"  # the role of observation messages
+    env_reward: str = "sum"  # "sum": the environment's step rewards summed; "last": its final reward
+    step_timeout_s: float = 30.0  # per environment reset/step or tool round; past it the trajectory ends
+    agent_timeout_s: float = 600.0  # per agent function call (a whole trajectory)
+    on_env_error: str = "end_trajectory"  # an env/tool/agent that raises or times out: end it (counted) or "raise"
+    on_template_break: str = "error"  # a chat template that re-renders earlier turns: stop, or "new_segment"
+    workers: int = 2  # subprocesses hosting environments, tools and agents (per rollout rank)
+
+    def __post_init__(self):
+        if self.env is None and not self.tools and self.agent is None:
+            raise ValueError("agentic needs an `env`, `tools` or an `agent`; e.g. env: {gymnasium: FrozenLake-v1}")
+        if self.agent is not None and (self.env is not None or self.tools):
+            raise ValueError(
+                "agentic.agent runs its own loop (with its own tools and environment); remove agentic.env and "
+                "agentic.tools, or drop the agent"
+            )
+        for name, value, choices in (
+            ("env_reward", self.env_reward, ENV_REWARD_MODES),
+            ("on_env_error", self.on_env_error, ON_ENV_ERROR),
+            ("on_template_break", self.on_template_break, ON_TEMPLATE_BREAK),
+        ):
+            if value not in choices:
+                raise ValueError(f"agentic.{name}={value!r}; choose one of {', '.join(choices)}")
+        for name in ("max_turns", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agentic.{name}={getattr(self, name)}; it must be >= 1")
+        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
+            raise ValueError(f"agentic.max_tokens_per_turn={self.max_tokens_per_turn}; it must be >= 1 (or null)")
+        for name in ("step_timeout_s", "agent_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"agentic.{name}={getattr(self, name)}; it must be > 0")
+        if "{observation}" not in self.observation_template:
+            raise ValueError(
+                f"agentic.observation_template={self.observation_template!r} has no '{{observation}}' placeholder"
+            )

@@ -1,0 +1,122 @@
+"""One trajectory's environment side, run inside an env_host worker process (never in a rank's own): the environment
+(if any) and the tools, turning each sampled reply into the messages that follow it.
+
+A reply with tool calls (and tools configured) runs the tools and answers with one tool message per call; any other
+reply is the environment's action. Without an environment, a reply with no tool call ends the trajectory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_backend.agentic.config import ToolSpec
+from roll_backend.agentic.environments import EnvSpec, make_env, reset_env, step_env
+from roll_backend.agentic.tools import BUILTIN_TOOLS, ToolBox, load_user_tools, parse_tool_calls, tool_schema
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What a worker needs to build an Episode (picklable)."""
+
+    env: EnvSpec | None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_timeout_s: float = 30.0
+    observation_template: str = "{observation}"
+    observation_role: str = "user"
+
+
+@dataclass
+class Outcome:
+    """What followed one reply: messages to append, the environment's reward, whether the trajectory ended."""
+
+    messages: list[dict] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    success: bool | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def build_tools(specs: tuple[ToolSpec, ...]) -> list:
+    tools = []
+    for spec in specs:
+        if spec.builtin is not None:
+            if spec.builtin not in BUILTIN_TOOLS:
+                raise ValueError(f"unknown built-in tool {spec.builtin!r}; known: {', '.join(sorted(BUILTIN_TOOLS))}")
+            tools.append(BUILTIN_TOOLS[spec.builtin](**spec.kwargs))
+        else:
+            tools.extend(load_user_tools(spec.path, [spec.name]))
+    return tools
+
+
+class Episode:
+    """An environment and/or tools for one trajectory."""
+
+    def __init__(self, spec: EpisodeSpec):
+        self.spec = spec
+        self.env = make_env(spec.env) if spec.env is not None else None
+        self.toolbox = ToolBox(build_tools(spec.tools), spec.tool_timeout_s) if spec.tools else None
+
+    def tool_schemas(self) -> list[dict]:
+        """The tools' JSON schemas for the chat template (asked of a worker: loading user tools runs their code)."""
+        return [tool_schema(tool) for tool in self.toolbox.tools] if self.toolbox is not None else []
+
+    def reset(self, seed: int | None, task: dict) -> Outcome:
+        """The first messages: the environment's first observation (none without an environment)."""
+        started = time.perf_counter()
+        if self.env is None:
+            return Outcome(seconds=time.perf_counter() - started)
+        observation, info = reset_env(self.env, seed, task)
+        return Outcome(
+            messages=[self._observation(observation)], info=_plain(info), seconds=time.perf_counter() - started
+        )
+
+    def act(self, reply: str) -> Outcome:
+        started = time.perf_counter()
+        calls, parse_errors = parse_tool_calls(reply) if self.toolbox is not None else ([], [])
+        if calls or parse_errors:
+            outcome = self._run_tools(calls, parse_errors)
+        elif self.env is None:
+            outcome = Outcome(done=True)  # the final answer
+        else:
+            observation, reward, terminated, truncated, info = step_env(self.env, reply)
+            done = bool(terminated or truncated)
+            outcome = Outcome(
+                messages=[] if done else [self._observation(observation)],
+                reward=float(reward),
+                done=done,
+                truncated=bool(truncated) and not terminated,
+                success=info.get("success") if isinstance(info.get("success"), bool) else None,
+                info=_plain(info),
+            )
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _run_tools(self, calls, parse_errors) -> Outcome:
+        messages = [{"role": "tool", "content": f"error: {error}"} for error in parse_errors]
+        errors = len(parse_errors)
+        for call in calls:
+            result = self.toolbox.execute(call)
+            errors += int(result.error)
+            messages.append({"role": "tool", "name": call.name, "content": result.content})
+        return Outcome(messages=messages, tool_calls=len(calls) + len(parse_errors), tool_errors=errors)
+
+    def _observation(self, observation: str) -> dict:
+        content = self.spec.observation_template.replace("{observation}", str(observation))
+        return {"role": self.spec.observation_role, "content": content}
+
+    def close(self) -> None:
+        if self.env is not None and hasattr(self.env, "close"):
+            self.env.close()
+
+
+def _plain(info: Any) -> dict:
+    """The numbers, strings and flags of an env's info dict (it travels back between processes)."""
+    if not isinstance(info, dict):
+        return {}
+    return {str(k): v for k, v in info.items() if isinstance(v, (bool, int, float, str))}

@@ -1,0 +1,315 @@
+"""Runs model-written Python in a fresh, limited subprocess and reports what happened in words a model can read.
+
+Layers, outermost first:
+- OS, always: a fresh `python -I` (no user site, no PYTHON* variables, no cwd on sys.path) in a private temporary
+  directory (deleted afterwards), a minimal environment (PATH, HOME, TMPDIR, LANG: no inherited secrets), stdin
+  closed, its own session (the whole process group is killed at the wall-clock deadline or on an output flood),
+  rlimits: CPU time (whole seconds, then SIGKILL), address space (MemoryError), file size, no core files, and,
+  when the trainer is not root, a process count.
+- OS, when the machine allows it: `unshare -rn` (detected once per process) puts the child in a new user and
+  network namespace: no network interface but a downed loopback, and no capabilities of the host's user.
+- Python: an audit hook (sandbox_prelude.py, installed before the user code is compiled) refuses sockets that
+  connect, bind or resolve names; process creation (fork, exec, spawn, subprocess, multiprocessing); ctypes, cffi
+  and native modules written into the directory; writes, renames, removals and directory opens outside it;
+  signals to other processes; raising rlimits. A refusal raises `SandboxViolation` (a PermissionError) in the
+  child, and the parent turns that into this module's error message.
+
+Known limits, honestly: audit hooks are not a security boundary (CPython says so): code that reaches the hook's
+state through frames or the garbage collector, or corrupts the interpreter, gets past them. What holds then is the
+OS layer: CPU, memory and wall time, process-group kill, the namespace when present. As root the kernel does not
+enforce RLIMIT_NPROC and file permissions do not stop writes, so run tool workers as an unprivileged user where
+you can. RLIMIT_FSIZE bounds each file, not their total. With `max_processes > 0`, started programs are native and
+unhooked; a child that leaves the process group (setsid) outlives the kill.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PRELUDE = Path(__file__).with_name("sandbox_prelude.py")
+MAIN_FILE = "main.py"  # the prelude's name for the user's code (tracebacks show it)
+READ_CHUNK = 65536
+POLL_S = 0.05  # how often the supervisor looks at the clock while the child is quiet
+DRAIN_S = 0.5  # after the main process exits, how long a child that left its process group may hold the pipes
+THREAD_ALLOWANCE = 32  # RLIMIT_NPROC counts threads too: room for the code's own and its libraries' threads
+# The kernel kills at its sampled CPU time; wait4's rusage reports less under contention (0.95 s for a 1 s limit
+# on a busy 2-core machine), so a SIGKILL with this fraction of the limit used is the CPU limit.
+CPU_ACCOUNTING_FRACTION = 0.8
+STDERR_TAIL_CHARS = 2000  # how much of stderr a tool message shows
+# The prelude's refusal as Python prints it; found anywhere in a failed run's stderr, since a library may wrap it
+# (urllib's URLError shows it as the exception "during handling" of which its own was raised).
+_VIOLATION = re.compile(r"^(?:SandboxViolation|SandboxBlockedImport): (.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one sandboxed run may use. `max_processes=0`: the code may not start processes at all."""
+
+    wall_s: float = 10.0
+    cpu_s: float = 5.0
+    memory_mb: int = 512  # address space (RLIMIT_AS), so virtual memory: the interpreter itself takes ~30 MB
+    max_processes: int = 0
+    output_bytes: int = 8192  # per stream (stdout, stderr); past it the run is stopped
+    network: bool = False
+    file_mb: int = 64  # the largest file the code may write (RLIMIT_FSIZE)
+
+    def __post_init__(self):
+        problems = []
+        for name, low in (("wall_s", 0.0), ("cpu_s", 0.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > low):
+                problems.append(f"sandbox.{name}={value!r} must be a positive number of seconds")
+        for name, low, hint in (
+            ("memory_mb", 64, "the interpreter alone needs ~30 MB of address space; give at least 64"),
+            ("max_processes", 0, "0 forbids starting processes; give a count >= 0"),
+            ("output_bytes", 1, "give the bytes of stdout/stderr a tool message may carry, >= 1"),
+            ("file_mb", 0, "give the largest file size in MB, >= 0"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                problems.append(f"sandbox.{name}={value!r} is out of range; {hint}")
+        if not isinstance(self.network, bool):
+            problems.append(f"sandbox.network={self.network!r} must be true or false")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class SandboxResult:
+    """One run: its (capped) output, exit code (negative: the signal that ended it; None: the supervisor stopped
+    it), wall time, and `error`: None on success, else a short message for the model."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    seconds: float
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def as_tool_message(self) -> str:
+        """What the model sees: stdout, then the error and the tail of stderr. Bounded by the output cap."""
+        parts = [self.stdout.rstrip("\n")] if self.stdout.strip() else []
+        if self.error is not None:
+            parts.append(f"Error: {self.error}")
+        stderr = self.stderr.rstrip("\n")
+        if stderr:
+            tail = stderr if len(stderr) <= STDERR_TAIL_CHARS else "..." + stderr[-STDERR_TAIL_CHARS:]
+            parts.append(f"stderr:\n{tail}")
+        return "\n".join(parts) if parts else "(no output)"
+
+
+@dataclass
+class _Run:
+    """What the supervisor saw of the child."""
+
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    exit_code: int | None = None
+    cpu_s: float = 0.0
+    timed_out: bool = False
+    flooded: bool = False
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `code` in a fresh sandboxed interpreter (see the module docstring); its process group is killed and its
+    directory removed before this returns."""
+    root = tempfile.mkdtemp(prefix="roll_sandbox_")
+    try:
+        Path(root, MAIN_FILE).write_text(code, encoding="utf-8")
+        command = [
+            *_namespace_prefix(limits.network),
+            sys.executable,
+            "-I",
+            str(PRELUDE),
+            json.dumps(_child_config(limits)),
+        ]
+        started = time.monotonic()
+        child = subprocess.Popen(
+            command,
+            cwd=root,
+            env=_child_env(root),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: one killpg ends it and its children
+        )
+        run = _supervise(child, limits, deadline=started + limits.wall_s)
+        seconds = time.monotonic() - started
+    finally:
+        _remove_tree(root)
+    stdout = run.stdout.decode("utf-8", errors="replace")
+    stderr = run.stderr.decode("utf-8", errors="replace")
+    exit_code = None if run.timed_out or run.flooded else run.exit_code  # None: the supervisor stopped it
+    return SandboxResult(stdout, stderr, exit_code, seconds, _describe_failure(run, stderr, limits))
+
+
+def _child_config(limits: SandboxLimits) -> dict:
+    cpu = math.ceil(limits.cpu_s)
+    memory = limits.memory_mb * 2**20
+    rlimits = {
+        "RLIMIT_CPU": (cpu, cpu),  # soft = hard: SIGKILL (no SIGXCPU the code could ignore) at the limit
+        "RLIMIT_AS": (memory, memory),
+        "RLIMIT_FSIZE": (limits.file_mb * 2**20, limits.file_mb * 2**20),
+        "RLIMIT_CORE": (0, 0),
+    }
+    if os.geteuid() != 0:  # the kernel exempts root; for others it counts every task of the uid, so add theirs
+        nproc = _tasks_of_uid(os.geteuid()) + limits.max_processes + THREAD_ALLOWANCE
+        rlimits["RLIMIT_NPROC"] = (nproc, nproc)
+    return {"limits": rlimits, "network": limits.network, "processes": limits.max_processes > 0}
+
+
+def _child_env(root: str) -> dict[str, str]:
+    threads = "1"  # BLAS/OpenMP pools would spend the CPU and process budget on threads
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": root,
+        "TMPDIR": root,
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": threads,
+        "OPENBLAS_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+    }
+
+
+@functools.cache
+def _namespace_prefix(network: bool) -> tuple[str, ...]:
+    """`unshare -rn --` when a new user + network namespace can be made here (tried once), else nothing."""
+    unshare = shutil.which("unshare")
+    if network or unshare is None:
+        return ()
+    try:
+        probe = subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.info("sandbox: no network namespace (unshare failed: %s); the audit hook alone blocks network", exc)
+        return ()
+    if probe.returncode != 0:
+        reason = probe.stderr.decode(errors="replace").strip()
+        logger.info("sandbox: no network namespace (unshare -rn: %s); the audit hook alone blocks network", reason)
+        return ()
+    return (unshare, "-rn", "--")
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Tasks (threads included) the kernel counts against this uid's RLIMIT_NPROC."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid:
+                total += len(os.listdir(f"/proc/{entry.name}/task"))
+        except OSError:  # the process ended while we looked
+            continue
+    return total
+
+
+def _supervise(child: subprocess.Popen, limits: SandboxLimits, deadline: float) -> _Run:
+    """Read both pipes (capped) until they close, the deadline passes, or the output overflows; then kill the
+    process group and reap the child with its CPU time."""
+    run = _Run()
+    buffers = {child.stdout: run.stdout, child.stderr: run.stderr}
+    try:
+        with selectors.DefaultSelector() as selector:
+            for pipe in buffers:
+                selector.register(pipe, selectors.EVENT_READ)
+            while selector.get_map() and not run.flooded:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    run.timed_out = run.exit_code is None
+                    break
+                for key, _ in selector.select(timeout=min(remaining, POLL_S)):
+                    if not _read_into(key.fileobj, buffers[key.fileobj], limits.output_bytes, run):
+                        selector.unregister(key.fileobj)
+                if run.exit_code is None and _reap(child, run, block=False):
+                    _kill_group(child.pid)  # the run ends with its main process; children left are stopped
+                    deadline = min(deadline, time.monotonic() + DRAIN_S)
+    finally:
+        _kill_group(child.pid)
+        if run.exit_code is None:
+            _reap(child, run, block=True)
+        for pipe in buffers:
+            pipe.close()
+    return run
+
+
+def _read_into(pipe, buffer: bytearray, cap: int, run: _Run) -> bool:
+    """Read what the pipe has into `buffer`, keeping at most `cap` bytes; False at end of file."""
+    chunk = os.read(pipe.fileno(), READ_CHUNK)
+    if not chunk:
+        return False
+    room = cap - len(buffer)
+    buffer += chunk[:room]
+    if len(chunk) > room:
+        run.flooded = True
+    return True
+
+
+def _reap(child: subprocess.Popen, run: _Run, block: bool) -> bool:
+    """Collect the exit status and CPU time (wait4's rusage) once the child ends; False if it still runs."""
+    pid, status, usage = os.wait4(child.pid, 0 if block else os.WNOHANG)
+    if pid == 0:
+        return False
+    run.exit_code = child.returncode = os.waitstatus_to_exitcode(status)
+    run.cpu_s = usage.ru_utime + usage.ru_stime
+    return True
+
+
+def _kill_group(pgid: int) -> None:
+    # Safe after the leader was reaped: the kernel does not reuse an id while its process group has members.
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _remove_tree(root: str) -> None:
+    def make_writable_and_retry(function, path, _exc_info):
+        os.chmod(os.path.dirname(path), 0o700)  # the code may have taken its own permissions away
+        function(path)
+
+    try:
+        shutil.rmtree(root, onerror=make_writable_and_retry)
+    except OSError as exc:
+        logger.warning("sandbox: could not remove %s: %s", root, exc)
+
+
+def _describe_failure(run: _Run, stderr: str, limits: SandboxLimits) -> str | None:
+    """The message for what went wrong, most telling first; None when the run succeeded."""
+    last_line = stderr.rstrip().rsplit("\n", 1)[-1].strip()
+    violations = _VIOLATION.findall(stderr)
+    code = run.exit_code
+    if run.timed_out:
+        return f"timed out after {limits.wall_s:g}s (wall clock)"
+    if run.flooded:
+        return f"output truncated at {limits.output_bytes} bytes (the program was stopped)"
+    if violations and code:
+        return violations[-1]
+    cpu_limit_hit = run.cpu_s >= CPU_ACCOUNTING_FRACTION * math.ceil(limits.cpu_s)
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu_limit_hit):
+        return f"CPU time limit of {limits.cpu_s:g}s exceeded"
+    if code and "MemoryError" in stderr[-STDERR_TAIL_CHARS:]:
+        return f"memory limit of {limits.memory_mb} MB exceeded (MemoryError)"
+    if code is not None and code < 0:
+        return f"killed by signal {signal.Signals(-code).name}"
+    if code:
+        return f"exited with code {code}: {last_line}" if last_line else f"exited with code {code}"
+    return None

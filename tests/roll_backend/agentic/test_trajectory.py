@@ -1,0 +1,74 @@
+"""Token-exact conversations (agentic.trajectory): sampled ids are kept as sampled, only the inserted messages are
+tokenised, and a chat template that re-renders earlier turns is reported (or starts a new segment)."""
+
+from __future__ import annotations
+
+import pytest
+
+from roll_backend.agentic.trajectory import ChatTurns, TemplateBreak
+from roll_backend.models.tiny import CHAT_TEMPLATE, TinyModelSpec, build_tiny_model
+
+# Like Qwen3's: earlier assistant turns are re-rendered without their reasoning once a new user message follows.
+DROPS_REASONING = CHAT_TEMPLATE.replace(
+    "message['content']",
+    "(message['content'].split('</think>')[-1] if message['role'] == 'assistant' and not loop.last "
+    "else message['content'])",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tok"), TinyModelSpec(hidden_size=64, num_hidden_layers=1))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def sample(tokenizer, text: str, eos: bool = True) -> list[int]:
+    """Ids as an engine might sample them: NOT the canonical tokenisation of the text (one token per character)."""
+    ids = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ch)[0]) for ch in text]
+    return ids + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if eos else [])
+
+
+def test_sampled_ids_are_kept_and_only_inserted_messages_are_tokenised(tokenizer):
+    turns = ChatTurns(tokenizer)
+    conv = turns.start([{"role": "user", "content": "what is 2 + 2?"}])
+    prompt = list(conv.current.prompt_ids)
+    first = sample(tokenizer, "the answer is 5")
+    assert first != tokenizer.encode("the answer is 5", add_special_tokens=False)  # non-canonical on purpose
+    turns.add_sampled(conv, first, [-0.5] * len(first))
+    inserted = turns.extend(conv, [{"role": "user", "content": "no, add again"}])
+    second = sample(tokenizer, "4", eos=False)  # cut by max_tokens: the template's end of turn gets inserted
+    turns.add_sampled(conv, second, [-0.25])
+    closing = turns.extend(conv, [{"role": "tool", "content": "ok"}])
+
+    segment = conv.current
+    assert segment.prompt_ids == prompt
+    assert segment.response_ids == first + inserted + second + closing
+    assert segment.loss_mask == [1] * len(first) + [0] * len(inserted) + [1] + [0] * len(closing)
+    assert segment.log_probs == [-0.5] * len(first) + [0.0] * len(inserted) + [-0.25] + [0.0] * len(closing)
+    # What the engine sees next decodes to the template's rendering of the whole conversation.
+    assert tokenizer.decode(segment.context(), skip_special_tokens=False) == turns.render(conv.messages)
+    assert tokenizer.decode(closing, skip_special_tokens=False).startswith("<|im_end|>")  # inserted, not sampled
+
+
+def test_a_template_that_rerenders_earlier_turns_is_reported(tokenizer):
+    tokenizer.chat_template, original = DROPS_REASONING, tokenizer.chat_template
+    try:
+        turns = ChatTurns(tokenizer)
+        conv = turns.start([{"role": "user", "content": "hi"}])
+        reply = sample(tokenizer, "<think>hmm</think>ok")
+        turns.add_sampled(conv, reply, [0.0] * len(reply))
+        with pytest.raises(TemplateBreak, match="turn 2: the chat template renders the conversation so far"):
+            turns.extend(conv, [{"role": "user", "content": "again"}])
+
+        segmenting = ChatTurns(tokenizer, on_break="new_segment")
+        conv = segmenting.start([{"role": "user", "content": "hi"}])
+        segmenting.add_sampled(conv, reply, [0.0] * len(reply))
+        assert segmenting.extend(conv, [{"role": "user", "content": "again"}]) == []
+        first, second = conv.segments
+        assert first.response_ids == reply and first.loss_mask == [1] * len(reply)
+        assert tokenizer.decode(second.prompt_ids, skip_special_tokens=False) == segmenting.render(conv.messages)
+        assert second.response_ids == [] and conv.breaks == 1
+    finally:
+        tokenizer.chat_template = original
