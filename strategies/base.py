@@ -49,6 +49,7 @@ class RunFacts:
     saves_checkpoints: bool = False  # the run checkpoints this role's training state
     value_head: bool = False  # the role scores values (the critic): its model ends in a value head
     model_config: Mapping[str, Any] | None = None  # the model's Hugging Face config fields; None: unknown
+    multi_turn: bool = False  # the rollout runs multi-turn trajectories (agentic): requests arrive one turn at a time
 
 
 class StrategyConfig(Protocol):
@@ -142,3 +143,31 @@ class RolloutStrategy(Strategy):
     @abc.abstractmethod
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts: [B, T_resp] float32."""
+
+    # ---- one request at a time (multi-turn rollouts: roll_backend.agentic drives these) -------------------
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None, meta_info=None
+    ) -> None:
+        """Queue one sample of `max_tokens` at most, continuing `prompt_ids`, with the call's sampling settings
+        (`meta_info` as given to `generate`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take single requests")
+
+    def step(self) -> list[FinishedRequest]:
+        """Advance the engine by one scheduling step; the requests that finished in it."""
+        raise NotImplementedError(f"{type(self).__name__} does not take single requests")
+
+    def has_unfinished_requests(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not take single requests")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not take single requests")
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request `RolloutStrategy.step` finished: its sampled ids, their log-probs, why it stopped."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" (an end token) or "length" (max_tokens)

@@ -30,10 +30,13 @@ class RewardWorkerConfig:
     functions: Sequence[RewardFunctionSpec] = ()
     on_function_error: str = "raise"
     function_timeout_s: float = 60.0
+    # Multi-turn rollouts: the weight of the batch's ENV_REWARDS (the environment's reward) in the sum; None: none.
+    env_weight: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions)))
-        if not self.rewards and not self.functions:
+        agentic = self.env_weight is not None
+        object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions) or agentic))
+        if not self.rewards and not self.functions and not agentic:
             raise ValueError(
                 "no rewards: name a built-in in reward.rewards (e.g. {'math_verify': 1.0}) or add reward.functions."
             )
@@ -103,6 +106,10 @@ class RewardWorker(Worker):
                 metrics[f"reward/{label}/mean"] = _mean(values[real])
                 metrics |= {f"reward/{label}/{key}": float(np.mean(vals)) for key, vals in result.extras.items()}
                 metrics[f"reward/{label}/error_count"] = float(result.error_count)
+        if self.config.env_weight is not None and keys.ENV_REWARDS in batch.batch.keys():
+            env = batch.batch[keys.ENV_REWARDS].float()
+            scores = scores + self.config.env_weight * env
+            metrics["reward/env_mean"] = _mean(env)
         metrics["reward/score_mean"] = _mean(scores)
         return DataProto.from_dict(
             tensors={keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, batch.batch[keys.RESPONSE_MASK])},

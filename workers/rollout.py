@@ -22,6 +22,7 @@ class RolloutWorkerConfig:
 
     strategy: Any  # the strategy's config class, e.g. VllmRolloutConfig
     strategy_name: str = "vllm_rollout"
+    agentic: Any = None  # roll_backend.agentic.config.AgenticConfig: generate runs multi-turn trajectories
 
 
 class RolloutWorker(Worker):
@@ -35,6 +36,7 @@ class RolloutWorker(Worker):
                 f"RolloutWorker takes a RolloutWorkerConfig as worker_config, got {type(self.config).__name__}"
             )
         self.strategy = None
+        self.agentic = None  # the multi-turn rollout driving the strategy, with config.agentic
 
     def call_context(self):
         return strategy_call_context(self.config.strategy_name, self.device)
@@ -47,11 +49,29 @@ class RolloutWorker(Worker):
             # DP ranks sample different streams; the ranks of one TP group must share a seed.
             strategy_config = dataclasses.replace(strategy_config, seed=strategy_config.seed + self.coords.dp)
         self.strategy = start_strategy(self.config.strategy_name, strategy_config, self.layout, self.device)
+        if self.config.agentic is not None:
+            from roll_backend.agentic.rollout import AgenticRollout
+
+            self.agentic = AgenticRollout(
+                self.strategy,
+                self.strategy.tokenizer,
+                self.config.agentic,
+                max_model_len=strategy_config.max_model_len,
+                prompt_width=strategy_config.max_prompt_length,
+            )
 
     @register(Dispatch.DP_MP_COMPUTE)
     def generate(self, batch: DataProto) -> DataProto:
-        """Prompts -> n responses each, with log-probs, masks and uids (see VllmRolloutStrategy.generate)."""
+        """Prompts -> n responses each, with log-probs, masks and uids (see VllmRolloutStrategy.generate); with
+        `agentic`, n multi-turn trajectories each (roll_backend.agentic.rollout)."""
+        if self.agentic is not None:
+            sampling = self._strategy().sampling_for(batch.meta_info)
+            return self.agentic.generate(batch, sampling.n, sampling.max_tokens, sampling.temperature)
         return self._strategy().generate(batch)
+
+    def __del__(self):
+        if getattr(self, "agentic", None) is not None:
+            self.agentic.close()
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

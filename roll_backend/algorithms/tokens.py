@@ -67,3 +67,17 @@ def entropy_loss(
     `agg_kwargs` (dp_size, batch_num_tokens, ...) go to `agg_loss`; by default the local normalisers.
     """
     return agg_loss(entropy_from_logits(logits), mask, agg_mode, **agg_kwargs)
+
+
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask, both [B, width] int64."""
+    width = width or max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.int64)
+            mask[row, width - len(seq) :] = 1
+    return ids, mask

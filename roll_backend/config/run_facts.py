@@ -77,4 +77,5 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         saves_checkpoints=trains and config.checkpoint.save_steps > 0,
         value_head=name == roles.CRITIC,
         model_config=model_fields(config, role.model_path),
+        multi_turn=config.agentic is not None,
     )

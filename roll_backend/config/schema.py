@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll_backend.agentic.config import AgenticConfig
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.rewards.user_functions import RewardFunctionSpec
 
@@ -50,11 +51,14 @@ class RewardConfig:
     function_timeout_s: float = 60.0  # per call of a user function (per row, or per batch when batched)
     world_size: int = 1  # reward actors; the batch is split between them
     num_cpus_per_rank: float = 0.25  # CPU share each reward actor reserves
+    # Agentic runs: the weight of the environment's reward (agentic.env_reward) in the sum. There, rewards: null
+    # means no built-in reward (the environment's alone, plus any functions).
+    env_weight: float = 1.0
 
-    def builtin_weights(self) -> dict[str, float]:
+    def builtin_weights(self, agentic: bool = False) -> dict[str, float]:
         from roll_backend.rewards.registry import builtin_weights
 
-        return builtin_weights(self.rewards, bool(self.functions))
+        return builtin_weights(self.rewards, bool(self.functions) or agentic)
 
 
 @dataclass(frozen=True)
@@ -286,9 +290,10 @@ class PerfConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """A whole run. `pipeline` picks the control loop: grpo (no critic) or ppo (critic + GAE)."""
+    """A whole run. `pipeline` picks the control loop: grpo (no critic) or ppo (critic + GAE); `agentic` (GRPO's loop
+    over multi-turn trajectories) needs the `agentic` section, which grpo and ppo also take."""
 
-    pipeline: str  # "grpo" (no critic) or "ppo" (critic + GAE)
+    pipeline: str  # "grpo" (no critic), "ppo" (critic + GAE) or "agentic" (grpo with the `agentic` section)
     model_path: str  # the model folder (config.json, weights, tokenizer) the roles start from
     actor_train: RoleConfig
     actor_infer: RoleConfig
@@ -311,6 +316,8 @@ class PipelineConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     async_generation: AsyncGenerationConfig = field(default_factory=AsyncGenerationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation on data.val_path
+    # Multi-turn rollouts: an environment, tools or an agent function (roll_backend.agentic); null: single-turn.
+    agentic: AgenticConfig | None = None
     weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None

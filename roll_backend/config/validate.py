@@ -9,7 +9,7 @@ from roll_backend import roles
 from roll_backend.config.run_facts import run_facts
 from roll_backend.config.schema import LOGGER_NAMES, WANDB_MODES, PipelineConfig, RoleConfig
 
-PIPELINES = ("grpo", "ppo")
+PIPELINES = ("grpo", "ppo", "agentic")
 
 
 # A model folder's tokenizer: any of the files transformers' AutoTokenizer reads.
@@ -356,6 +356,10 @@ def validate(config: PipelineConfig) -> list[str]:
         )
     if config.pipeline not in PIPELINES:
         problems.append(f"pipeline={config.pipeline!r} is unknown; choose one of {', '.join(PIPELINES)}")
+    if config.pipeline == "agentic" and config.agentic is None:
+        problems.append(
+            "pipeline=agentic needs an `agentic:` section (e.g. agentic: {env: {gymnasium: FrozenLake-v1}})"
+        )
     if config.pipeline == "ppo" and config.critic is None:
         problems.append("pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)")
     model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}

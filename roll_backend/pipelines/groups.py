@@ -112,8 +112,10 @@ class _GroupStarter:
 
     def start_reward(self) -> WorkerGroup:
         reward = self.config.reward
+        agentic = self.config.agentic is not None
         worker_config = RewardWorkerConfig(
-            rewards=reward.builtin_weights(),
+            rewards=reward.builtin_weights(agentic),
+            env_weight=reward.env_weight if agentic else None,
             functions=tuple(reward.functions),
             on_function_error=reward.on_function_error,
             function_timeout_s=reward.function_timeout_s,
@@ -143,7 +145,7 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
     groups[roles.ACTOR_INFER] = starter.start(
         RolloutWorker,
         roles.ACTOR_INFER,
-        RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER)),
+        RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER), agentic=config.agentic),
     )
     if config.reference is not None:
         groups[roles.REFERENCE] = starter.start(

@@ -58,6 +58,11 @@ def collect_generated(future: GroupFuture) -> DataProto:
     return batch
 
 
+def generation_metrics(batch: DataProto) -> dict[str, float]:
+    """The rollout's own metrics (rollout/..., agentic/...), taken off the batch: one number each over DP ranks."""
+    return _mean_metrics(batch.meta_info.pop(keys.META_METRICS, None) or {}, prefix="")
+
+
 def score(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
     rewards = groups.reward.call(RewardWorker.compute_rewards, batch)
     batch[keys.TOKEN_LEVEL_SCORES] = rewards.batch[keys.TOKEN_LEVEL_SCORES]

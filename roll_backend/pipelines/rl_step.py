@@ -41,7 +41,7 @@ def prepare_batch(
     reference log-probs. Returns (metrics, the batch kept). The asynchronous loop can run it on the next batch
     while the actor trains (async_generation.prepare_ahead); it then stores the result with `mark_prepared`."""
     groups, algo = run.groups, run.config.algorithm
-    metrics = {}
+    metrics = phases.generation_metrics(batch)
     if len(batch) == 0:  # dynamic sampling found no group with differing rewards
         return metrics, batch
     refilled = keys.TOKEN_LEVEL_SCORES in batch.batch.keys()  # dynamic_sampling.generate_filled scored and kept it

