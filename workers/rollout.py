@@ -49,15 +49,25 @@ class RolloutWorker(Worker):
             # DP ranks sample different streams; the ranks of one TP group must share a seed.
             strategy_config = dataclasses.replace(strategy_config, seed=strategy_config.seed + self.coords.dp)
         self.strategy = start_strategy(self.config.strategy_name, strategy_config, self.layout, self.device)
-        if self.config.agentic is not None:
-            from roll_backend.agentic.rollout import AgenticRollout
+        self.set_agentic(self.config.agentic)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def set_agentic(self, agentic) -> None:
+        """Generate multi-turn trajectories with this AgenticConfig from now on (None: single-turn samples); e.g. a
+        driver script validating on another environment. The previous environments' workers are shut down."""
+        from roll_backend.agentic.rollout import AgenticRollout
+
+        if self.agentic is not None:
+            self.agentic.close()
+            self.agentic = None
+        if agentic is not None:
+            config = self._strategy().config
             self.agentic = AgenticRollout(
                 self.strategy,
                 self.strategy.tokenizer,
-                self.config.agentic,
-                max_model_len=strategy_config.max_model_len,
-                prompt_width=strategy_config.max_prompt_length,
+                agentic,
+                max_model_len=config.max_model_len,
+                prompt_width=config.max_prompt_length,
             )
 
     @register(Dispatch.DP_MP_COMPUTE)

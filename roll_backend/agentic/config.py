@@ -104,3 +104,21 @@ class AgenticConfig:
             raise ValueError(
                 f"agentic.observation_template={self.observation_template!r} has no '{{observation}}' placeholder"
             )
+
+    def problems(self, where: str = "agentic") -> list[str]:
+        """What is wrong with the named user code and ids, found without running any of it (before Ray starts)."""
+        from roll_backend.agentic.tools import BUILTIN_TOOLS
+        from roll_backend.rewards.user_functions import RewardFunctionSpec, check_spec
+
+        problems = self.env.problems(f"{where}.env") if self.env is not None else []
+        for index, tool in enumerate(self.tools):
+            if tool.builtin is not None and tool.builtin not in BUILTIN_TOOLS:
+                problems.append(
+                    f"{where}.tools[{index}].builtin={tool.builtin!r} is unknown; choose one of "
+                    f"{', '.join(sorted(BUILTIN_TOOLS))} or give path + name"
+                )
+            elif tool.path is not None:
+                problems += check_spec(RewardFunctionSpec(path=tool.path, name=tool.name), f"{where}.tools[{index}]")
+        if self.agent is not None:
+            problems += check_spec(RewardFunctionSpec(path=self.agent.path, name=self.agent.name), f"{where}.agent")
+        return problems

@@ -304,14 +304,17 @@ class GymTextEnv:
         self.env, self.instructions, self.invalid_action_reward = env, instructions, float(invalid_action_reward)
         self.action_names = tuple(name.lower() for name in names)
         self._description = _DESCRIPTIONS.get(kind, f"Environment {_env_id(env)}.")
-        self._board = _board(env) if render == "board" else None
+        self._board = _board(env)  # the grid, also behind render="state" (goals, shaping)
+        self._render_board = render == "board" and self._board is not None
         self._is_goal_grid = self._board is not None and (self._board == b"G").any()
         # Potential-based shaping (Ng, Harada & Russell 1999; it keeps the optimal policy): the potential of a cell is
-        # 1 - its distance to G / the grid's diameter, and 0 once the episode ended (goal or hole), so each move earns
+        # 1 - its distance to G (the shortest path around the holes) / the longest such distance, and 0 once the
+        # episode ended (goal or hole), so each move earns
         # `goal_progress_reward` x the potential it gains. Summed over an episode: goal_progress_reward x (1 - final
         # distance / diameter) for an episode still running at the turn limit, and nothing for one that ended (a
         # hole takes the progress back), on top of the environment's own reward.
         self.goal_progress_reward = float(goal_progress_reward)
+        self._goal_distances: dict[int, int] | None = None
         if self.goal_progress_reward and not self._is_goal_grid:
             raise ValueError(f"GymTextEnv goal_progress_reward needs a grid with a goal G; {_env_id(env)} has none")
         words = [*self.action_names, *(str(i) for i in range(env.action_space.n))]
@@ -354,23 +357,43 @@ class GymTextEnv:
         self.env.close()
 
     def _distance(self, state) -> float:
-        """Steps from `state` to the nearest goal, as a fraction of the grid's diameter."""
-        rows, columns = self._board.shape
-        here = divmod(int(state) - int(self.env.observation_space.start), columns)
-        goals = np.argwhere(self._board == b"G")
-        return float(min(abs(here[0] - r) + abs(here[1] - c) for r, c in goals)) / (rows + columns - 2)
+        """Moves from `state` to the goal along the shortest path around holes, as a fraction of the longest such
+        path on the grid (1 where no path leads there)."""
+        if self._goal_distances is None:
+            self._goal_distances = _goal_distances(self._board)
+        cell = int(state) - int(self.env.observation_space.start)
+        longest = max(self._goal_distances.values())
+        return self._goal_distances.get(cell, longest) / max(longest, 1)
 
     def _action_list(self) -> str:
         return ", ".join(self.action_names) if self.action_names else f"0-{self.env.action_space.n - 1}"
 
     def _render(self) -> str:
         state = int(self._state) - int(self.env.observation_space.start)
-        if self._board is None:
+        if not self._render_board:
             return f"state: {state}"
         rows = [[cell.decode() for cell in row] for row in self._board]
         columns = len(rows[0])
         rows[state // columns][state % columns] = "P"
         return "\n".join("".join(row) for row in rows)
+
+
+def _goal_distances(board) -> dict[int, int]:
+    """Cell -> moves to the nearest G without stepping on a hole (breadth-first from the goals); holes are absent."""
+    rows, columns = board.shape
+    frontier = [int(r) * columns + int(c) for r, c in np.argwhere(board == b"G")]
+    distances = dict.fromkeys(frontier, 0)
+    while frontier:
+        next_frontier = []
+        for cell in frontier:
+            row, column = divmod(cell, columns)
+            for r, c in ((row + 1, column), (row - 1, column), (row, column + 1), (row, column - 1)):
+                neighbour = r * columns + c
+                if 0 <= r < rows and 0 <= c < columns and board[r, c] != b"H" and neighbour not in distances:
+                    distances[neighbour] = distances[cell] + 1
+                    next_frontier.append(neighbour)
+        frontier = next_frontier
+    return distances
 
 
 def _board(env):

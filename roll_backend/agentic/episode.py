@@ -13,7 +13,14 @@ from typing import Any
 
 from roll_backend.agentic.config import ToolSpec
 from roll_backend.agentic.environments import EnvSpec, make_env, reset_env, step_env
-from roll_backend.agentic.tools import BUILTIN_TOOLS, ToolBox, load_user_tools, parse_tool_calls, tool_schema
+from roll_backend.agentic.sandbox import SandboxLimits
+from roll_backend.agentic.tools import (
+    BUILTIN_TOOLS,
+    PythonCodeTool,
+    ToolBox,
+    load_user_tools,
+    parse_tool_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,10 @@ def build_tools(specs: tuple[ToolSpec, ...]) -> list:
         if spec.builtin is not None:
             if spec.builtin not in BUILTIN_TOOLS:
                 raise ValueError(f"unknown built-in tool {spec.builtin!r}; known: {', '.join(sorted(BUILTIN_TOOLS))}")
-            tools.append(BUILTIN_TOOLS[spec.builtin](**spec.kwargs))
+            if spec.builtin == "python":  # its kwargs are the sandbox's limits
+                tools.append(PythonCodeTool(SandboxLimits(**spec.kwargs)))
+            else:
+                tools.append(BUILTIN_TOOLS[spec.builtin](**spec.kwargs))
         else:
             tools.extend(load_user_tools(spec.path, [spec.name]))
     return tools
@@ -64,7 +74,7 @@ class Episode:
 
     def tool_schemas(self) -> list[dict]:
         """The tools' JSON schemas for the chat template (asked of a worker: loading user tools runs their code)."""
-        return [tool_schema(tool) for tool in self.toolbox.tools] if self.toolbox is not None else []
+        return self.toolbox.schemas() if self.toolbox is not None else []
 
     def reset(self, seed: int | None, task: dict) -> Outcome:
         """The first messages: the environment's first observation (none without an environment)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import logging
 import queue
 import time
 import uuid
@@ -31,6 +32,8 @@ from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBre
 from roll_backend.algorithms.tokens import left_pad
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_SESSION = "tool-schemas"
 
@@ -112,6 +115,11 @@ class AgenticRollout:
             loop.run()
         finally:
             loop.release()
+        failed = [traj.error for traj in trajectories if traj.error is not None]
+        if failed:  # counted in agentic/env_errors_count; the message says why
+            logger.warning(
+                "%d of %d trajectories ended by an error; the first: %s", len(failed), len(trajectories), failed[0]
+            )
         return self._rows(batch, trajectories, max_tokens, loop.metrics(time.perf_counter() - started))
 
     def first_messages(self, traj: Trajectory, outcome: Outcome) -> list[dict]:
@@ -182,12 +190,14 @@ class _Loop:
         self.by_session = {traj.session: traj for traj in trajectories}
 
     def run(self) -> None:
-        host = self.rollout.host
-        for traj in self.trajectories:
-            host.open(traj.session)
-            self._expect(
-                traj, host.call(traj.session, "reset", traj.env_seed, traj.task, timeout_s=self._timeout()), self._reset
-            )
+        if self.server is not None:
+            self._start_agents()
+        else:
+            host = self.rollout.host
+            for traj in self.trajectories:
+                host.open(traj.session)
+                future = host.call(traj.session, "reset", traj.env_seed, traj.task, timeout_s=self._timeout())
+                self._expect(traj, future, self._reset)
         while self.waiting or self.on_engine or self.ready:
             for traj in self.ready:
                 self._submit(traj)
@@ -200,11 +210,15 @@ class _Loop:
                     self._replied(self.on_engine.pop(request.request_id), request)
             elif self.waiting:
                 started = time.perf_counter()
-                concurrent.futures.wait(list(self.waiting), return_when=concurrent.futures.FIRST_COMPLETED)
+                doorbell = [self.server.ring()] if self.server is not None else []
+                pending = list(self.waiting) + doorbell
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 self.wait_seconds += time.perf_counter() - started
+            if self.server is not None:
+                self._take_requests()
             for future in [f for f in self.waiting if f.done()]:
-                traj, then = self.waiting.pop(future)
-                self._answered(traj, future, then)
+                owner, then = self.waiting.pop(future)
+                self._answered(owner, future, then)
 
     def _timeout(self) -> float:
         return self.config.step_timeout_s

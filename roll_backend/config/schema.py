@@ -173,12 +173,14 @@ class DataConfig:
     # A row's `data_source` column names its source in the val/ metrics, else the file's name without extension.
     val_path: str | tuple[str, ...] | None = None
     val_reasoning_gym: ReasoningGymData | None = None  # validation prompts from a reasoning-gym dataset (as well)
+    # Validation prompts from a synthetic task (as well), e.g. held-out environment seeds: {task: episodes, seed: 1}.
+    val_synthetic: SyntheticDataConfig | None = None
 
     def val_paths(self) -> tuple[str, ...]:
         return (self.val_path,) if isinstance(self.val_path, str) else tuple(self.val_path or ())
 
     def has_validation(self) -> bool:
-        return bool(self.val_paths()) or self.val_reasoning_gym is not None
+        return bool(self.val_paths()) or self.val_reasoning_gym is not None or self.val_synthetic is not None
 
 
 @dataclass(frozen=True)

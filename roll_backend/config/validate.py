@@ -362,6 +362,8 @@ def validate(config: PipelineConfig) -> list[str]:
         )
     if config.pipeline == "ppo" and config.critic is None:
         problems.append("pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)")
+    if config.agentic is not None:
+        problems += config.agentic.problems()
     model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
     _check_model_path(config, "model_path", config.model_path, problems)
     for name, role in model_roles.items():

@@ -33,7 +33,8 @@ def check_data(config: PipelineConfig):
 
 def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
     """Every prompt of data.val_path in file order (checked like the training prompts), a `data_source` from the row
-    or the file's name, then those of data.val_reasoning_gym; a stable UID per prompt; None without either."""
+    or the file's name, then those of data.val_reasoning_gym and data.val_synthetic; a stable UID per prompt; None
+    without any."""
     parts = []
     plain = dataclasses.replace(config.data, train_path=None, synthetic=None, reasoning_gym=None, shuffle=False)
     for path in config.data.val_paths():
@@ -43,6 +44,9 @@ def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | No
     if config.data.val_reasoning_gym is not None:
         data = dataclasses.replace(plain, reasoning_gym=config.data.val_reasoning_gym)
         parts.append(PromptDataset(data, tokenizer, config.seed).batch_at(0, config.data.val_reasoning_gym.size))
+    if config.data.val_synthetic is not None:
+        data = dataclasses.replace(plain, synthetic=config.data.val_synthetic)
+        parts.append(PromptDataset(data, tokenizer, config.seed).batch_at(0, config.data.val_synthetic.num_prompts))
     if not parts:
         return None
     prompts = DataProto.concat(parts)

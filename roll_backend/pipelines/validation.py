@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from roll_backend import keys, roles
 from roll_backend.algorithms.eval_metrics import validation_metrics
 from roll_backend.config.schema import PipelineConfig
@@ -56,12 +58,13 @@ class Validation:
         ev = self.config.eval
         timer = PhaseTimer(self.config.fault_tolerance.timeouts)  # each call within its phase's deadline
         started = time.perf_counter()
-        scored = []
+        scored, rollout = [], []
         for start in range(0, len(self.prompts), ev.prompts_per_call):
             chunk = self.prompts.select_idxs(list(range(start, min(start + ev.prompts_per_call, len(self.prompts)))))
             chunk.meta_info = self.sampling(step)
             with timer.phase(roles.GENERATE):
                 generated = groups.actor_infer.call(RolloutWorker.generate, chunk)
+            rollout.append(phases.generation_metrics(generated))
             with timer.phase(roles.SCORE):
                 phases.score(groups, generated)
             scored.append(generated)
@@ -80,7 +83,11 @@ class Validation:
             ev.correct_threshold,
         )
         self._write_samples(step, batch, texts, rewards)
-        return metrics | {"timing/validate": time.perf_counter() - started}
+        # Multi-turn rollouts: success rate, turns, tool calls... of the validation trajectories (val/agentic/...).
+        agentic = {
+            f"val/{name}": float(np.mean([m[name] for m in rollout])) for name in rollout[0] if "agentic/" in name
+        }
+        return metrics | agentic | {"timing/validate": time.perf_counter() - started}
 
     def _write_samples(self, step: int, batch: DataProto, texts: list[str], rewards: list[float]) -> None:
         columns = batch.non_tensor_batch

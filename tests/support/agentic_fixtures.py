@@ -1,0 +1,33 @@
+"""User code for the agentic tests, named by module (tests/support is on the workers' PYTHONPATH): an environment
+that counts down and can fail on chosen seeds, and an agent function that talks to the rollout's endpoint twice."""
+
+from __future__ import annotations
+
+
+class CountdownEnv:
+    """Counts down from `start`, one step per reply; reward 1 at zero. Raises in step() for seeds in `fail_seeds`."""
+
+    def __init__(self, start: int = 3, fail_seeds: tuple = ()):
+        self.start, self.fail_seeds = start, tuple(fail_seeds)
+
+    def reset(self, seed=None, options=None):
+        self.left, self.seed = self.start, seed
+        return f"count {self.left}", {"task_prompt": str((options or {}).get("prompt", ""))}
+
+    def step(self, action):
+        if self.seed in self.fail_seeds:
+            raise RuntimeError(f"countdown broke on seed {self.seed}")
+        self.left -= 1
+        done = self.left == 0
+        return f"count {self.left}", float(done), done, False, {"success": done}
+
+
+async def two_turn_agent(task, client, follow_up: str = "and now?"):
+    """Asks once, then again with its first reply and a follow-up in the history. Its reward is the length of the
+    first reply it saw, so a test can check that the text it got is the decoded sampled tokens."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    reply = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow_up}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    return float(len(reply))
