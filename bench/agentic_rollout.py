@@ -6,7 +6,7 @@ environment's step taking --latency seconds (bench/_slow_env.py, in --workers wo
 Single-turn: as many prompts, each sampling turns x turn-tokens tokens at once. Generated tokens per second of
 each; the multi-turn rollout also re-reads the inserted observations (prefill) and waits for the environment, which
 the loop hides behind other trajectories' generation. float32 (the tiny model's vLLM CPU path).
-Run: .venv/bin/python bench/agentic_rollout.py [--trajectories 64] [--turns 4] [--turn-tokens 32] [--latency 0.05]
+Run: .venv/bin/python bench/agentic_rollout.py [--trajectories 64] [--turns 4] [--turn-tokens 96] [--latency 0.05]
 Last line: `multi-turn vs single-turn tokens/s: Nx` (and the engine busy fraction).
 """
 
@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=32)
+    parser.add_argument("--turn-tokens", type=int, default=96)
     parser.add_argument("--latency", type=float, default=0.05, help="seconds per environment step")
     parser.add_argument("--workers", type=int, default=16, help="environment worker processes")
     parser.add_argument("--repeats", type=int, default=2)

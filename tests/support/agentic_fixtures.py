@@ -3,12 +3,15 @@ that counts down and can fail on chosen seeds, and an agent function that talks 
 
 from __future__ import annotations
 
+import threading
+
 
 class CountdownEnv:
-    """Counts down from `start`, one step per reply; reward 1 at zero. Raises in step() for seeds in `fail_seeds`."""
+    """Counts down from `start`, one step per reply; reward 1 at zero. Raises in step() for seeds in `fail_seeds`,
+    hangs there for seeds in `hang_seeds`."""
 
-    def __init__(self, start: int = 3, fail_seeds: tuple = ()):
-        self.start, self.fail_seeds = start, tuple(fail_seeds)
+    def __init__(self, start: int = 3, fail_seeds: tuple = (), hang_seeds: tuple = ()):
+        self.start, self.fail_seeds, self.hang_seeds = start, tuple(fail_seeds), tuple(hang_seeds)
 
     def reset(self, seed=None, options=None):
         self.left, self.seed = self.start, seed
@@ -17,6 +20,8 @@ class CountdownEnv:
     def step(self, action):
         if self.seed in self.fail_seeds:
             raise RuntimeError(f"countdown broke on seed {self.seed}")
+        if self.seed in self.hang_seeds:
+            threading.Event().wait()  # never returns: only the step deadline ends it
         self.left -= 1
         done = self.left == 0
         return f"count {self.left}", float(done), done, False, {"success": done}

@@ -7,6 +7,8 @@ rebuilt here independently."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,21 @@ def test_a_failing_environment_ends_its_trajectories_and_the_rest_go_on(rollout)
     assert rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # three steps count down to zero on the healthy seeds
     assert metric(batch, "agentic/success_rate") == pytest.approx(4 / 6)
     assert metric(batch, "agentic/turns_mean") == pytest.approx((3 * 4 + 1 * 2) / 6)
+
+
+def test_a_hung_environment_misses_its_deadline_and_raise_stops_the_run(rollout):
+    from roll_backend.errors import UserCodeError
+
+    spec = {"path": "agentic_fixtures", "name": "CountdownEnv", "kwargs": {"hang_seeds": [4], "fail_seeds": [5]}}
+    # One worker process per trajectory: the hung one is killed at its deadline, the others are untouched.
+    config = AgenticConfig(env=build_env(spec), max_turns=4, max_tokens_per_turn=4, step_timeout_s=2.0, workers=4)
+    batch = generate(rollout, config, prompts([{"extra_info": {"seed": s}} for s in (1, 4)]))
+    assert metric(batch, "agentic/env_errors_count") == N
+    assert batch.batch[keys.ENV_REWARDS].tolist() == [1.0, 1.0, 0.0, 0.0]
+    stopping = dataclasses.replace(config, on_env_error="raise")
+    with pytest.raises(UserCodeError, match=r"CountdownEnv.*countdown broke on seed 5"):
+        generate(rollout, stopping, prompts([{"extra_info": {"seed": 5}}]))
+    assert len(generate(rollout, config, prompts([{"extra_info": {"seed": 1}}]))) == N  # the group goes on
 
 
 def build_env(spec: dict):
