@@ -22,10 +22,10 @@ class ToolSpec:
     sandbox's limits {wall_s, cpu_s, memory_mb, output_bytes}), or user functions: `path` (a .py file or module)
     and `name` (a function or Tool in it)."""
 
-    builtin: str | None = None
-    path: str | None = None
-    name: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    builtin: str | None = None  # python | calculator
+    path: str | None = None  # a user tool: a .py file or importable module
+    name: str | None = None  # the function (or Tool) in `path`
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the built-in's settings (python: the sandbox's limits)
 
     def __post_init__(self):
         if (self.builtin is None) == (self.path is None):
@@ -48,9 +48,9 @@ class AgentSpec:
     endpoint (every completion it requests is recorded as tokens). Returns a reward (a number) or None to leave
     the score to the reward functions."""
 
-    path: str
-    name: str = "run_agent"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    path: str  # a .py file (relative to the working dir) or an importable module
+    name: str = "run_agent"  # the async function in it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to it after (task, client)
     concurrency: int = 16  # agents one worker process runs at once (asyncio)
 
 
@@ -62,9 +62,9 @@ class AgenticConfig:
     the run's response_length (its row width), and it ends at `max_turns`, when the environment terminates, or
     (tools without an environment) at a reply with no tool call."""
 
-    env: EnvSpec | None = None
-    tools: tuple[ToolSpec, ...] = ()
-    agent: AgentSpec | None = None
+    env: EnvSpec | None = None  # where the environment comes from: gem, gymnasium or path + name
+    tools: tuple[ToolSpec, ...] = ()  # each {builtin: python | calculator, kwargs} or {path, name}
+    agent: AgentSpec | None = None  # an agent function that runs its own loop against the rollout's endpoint
     max_turns: int = 4  # assistant turns per trajectory
     max_tokens_per_turn: int | None = None  # None: the run's response_length
     system_prompt: str | None = None  # a system message before the first observation

@@ -60,10 +60,12 @@ class EnvSpec:
     """Where an environment comes from: exactly one of `gem` (a gem-llm id), `gymnasium` (a gymnasium id) or `path`
     (a .py file or module) with `name` (the class or factory in it); `kwargs` go to its constructor."""
 
-    gem: str | None = None
-    gymnasium: str | None = None
-    path: str | None = None
-    name: str | None = None
+    gem: str | None = None  # a gem-llm environment id, e.g. game:GuessTheNumber-v0-easy (run unchanged)
+    gymnasium: str | None = None  # a gymnasium id, e.g. FrozenLake-v1 (Discrete actions/states, through GymTextEnv)
+    path: str | None = None  # your environment: a .py file (relative to the working dir) or an importable module
+    name: str | None = None  # the class (or factory) in `path`
+    # Constructor / gem.make / gymnasium.make arguments; for gymnasium, `text: {...}` holds GymTextEnv's own
+    # (instructions, action_names, invalid_action_reward, render: board | state, goal_progress_reward).
     kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):

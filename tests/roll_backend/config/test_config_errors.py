@@ -268,7 +268,7 @@ def test_ppo_pipeline_needs_a_critic(base):
 
 
 def test_unknown_pipeline_lists_the_known_ones(base):
-    assert problems_of(base + ["pipeline=dpo"]) == ["pipeline='dpo' is unknown; choose one of grpo, ppo"]
+    assert problems_of(base + ["pipeline=dpo"]) == ["pipeline='dpo' is unknown; choose one of grpo, ppo, agentic"]
 
 
 def test_unknown_algorithm_names_are_all_reported_with_the_known_ones(base):
