@@ -243,6 +243,13 @@ class _Loop:
         traj.env_seconds += outcome.seconds
         traj.conv = self.rollout.turns.start(self.rollout.first_messages(traj, outcome))
         prompt = len(traj.conv.current.prompt_ids)
+        width = self.rollout.prompt_width
+        if width is not None and prompt > width:  # rows of every rank share this width
+            raise ValueError(
+                f"a trajectory's first prompt (system prompt + first observation) is {prompt} tokens, above the "
+                f"rollout's max_prompt_length={width}; raise actor_infer.strategy.max_prompt_length (and "
+                "max_model_len) or shorten the observation"
+            )
         if prompt + 1 > self.rollout.max_model_len:
             raise ValueError(
                 f"a trajectory's first prompt is {prompt} tokens, at or above the engine's max_model_len="

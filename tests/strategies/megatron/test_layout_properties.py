@@ -15,7 +15,8 @@ tied); the others are drawn from a seeded generator over vocabulary size (divisi
 embeddings, layer counts that split evenly or not, GQA ratio, qkv bias (qwen2) or q/k norms (qwen3), dense or
 MoE (qwen2_moe with a shared expert, qwen3_moe; without the load-balancing loss, a per-micro-batch objective that
 the split moves by Megatron's design), MTP on or off, and batches of left-padded prompts and right-padded
-responses with odd widths and nearly empty rows. A failing example is named with its whole shape;
+responses with odd widths and nearly empty rows, some of them multi-turn (an observation inside the response: attended,
+out of the loss). A failing example is named with its whole shape;
 ROLL_BACKEND_PROPERTY_SEED / ROLL_BACKEND_PROPERTY_EXAMPLES draw others.
 
 Tolerances are derived from float32 rounding, not picked: a value computed two ways in float32 may differ by a few
@@ -123,12 +124,18 @@ def examples() -> list[Example]:
 
 def rl_batch(example: Example, vocab_size: int) -> dict[str, torch.Tensor]:
     """Left-padded prompts and right-padded responses of random lengths; row 0 has one prompt and one response
-    token (nearly empty), every other row at least one response token."""
+    token (nearly empty), every other row at least one response token. Odd rows of 3+ response tokens are
+    multi-turn (agentic): a span inside the response is an inserted observation, attended but out of the loss."""
     gen = torch.Generator().manual_seed(example.seed)
     rows, p_width, r_width = example.rows, example.prompt_width, example.response_width
     prompt_lens = [1] + torch.randint(1, p_width + 1, (rows - 1,), generator=gen).tolist()
     response_lens = [1] + torch.randint(1, r_width + 1, (rows - 1,), generator=gen).tolist()
-    return rl_batch_of_lengths(prompt_lens, response_lens, p_width, r_width, vocab_size, gen)
+    batch = rl_batch_of_lengths(prompt_lens, response_lens, p_width, r_width, vocab_size, gen)
+    for row, length in enumerate(response_lens):
+        if row % 2 and length >= 3:  # sampled, then the observation, then sampled again
+            batch[keys.RESPONSE_MASK][row, 1 : 1 + max(1, (length - 2) // 2 + 1)] = 0
+            batch[keys.RESPONSE_MASK][row, length - 1] = 1
+    return batch
 
 
 @dataclasses.dataclass(frozen=True)
