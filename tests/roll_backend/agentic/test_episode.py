@@ -12,7 +12,7 @@ from roll_backend.agentic.config import AgenticConfig, ToolSpec
 from roll_backend.agentic.environments import EnvSpec
 from roll_backend.agentic.episode import Episode, EpisodeSpec
 
-TOOLS = (ToolSpec(builtin="calculator"), ToolSpec(builtin="python", kwargs={"wall_s": 5.0, "cpu_s": 2.0}))
+TOOLS = (ToolSpec(builtin="calculator"), ToolSpec(builtin="python", kwargs={"wall_s": 3.0, "cpu_s": 1.0}))
 
 
 def call(name: str, **arguments) -> str:

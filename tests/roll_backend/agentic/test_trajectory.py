@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from roll_backend.agentic.trajectory import ChatTurns, TemplateBreak
-from roll_backend.models.tiny import CHAT_TEMPLATE, TinyModelSpec, build_tiny_model
+from roll_backend.models.tiny import CHAT_TEMPLATE, build_tokenizer
 
 # Like Qwen3's: earlier assistant turns are re-rendered without their reasoning once a new user message follows.
 DROPS_REASONING = CHAT_TEMPLATE.replace(
@@ -17,11 +17,8 @@ DROPS_REASONING = CHAT_TEMPLATE.replace(
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = build_tiny_model(tmp_path_factory.mktemp("tok"), TinyModelSpec(hidden_size=64, num_hidden_layers=1))
-    return AutoTokenizer.from_pretrained(folder)
+def tokenizer():
+    return build_tokenizer()  # the tiny models' byte-level BPE with the Qwen-style chat template
 
 
 def sample(tokenizer, text: str, eos: bool = True) -> list[int]:
