@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib
 import inspect
 import math
 import numbers
@@ -33,10 +32,10 @@ import numpy as np
 from roll_backend.errors import UserCodeError
 from roll_backend.rewards.user_functions import (
     RewardFunctionSpec,
-    _import_file,
-    _source_file,
     check_spec,
+    import_user_module,
     is_file_path,
+    source_file,
 )
 
 TEXT_KWARGS_KEY = "text"  # EnvSpec.kwargs[TEXT_KWARGS_KEY]: GymTextEnv's own arguments, not gymnasium.make's
@@ -113,7 +112,7 @@ class EnvSpec:
             found = _unknown_id(f"{where}.gymnasium", self.gymnasium, list(gymnasium.envs.registry), "gymnasium")
             return found + _text_kwargs_problems(f"{where}.kwargs.{TEXT_KWARGS_KEY}", self.kwargs)
         found = check_spec(RewardFunctionSpec(path=self.path, name=self.name), where)
-        source = _source_file(self.path)
+        source = source_file(self.path)
         classes = _top_level_classes(source) if found and source is not None else None
         if classes is not None:  # the name is missing from a file that parses: environments are mostly classes
             found = [f"{found[0]}; classes there: {', '.join(classes) or 'none'}"]
@@ -166,7 +165,7 @@ def make_env(spec: EnvSpec) -> TextEnv:
 
             text_kwargs = kwargs.pop(TEXT_KWARGS_KEY, None) or {}
             return GymTextEnv(gymnasium.make(spec.gymnasium, **kwargs), **text_kwargs)
-        module = _import_file(Path(spec.path)) if is_file_path(spec.path) else importlib.import_module(spec.path)
+        module = import_user_module(spec.path)
         env = getattr(module, spec.name)(**kwargs)
     except Exception as exc:
         raise UserCodeError(

@@ -184,7 +184,8 @@ class _Loop:
         self.waiting: dict[concurrent.futures.Future, tuple[Trajectory, Callable]] = {}
         self.on_engine: dict[str, Trajectory] = {}
         self.ready: list[Trajectory] = []
-        self.engine_seconds = self.wait_seconds = 0.0
+        self.engine_seconds = 0.0  # inside engine.step: agentic/engine_busy_fraction
+        self.agent_sessions: list[str] = []  # agent mode: one session per worker running its share
         self.breaks = 0
         self.server = rollout.server
         self.by_session = {traj.session: traj for traj in trajectories}
@@ -209,11 +210,9 @@ class _Loop:
                 for request in finished:
                     self._replied(self.on_engine.pop(request.request_id), request)
             elif self.waiting:
-                started = time.perf_counter()
                 doorbell = [self.server.ring()] if self.server is not None else []
                 pending = list(self.waiting) + doorbell
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                self.wait_seconds += time.perf_counter() - started
             if self.server is not None:
                 self._take_requests()
             for future in [f for f in self.waiting if f.done()]:
@@ -342,7 +341,7 @@ class _Loop:
             timeout = self.config.agent_timeout_s * rounds + 10.0
             future = host.call(session, "run_many", jobs, self.config.agent_timeout_s, timeout_s=timeout)
             self.waiting[future] = (share, self._agents_done)
-            self.agent_sessions = [*getattr(self, "agent_sessions", []), session]
+            self.agent_sessions.append(session)
 
     def _agents_done(self, share: list[Trajectory], results: list[dict]) -> None:
         for traj, result in zip(share, results):
@@ -400,7 +399,7 @@ class _Loop:
                 traj.pending.reply.set_result((500, {"error": {"message": "the rollout stopped"}}))
             if not traj.done and self.server is None:
                 self.rollout.host.close(traj.session)
-        for session in getattr(self, "agent_sessions", []):
+        for session in self.agent_sessions:
             self.rollout.host.close(session)
 
     def metrics(self, seconds: float) -> dict[str, Any]:

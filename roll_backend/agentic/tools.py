@@ -6,15 +6,11 @@ turns every failure into a tool message for the model instead of an exception fo
 from __future__ import annotations
 
 import ast
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import operator
 import re
-import sys
 import threading
 import time
 import types
@@ -26,6 +22,7 @@ from typing import Any, Protocol
 
 from roll_backend.agentic.sandbox import SandboxLimits, run_python
 from roll_backend.errors import UserCodeError
+from roll_backend.rewards.user_functions import import_user_module, is_file_path, source_file
 
 SHOWN_CHARS = 200  # how much of a malformed call an error message shows
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -296,39 +293,15 @@ def _as_tool(obj: Any, where: str) -> Tool:
 
 
 def _import_user_module(path: str) -> types.ModuleType:
-    is_file = path.endswith(".py") or "/" in path
+    is_file = is_file_path(path)
     if is_file and not Path(path).is_file():
         raise FileNotFoundError(f"tools file {path!r} not found (looked in {Path.cwd()}); give a .py file or a module")
-    if not is_file and _find_spec(path) is None:
+    if not is_file and source_file(path) is None:
         raise ModuleNotFoundError(f"tools module {path!r} is not importable (not on sys.path); or give a .py file")
     try:
-        return _import_file(Path(path)) if is_file else importlib.import_module(path)
+        return import_user_module(path)
     except Exception as exc:
         raise UserCodeError(f"loading tools from {path!r} raised {type(exc).__name__}: {exc}") from exc
-
-
-def _find_spec(name: str):
-    try:
-        return importlib.util.find_spec(name)
-    except (ImportError, ValueError):  # a missing parent package, or an invalid name
-        return None
-
-
-def _import_file(file: Path) -> types.ModuleType:
-    # A unique module name per file: two tool files may share a stem.
-    resolved = file.resolve()
-    module_name = f"roll_backend_user_tools_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
 
 
 # ---- parsing calls ------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def is_file_path(path: str) -> bool:
 # ---- finding and loading the code ---------------------------------------------------------------------------
 
 
-def _source_file(path: str) -> Path | None:
+def source_file(path: str) -> Path | None:
     """The .py file behind `path` (a file, or a module found without running it); None when there is none."""
     if is_file_path(path):
         return Path(path) if Path(path).is_file() else None
@@ -86,7 +86,7 @@ def check_spec(spec: RewardFunctionSpec, where: str) -> list[str]:
     """Problems findable without running user code: the file or module exists and defines `name` at top level."""
     if spec.fn is not None:
         return []
-    source = _source_file(spec.path)
+    source = source_file(spec.path)
     if source is None:
         kind = f"file (looked in {os.getcwd()})" if is_file_path(spec.path) else "importable module"
         return [
@@ -125,7 +125,7 @@ def load_function(spec: RewardFunctionSpec) -> Callable:
     if problems:
         raise ValueError(problems[0])
     try:
-        module = _import_file(Path(spec.path)) if is_file_path(spec.path) else importlib.import_module(spec.path)
+        module = import_user_module(spec.path)
     except Exception as exc:
         raise UserCodeError(
             f"loading reward function {spec.label} from {spec.path!r} raised {type(exc).__name__}: {exc}"
@@ -136,10 +136,13 @@ def load_function(spec: RewardFunctionSpec) -> Callable:
     return fn
 
 
-def _import_file(file: Path):
-    # A unique module name per file: two reward files may share a stem, and re-loading must not clash.
-    resolved = file.resolve()
-    module_name = f"roll_backend_user_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+def import_user_module(path: str):
+    """The module a user's `path` names (reward functions, environments, tools, agents): a .py file (imported under a
+    name unique to the file, so two files may share a stem) or an importable module."""
+    if not is_file_path(path):
+        return importlib.import_module(path)
+    resolved = Path(path).resolve()
+    module_name = f"roll_backend_user_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, resolved)
