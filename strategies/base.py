@@ -48,6 +48,7 @@ class RunFacts:
     optimizer_steps: int | None = None  # optimizer steps over the whole run where it trains the role, else None
     saves_checkpoints: bool = False  # the run checkpoints this role's training state
     value_head: bool = False  # the role scores values (the critic): its model ends in a value head
+    score_head: bool = False  # the model folder is a trained reward model: the value head loads its score head
     model_config: Mapping[str, Any] | None = None  # the model's Hugging Face config fields; None: unknown
     multi_turn: bool = False  # the rollout runs multi-turn trajectories (agentic): requests arrive one turn at a time
 
@@ -117,8 +118,9 @@ class TrainStrategy(Strategy):
         """Restore what `save_checkpoint` wrote."""
 
     @abc.abstractmethod
-    def export_hf(self, out_dir: str) -> None:
-        """Write a Hugging Face checkpoint (safetensors, config, tokenizer) that transformers loads."""
+    def export_hf(self, out_dir: str, max_shard_bytes: int = 5 << 30) -> Any:
+        """Write a Hugging Face checkpoint (safetensors in shards of at most `max_shard_bytes`, written as gathered;
+        config; tokenizer) that transformers and vLLM load; a value-head model as *ForSequenceClassification."""
 
     @abc.abstractmethod
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -6,10 +6,10 @@ Layout facts (megatron-core local and TE specs):
 - `linear_proj` and `linear_fc2` are row-parallel (split on dim 1); embedding and output on the vocab dim.
 MTP layers map to `model.mtp_layers.{i}.*` (see mtp.py); a folder without them gets them initialised from
 the seed, the same at every layout. A critic's value head has no Hugging Face causal-LM counterpart: it keeps its
-initialisation on load and is skipped on export; it can instead load the `score` head of a
-*ForSequenceClassification reward model (one label, no bias; the value head's bias stays 0). Qwen3's q/k norms and
-the mixture-of-experts parameters (router, shared expert, routed experts split over EP and ETP) are mapped in
-`moe_convert`.
+initialisation on load, or loads the `score` head of a *ForSequenceClassification reward model (one label, no bias;
+the value head's bias stays 0); weight sync skips it, and an HF export writes its weight as that `score` head
+(`include_value_head`). Qwen3's q/k norms and the mixture-of-experts parameters (router, shared expert, routed
+experts split over EP and ETP) are mapped in `moe_convert`.
 """
 
 from __future__ import annotations
@@ -89,9 +89,15 @@ def param_mapping(
     return None
 
 
-def _mapped(model, megatron_name: str, arch: HFArch, offset: int, first_expert: int = 0) -> ParamMapping | None:
-    """param_mapping, except that a critic's value head (which replaces the LM head) has no HF counterpart."""
+def _mapped(
+    model, megatron_name: str, arch: HFArch, offset: int, first_expert: int = 0, include_value_head: bool = False
+) -> ParamMapping | None:
+    """param_mapping, except for a critic's value head (which replaces the LM head): with `include_value_head` its
+    weight is a *ForSequenceClassification model's `score.weight` [1, H] (replicated over TP); else, and always for
+    its bias (the score head has none), no HF counterpart."""
     if megatron_name.startswith("output_layer.") and isinstance(getattr(model, "output_layer", None), ValueHead):
+        if include_value_head and megatron_name == "output_layer.weight":
+            return ParamMapping(megatron_name, "replicated", (SCORE_HEAD,))
         return None
     return param_mapping(megatron_name, arch, offset, first_expert)
 
@@ -250,15 +256,20 @@ def _value_head_weight(reader, model_dir: str, from_score: bool, param, seed: in
     return mtp.seeded_normal("value_head.weight", tuple(param.shape), seed, config.init_method_std).to(param.dtype)
 
 
-def export_mappings(model, arch: HFArch, include_mtp: bool = False) -> list[ParamMapping]:
+def export_mappings(
+    model, arch: HFArch, include_mtp: bool = False, include_value_head: bool = False
+) -> list[ParamMapping]:
     """The parameters of this stage that go to a HF checkpoint: a tied output layer is left to the embedding, the
-    embedding copy an MTP stage keeps at PP > 1 to the first stage, and MTP layers only with `include_mtp`."""
+    embedding copy an MTP stage keeps at PP > 1 to the first stage, MTP layers only with `include_mtp` and a value
+    head (as `score.weight`) only with `include_value_head`."""
     offset = stage_layer_offset(model)
     first_expert = moe_convert.first_local_expert(model)
     mappings = []
     for name, _ in model.named_parameters():
-        mapping = _mapped(model, name, arch, offset, first_expert)
-        if mapping is None or (name == "output_layer.weight" and arch.tie_word_embeddings):
+        mapping = _mapped(model, name, arch, offset, first_expert, include_value_head)
+        if mapping is None:
+            continue
+        if name == "output_layer.weight" and mapping.kind == "vocab" and arch.tie_word_embeddings:
             continue
         if name == "embedding.word_embeddings.weight" and not model.pre_process:
             continue
@@ -283,12 +294,13 @@ def iter_stage_hf_tensors(
     all_gather_ep: Gather = _single,
     ep_size: int = 1,
     include_mtp: bool = False,
+    include_value_head: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors of this stage; each `all_gather_*(shard)` returns every rank's shard of its group
     (TP, expert TP, expert parallel) in rank order. Routed experts come out for every EP rank; MTP layers
-    only with `include_mtp`."""
+    only with `include_mtp`, a value head only with `include_value_head` (see export_mappings)."""
     params = dict(model.named_parameters())
-    for mapping in export_mappings(model, arch, include_mtp):
+    for mapping in export_mappings(model, arch, include_mtp, include_value_head):
         shard = params[mapping.megatron_name].detach()
         if mapping.expert:
             full = hf_from_shards(mapping.kind, all_gather_etp(shard), arch)
@@ -301,12 +313,18 @@ def iter_stage_hf_tensors(
 
 
 def stage_hf_metadata(
-    model, arch: HFArch, tp_size: int, etp_size: int = 1, ep_size: int = 1, include_mtp: bool = False
+    model,
+    arch: HFArch,
+    tp_size: int,
+    etp_size: int = 1,
+    ep_size: int = 1,
+    include_mtp: bool = False,
+    include_value_head: bool = False,
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of the HF tensors `iter_stage_hf_tensors` yields, computed without communication."""
     params = dict(model.named_parameters())
     meta = []
-    for mapping in export_mappings(model, arch, include_mtp):
+    for mapping in export_mappings(model, arch, include_mtp, include_value_head):
         param = params[mapping.megatron_name]
         fake = torch.empty(param.shape, dtype=param.dtype, device="meta")
         parts = etp_size if mapping.expert else tp_size

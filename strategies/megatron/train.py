@@ -7,9 +7,7 @@ import copy
 import logging
 import os
 import random
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,10 +17,11 @@ from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
+from roll_backend.strategies.megatron import hf_export, mtp, schedule, weights
 from roll_backend.strategies.megatron import micro_batches as mb
-from roll_backend.strategies.megatron import mtp, schedule, weights
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
+from roll_backend.strategies.megatron.layers import ValueHead
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.model_setup import MegatronCallContext, build_model_chunks, set_train_mode
 
@@ -273,28 +272,47 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         self._check_ready("iter_hf_weights")
         yield from weights.bucketed(weights.iter_full_hf_tensors(self.model, self.arch, include_mtp), bucket_bytes)
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write model.safetensors, config and tokenizer to `out_dir` (global rank 0 writes; all ranks take part).
+    def export_hf(
+        self, out_dir: str, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES
+    ) -> hf_export.WrittenWeights | None:
+        """Write a Hugging Face checkpoint to `out_dir`: safetensors of at most `max_shard_bytes` each (one
+        model.safetensors when the model fits, else model-0000i-of-0000N.safetensors and their index), the config
+        and the tokenizer files. All ranks take part; global rank 0 writes each shard as its tensors are gathered,
+        so it holds about one shard at a time, never the whole model. Returns what it wrote (None on other ranks).
 
-        MTP layers go out as `model.mtp_layers.{i}.*` and the config records their number (mtp.py).
+        MTP layers go out as `model.mtp_layers.{i}.*` and the config records their number (mtp.py). A value-head
+        model (critic, reward model) goes out as <Model>ForSequenceClassification with one label: the head's weight
+        is `score.weight`, and there is no lm_head (hf_export.sequence_classification_config).
         """
-        from safetensors.torch import save_file
-
-        writer = dist.get_rank() == 0
-        state = {}
-        for bucket in self.iter_hf_weights(include_mtp=True):
-            if writer:
-                state.update({name: tensor.detach().cpu().contiguous() for name, tensor in bucket})
-        if writer:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-            hf_config = copy.deepcopy(self.hf_config)
-            if self.config.mtp_num_layers:
-                setattr(hf_config, mtp.HF_CONFIG_KEY, self.config.mtp_num_layers)
-            hf_config.save_pretrained(out)
-            _copy_tokenizer_and_generation_config(Path(self.config.model_path), out)
+        self._check_ready("export_hf")
+        hf_config = self._export_config()  # on every rank: a config it cannot export raises before any gather
+        if self.config.value_head:
+            _warn_about_value_head_bias(self.model)
+        named = weights.iter_full_hf_tensors(
+            self.model, self.arch, include_mtp=True, include_value_head=self.config.value_head
+        )
+        written = None
+        if dist.get_rank() == 0:
+            writer = hf_export.ShardedSafetensorsWriter(out_dir, max_shard_bytes)
+            for name, tensor in named:
+                writer.add(name, tensor)
+            written = writer.close()
+            hf_config.save_pretrained(out_dir)
+            hf_export.copy_tokenizer_and_generation_config(self.config.model_path, out_dir)
+        else:
+            for _ in named:  # every rank joins the gathers and broadcasts
+                pass
         dist.barrier()
+        return written
+
+    def _export_config(self):
+        """The HF config an export writes: the model's, with the MTP layer count, or as a sequence classifier."""
+        hf_config = copy.deepcopy(self.hf_config)
+        if self.config.mtp_num_layers:
+            setattr(hf_config, mtp.HF_CONFIG_KEY, self.config.mtp_num_layers)
+        if self.config.value_head:
+            hf_config = hf_export.sequence_classification_config(hf_config, self.config.model_path)
+        return hf_config
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
@@ -423,17 +441,23 @@ def _rng_sharded_object():
     )
 
 
-def _copy_tokenizer_and_generation_config(src: Path, dst: Path) -> None:
-    names = (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "vocab.json",
-        "merges.txt",
-        "chat_template.jinja",
-        "generation_config.json",
-        "added_tokens.json",
+def _warn_about_value_head_bias(chunks) -> None:
+    """Hugging Face's score head has no bias: a value head's trained bias is left out of an export. Logged once, by
+    the first rank of the last stage, where the head lives."""
+    from megatron.core import parallel_state as mpu
+
+    head = getattr(unwrap(chunks[-1]), "output_layer", None)
+    first_of_stage = (
+        mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_data_parallel_rank() == 0
+        and mpu.get_context_parallel_rank() == 0
     )
-    for name in names:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+    if not isinstance(head, ValueHead) or not first_of_stage:
+        return
+    bias = float(head.bias.detach())
+    if bias != 0.0:
+        logger.warning(
+            "the value head's bias (%.6g) is left out of the Hugging Face export: a *ForSequenceClassification score "
+            "head has none, so the exported model scores this model's values minus that bias",
+            bias,
+        )

@@ -1,5 +1,5 @@
-"""Full HF-named weights of a Megatron model on every rank (gathered over TP and EP, broadcast over PP), in
-buckets: what the rollout's weight sync and the HF checkpoint export read."""
+"""Full HF-named weights of a Megatron model on every rank (gathered over TP and EP, broadcast over PP), one tensor
+at a time or in buckets: what the rollout's weight sync and the HF checkpoint export read."""
 
 from __future__ import annotations
 
@@ -39,10 +39,13 @@ def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
     return shards
 
 
-def iter_full_hf_tensors(chunks: list, arch: HFArch, include_mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_hf_tensors(
+    chunks: list, arch: HFArch, include_mtp: bool = False, include_value_head: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF-named tensor of the whole model, in HF layer order, on every rank (gathered over TP, broadcast
-    over PP); MTP layers (`model.mtp_layers.*`) only with `include_mtp`. With interleaved stages layers run
-    virtual stage by virtual stage: chunk 0 of every PP rank, then chunk 1 of every PP rank, and so on."""
+    over PP); MTP layers (`model.mtp_layers.*`) only with `include_mtp`, a value head (as a sequence classifier's
+    `score.weight`) only with `include_value_head`. With interleaved stages layers run virtual stage by virtual
+    stage: chunk 0 of every PP rank, then chunk 1 of every PP rank, and so on."""
     from megatron.core import parallel_state as mpu
 
     chunks = [unwrap(chunk) for chunk in chunks]
@@ -50,14 +53,15 @@ def iter_full_hf_tensors(chunks: list, arch: HFArch, include_mtp: bool = False) 
     pp_size, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     experts = _expert_gathers()
+    included = dict(include_mtp=include_mtp, include_value_head=include_value_head)
     if pp_size == 1:
         for chunk in chunks:
-            yield from convert.iter_stage_hf_tensors(chunk, arch, _all_gather_tp, **experts, include_mtp=include_mtp)
+            yield from convert.iter_stage_hf_tensors(chunk, arch, _all_gather_tp, **experts, **included)
         return
     metadata = [None] * pp_size
     local_meta = [
         convert.stage_hf_metadata(
-            chunk, arch, tp_size, mpu.get_expert_tensor_parallel_world_size(), experts["ep_size"], include_mtp
+            chunk, arch, tp_size, mpu.get_expert_tensor_parallel_world_size(), experts["ep_size"], **included
         )
         for chunk in chunks
     ]
@@ -67,7 +71,7 @@ def iter_full_hf_tensors(chunks: list, arch: HFArch, include_mtp: bool = False) 
         stage_meta = metadata[stage][vp_stage]
         source = dist.get_global_rank(pp_group, stage)
         local = (
-            convert.iter_stage_hf_tensors(chunks[vp_stage], arch, _all_gather_tp, **experts, include_mtp=include_mtp)
+            convert.iter_stage_hf_tensors(chunks[vp_stage], arch, _all_gather_tp, **experts, **included)
             if stage == pp_rank
             else None
         )

@@ -20,11 +20,8 @@ class ReconfigurableActor(ActorWorker):
         self.config = config
         self.init_model()
 
-    # The critic's two calls (workers/critic.py), so one group per layout serves actor and critic checks.
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
-    def compute_values(self, batch: DataProto) -> DataProto | None:
-        return self.strategy.compute_values(batch)
-
+    # The critic's train call (workers/critic.py; compute_values is the actor's), so one group per layout serves
+    # actor and critic checks.
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def critic_train_step(self, batch: DataProto) -> dict[str, float] | None:
         return self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
