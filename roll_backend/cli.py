@@ -44,17 +44,22 @@ class CliError(Exception):
     """A user-facing problem: printed to stderr, exit code 2."""
 
 
-def _load(config_path: str, overrides: list[str]):
-    """The typed, validated config with its prompt data checked: every problem found here, before Ray starts."""
+def _load(config_path: str, overrides: list[str], recipe_check: bool = False):
+    """The typed, validated config with its prompt data checked: every problem found here, before Ray starts.
+    `recipe_check` (validate): a model folder holding only config.json passes, and its prompts go unread (see
+    roll_backend.config.model_folders.skipped_checks)."""
     from roll_backend.config.loader import load_config
+    from roll_backend.config.model_folders import describes_only
     from roll_backend.config.typed import ConfigError
     from roll_backend.pipelines.data import DataError, driver_tokenizer
     from roll_backend.pipelines.prompts import check_data, load_validation_prompts
 
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, overrides, recipe_check)
     except ConfigError as exc:
         raise CliError(f"{config_path}: {exc}") from exc
+    if recipe_check and describes_only(config.model_path):
+        return config  # transformers would build an empty tokenizer from config.json alone and refuse every prompt
     try:
         if check_data(config) is not None:
             load_validation_prompts(config, driver_tokenizer(config))
@@ -76,11 +81,16 @@ def _check_resume(config_path: str, config) -> None:
 
 # ---- validate -------------------------------------------------------------------------------------------
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Checks the config, not this machine: a GPU recipe validates on a CPU machine, against a model folder that
+    holds only its config.json; what that leaves unchecked is listed on stderr."""
     from roll_backend.config.loader import config_to_yaml
+    from roll_backend.config.model_folders import skipped_checks
 
-    config = _load(args.config, args.overrides)
+    config = _load(args.config, args.overrides, recipe_check=True)
     _check_resume(args.config, config)
     print(config_to_yaml(config), end="")
+    for note in skipped_checks(config):
+        print(f"roll-backend validate: not checked here: {note}", file=sys.stderr)
     return EXIT_OK
 
 

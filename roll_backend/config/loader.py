@@ -74,16 +74,17 @@ def resolve_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
         raise ConfigError([f"{path}: {exc}".replace("\n", " ")]) from exc
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
-    """Read, type and validate a run config; raises ConfigError listing every problem at once."""
+def load_config(path: str | Path, overrides: list[str] = (), recipe_check: bool = False) -> PipelineConfig:
+    """Read, type and validate a run config; raises ConfigError listing every problem at once. `recipe_check`: see
+    validate (a model folder holding only config.json passes)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError([f"override {item!r} is not key=value (e.g. actor_train.strategy.tp=2)"])
     data = resolve_yaml(path, overrides)
-    return config_from_dict(data)
+    return config_from_dict(data, recipe_check)
 
 
-def config_from_dict(data: dict) -> PipelineConfig:
+def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
     """Type errors and unknown keys of the whole tree are reported together; the cross-field rules
     (layouts, batch splits, algorithm names) run once the tree is well-typed."""
     problems: list[str] = []
@@ -103,7 +104,7 @@ def config_from_dict(data: dict) -> PipelineConfig:
     # typo and a bad layout come back in one report. A role that did not build would look absent to them.
     roles_built = all(data.get(role) is not None for role in broken_roles)
     if config is not None and roles_built:
-        problems.extend(validate(config))
+        problems.extend(validate(config, recipe_check))
     if problems:
         raise ConfigError(problems)
     return config
