@@ -35,6 +35,10 @@ SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (rewa
 ROLLOUT_CORRECTION_WEIGHTS = (
     "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
 )
+TEACHER_LOG_PROBS = "teacher_log_probs"  # [B, T_resp] float32, the distillation teacher's log-probs
+# [B] float32, detached d(pair loss)/d(row's sequence log-prob or score): trains reward_model / dpo rows
+# (algorithms.preference.pair_loss_row_weights)
+ROW_LOSS_WEIGHTS = "row_loss_weights"
 ENV_REWARDS = "env_rewards"  # [B] float32, the environment's reward of the row's trajectory (agentic rollouts)
 POLICY_VERSION = "policy_version"  # [B] int64, trainer updates applied to the weights that generated the row
 

@@ -15,9 +15,13 @@ ACTOR_INFER = "actor_infer"  # the rollout engine generating from the policy (vL
 REFERENCE = "reference"  # the frozen reference policy (KL)
 CRITIC = "critic"  # the value model (PPO with GAE)
 REWARD = "reward"  # rule rewards and user reward functions
+REWARD_MODEL = "reward_model"  # a trained reward model scoring responses (Megatron, value head)
+TEACHER = "teacher"  # the teacher of on-policy distillation (log-probs of the student's samples)
 
-MODEL_ROLES = (ACTOR_TRAIN, ACTOR_INFER, REFERENCE, CRITIC)  # config blocks with a model path and a strategy
-OPTIONAL_ROLES = (REFERENCE, CRITIC)  # a run may leave these out (null in the config)
+# config blocks with a model path and a strategy
+MODEL_ROLES = (ACTOR_TRAIN, ACTOR_INFER, REFERENCE, CRITIC, REWARD_MODEL, TEACHER)
+# a run may leave these out (null in the config); actor_infer only in the offline pipelines (sft, reward_model, dpo)
+OPTIONAL_ROLES = (ACTOR_INFER, REFERENCE, CRITIC, REWARD_MODEL, TEACHER)
 ROLES = (*MODEL_ROLES, REWARD)
 
 # ---- deadlines: one setting each under fault_tolerance.timeouts --------------------------------------------------
@@ -56,6 +60,7 @@ REFERENCE_LOG_PROBS = "reference"
 OLD_LOG_PROBS = "log_probs"
 VALUES = "values"
 TRAIN = "train"
+TEACHER_LOG_PROBS = "teacher"
 CRITIC_TRAIN = "critic_train"
 WEIGHT_SYNC = "weight_sync"
 
@@ -64,6 +69,7 @@ PHASES: dict[str, Phase] = {
     for phase in (
         Phase(GENERATE, ACTOR_INFER, "generate"),
         Phase(SCORE, REWARD, "reward", runs_model=False),
+        Phase(TEACHER_LOG_PROBS, TEACHER, "log_probs"),
         Phase(REFERENCE_LOG_PROBS, REFERENCE, "log_probs"),
         Phase(OLD_LOG_PROBS, ACTOR_TRAIN, "log_probs"),
         Phase(VALUES, CRITIC, "log_probs"),

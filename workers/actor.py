@@ -13,9 +13,11 @@ import torch
 
 from roll_backend import keys
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate, token_mean_share
+from roll_backend.algorithms.preference import sft_loss
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
+from roll_backend.workers.reward_model import sequence_scores
 from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ class ActorLossConfig:
     kl_loss_coef: float = 0.0  # > 0 needs keys.REF_LOG_PROBS in the batch
     kl_estimator: str = "low_var_kl"
     agg_mode: str = "token-mean"  # of the policy loss; normalised by the global token / sequence counts
+    # "policy": the RL loss above; "sft": the response tokens' NLL; "pairwise": sum of keys.ROW_LOSS_WEIGHTS x each
+    # row's sequence log-prob (or, with a value head, its score): the gradient of a pair loss (reward_model, dpo)
+    objective: str = "policy"
+    # Distillation as a loss: weight of KL(pi || teacher) per token (keys.TEACHER_LOG_PROBS), kl_estimator's estimate
+    distill_loss_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,30 @@ class ActorConfig:
     loss: ActorLossConfig = field(default_factory=ActorLossConfig)
 
 
+def sft_objective(per_token: dict[str, torch.Tensor], micro_batch: DataProto):
+    """LossFn of SFT: the response tokens' negative log-likelihood, this micro-batch's share of the global mean."""
+    mask = micro_batch.batch[keys.RESPONSE_MASK].float()
+    loss = sft_loss(per_token[keys.LOG_PROBS], mask, micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT])
+    return loss, {"sft_loss": loss.detach()}
+
+
+def pairwise_objective(per_token: dict[str, torch.Tensor], micro_batch: DataProto):
+    """LossFn of a pair loss: sum over rows of ROW_LOSS_WEIGHTS x the row's sequence log-prob (LM head) or score (value
+    head). The weights are d(pair loss)/d(row value) at these weights, so the gradient is the pair loss's."""
+    batch = micro_batch.batch
+    mask = batch[keys.RESPONSE_MASK].float()
+    if keys.VALUES in per_token:
+        row_values = sequence_scores(per_token[keys.VALUES], mask) * (mask.sum(-1) > 0)  # (padding rows: 0)
+    else:
+        row_values = (per_token[keys.LOG_PROBS] * mask).sum(-1)
+    loss = (batch[keys.ROW_LOSS_WEIGHTS].to(row_values.dtype) * row_values).sum()
+    return loss, {}
+
+
 def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_batch: DataProto):
     """LossFn of the actor: uses OLD_LOG_PROBS, ADVANTAGES, RESPONSE_MASK (and REF_LOG_PROBS) of the micro-batch."""
+    if cfg.objective != "policy":
+        return OBJECTIVES[cfg.objective](per_token, micro_batch)
     batch = micro_batch.batch
     mask = batch[keys.RESPONSE_MASK].float()
     global_tokens = micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT]
@@ -90,7 +119,20 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
         )
         metrics["kl_loss"] = kl.detach()
         loss = loss + cfg.kl_loss_coef * kl
+    if cfg.distill_loss_coef:
+        distill = agg_loss(
+            kl_estimate(log_probs, batch[keys.TEACHER_LOG_PROBS], cfg.kl_estimator),
+            mask,
+            "token-mean",
+            dp_size=1,
+            batch_num_tokens=global_tokens,
+        )
+        metrics["distill_kl"] = distill.detach()
+        loss = loss + cfg.distill_loss_coef * distill
     return loss, metrics
+
+
+OBJECTIVES = {"sft": sft_objective, "pairwise": pairwise_objective}
 
 
 class ActorWorker(Worker):
@@ -109,6 +151,11 @@ class ActorWorker(Worker):
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS (and ENTROPY) [B, T_resp] of the batch's responses under the current weights."""
         return self.strategy.compute_log_probs(batch)
+
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    def compute_values(self, batch: DataProto) -> DataProto | None:
+        """keys.VALUES of a value-head model (a reward model in training)."""
+        return self.strategy.compute_values(batch)
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
@@ -140,8 +187,12 @@ class ActorWorker(Worker):
         self.strategy.load_checkpoint(path)
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_hf(self, out_dir: str) -> None:
-        self.strategy.export_hf(out_dir)
+    def export_hf(self, out_dir: str, max_shard_bytes: int | None = None):
+        """A Hugging Face checkpoint in `out_dir`, in safetensors files of at most `max_shard_bytes` (None: the
+        strategy's default). Returns what the writing rank wrote (None on the others)."""
+        if max_shard_bytes is None:
+            return self.strategy.export_hf(out_dir)
+        return self.strategy.export_hf(out_dir, max_shard_bytes=max_shard_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
     def param_grad_norms(self, prefix: str = "") -> dict[str, float]:

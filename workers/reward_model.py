@@ -35,6 +35,14 @@ def with_one_more_column(batch: DataProto) -> DataProto:
     return DataProto.from_dict(tensors=extended, meta_info=dict(batch.meta_info))
 
 
+def sequence_scores(values: torch.Tensor, extended_response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] each row's value-head output at its last response token, from the VALUES [B, T_resp + 1] of a batch given
+    one more response column (`with_one_more_column`, whose response mask is passed). Critic convention: VALUES[:, j]
+    is read where token j is predicted (before it is seen), so VALUES[:, j + 1] is read at token j itself and the
+    score sees the whole response."""
+    return at_last_token(values[:, 1:], extended_response_mask[:, :-1])
+
+
 class RewardModelWorker(Worker):
     """One rank of a reward model. Call `init_model` once after the group starts. `compute_rewards` receives its
     batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST)."""
@@ -56,11 +64,8 @@ class RewardModelWorker(Worker):
         out = self.strategy.compute_values(with_one_more_column(batch))
         if out is None:
             return None
-        # Critic convention: VALUES[:, j] is read where token j is predicted (before it is seen). With one padding
-        # column appended, VALUES[:, j + 1] is read at token j itself, so a score sees the whole response.
-        values_at_tokens = out.batch[keys.VALUES][:, 1:]  # [B, T_resp]
         response_mask = batch.batch[keys.RESPONSE_MASK]
-        scores = at_last_token(values_at_tokens, response_mask)  # [B]
+        scores = sequence_scores(out.batch[keys.VALUES], torch.nn.functional.pad(response_mask, (0, 1)))  # [B]
         return DataProto.from_dict(
             tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, response_mask)},
             meta_info={keys.META_METRICS: {"reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}},

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_backend import roles
-from roll_backend.config.schema import PipelineConfig, RoleConfig
+from roll_backend.config.schema import PAIR_PIPELINES, PipelineConfig, RoleConfig
 from roll_backend.strategies.base import RunFacts
 
 TRAINED_ROLES = (roles.ACTOR_TRAIN, roles.CRITIC)
@@ -50,14 +50,32 @@ def model_fields(config: PipelineConfig, model_path: str) -> dict[str, Any] | No
 
 
 def responses_per_step(config: PipelineConfig) -> int:
+    """Sequences the trainer sees per step: prompts x samples, examples (sft) or both rows of each pair."""
+    if config.offline:
+        return config.rollout_batch_size * (2 if config.pipeline in PAIR_PIPELINES else 1)
     return config.rollout_batch_size * config.num_return_sequences_in_group
+
+
+def scores_values(config: PipelineConfig, name: str) -> bool:
+    """The role's model ends in a value head: the critic, a reward model, and the model a reward_model run trains."""
+    return name in (roles.CRITIC, roles.REWARD_MODEL) or (
+        name == roles.ACTOR_TRAIN and config.pipeline == "reward_model"
+    )
 
 
 def optimizer_steps(config: PipelineConfig) -> int:
     """Optimizer steps over the whole run: ppo_epochs x mini-batches per step x max_steps."""
     step = responses_per_step(config)
+    if config.offline:
+        return max(1, config.max_steps)  # one optimizer step per batch
     mini = config.algorithm.ppo_mini_batch_size or step
     return max(1, config.max_steps * config.algorithm.ppo_epochs * max(1, step // max(1, mini)))
+
+
+def train_batch_size(config: PipelineConfig) -> int:
+    """Sequences per optimizer step: the PPO mini-batch, else the step's batch (offline: always the step's)."""
+    step = responses_per_step(config)
+    return step if config.offline else (config.algorithm.ppo_mini_batch_size or step)
 
 
 def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None) -> RunFacts:
@@ -69,13 +87,14 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         layout=role.strategy.layout,
         world_size=role.world_size,
         device="cuda" if role.num_gpus_per_rank > 0 else "cpu",
-        samples_per_prompt=config.num_return_sequences_in_group,
+        samples_per_prompt=1 if config.offline else config.num_return_sequences_in_group,
         max_prompt_length=config.data.max_prompt_length,
         response_length=config.response_length,
-        train_batch_size=(config.algorithm.ppo_mini_batch_size or responses_per_step(config)) if trains else None,
+        train_batch_size=train_batch_size(config) if trains else None,
         optimizer_steps=optimizer_steps(config) if trains else None,
         saves_checkpoints=trains and config.checkpoint.save_steps > 0,
-        value_head=name == roles.CRITIC,
+        value_head=scores_values(config, name),
+        score_head=name == roles.REWARD_MODEL,
         model_config=model_fields(config, role.model_path),
         multi_turn=config.agentic is not None,
     )

@@ -54,11 +54,19 @@ class RewardConfig:
     # Agentic runs: the weight of the environment's reward (agentic.env_reward) in the sum. There, rewards: null
     # means no built-in reward (the environment's alone, plus any functions).
     env_weight: float = 1.0
+    # With a `reward_model:` role: the weight of its score in the sum. There (and with a distillation `teacher:`),
+    # rewards: null means no built-in reward (the model's score alone, plus any functions); name built-ins to add them.
+    model_weight: float = 1.0
+    # "batch": standardise the reward model's scores over the step's batch (mean 0, std 1) before weighting; null: raw
+    model_score_norm: str | None = None
+    model_score_clip: float | None = None  # clip the (standardised) reward-model score to [-c, c]; null: no clipping
 
-    def builtin_weights(self, agentic: bool = False) -> dict[str, float]:
+    def builtin_weights(self, other_rewards: bool = False) -> dict[str, float]:
+        """The built-in rewards to compute; `other_rewards`: the run is rewarded otherwise too (an environment, a
+        reward model or a distillation teacher), so rewards: null means none rather than math_verify."""
         from roll_backend.rewards.registry import builtin_weights
 
-        return builtin_weights(self.rewards, bool(self.functions) or agentic)
+        return builtin_weights(self.rewards, bool(self.functions) or other_rewards)
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,30 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    """The offline pipelines' objectives (pipeline: sft | reward_model | dpo; algorithms/preference.py). A reward
+    model's Bradley-Terry loss takes each pair's margin from data.margin_key when the rows have it."""
+
+    beta: float = 0.1  # dpo: the strength of the implicit KL to the reference (larger: closer to it)
+    loss: str = "sigmoid"  # dpo: "sigmoid" (DPO) or "ipo" (squared, per-token log-ratios)
+    label_smoothing: float = 0.0  # dpo sigmoid: the probability that a pair's label is wrong (conservative DPO)
+
+
+DISTILL_MODES = ("reward", "loss")
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """On-policy distillation with a `teacher:` role: the teacher scores the student's sampled tokens and the
+    per-token reverse KL log pi_student - log pi_teacher is pushed down, as a dense reward or as a loss."""
+
+    # "reward": subtract coef * (log pi - log pi_teacher) from each token's reward (it flows through the advantage);
+    # "loss": add coef * KL(pi || pi_teacher) estimated per token (algorithm.kl_estimator) to the actor loss
+    mode: str = "reward"
+    coef: float = 1.0  # weight of the reverse KL to the teacher
+
+
+@dataclass(frozen=True)
 class ReasoningGymData:
     """Prompts from a reasoning-gym dataset (pipelines.procedural_tasks), scored by the library's own verifier
     (reward.functions: [{path: roll_backend.rewards.procedural, name: compute_score}])."""
@@ -162,7 +194,11 @@ class DataConfig:
     # Training prompts from a reasoning-gym dataset (when train_path is unset; it wins over synthetic).
     reasoning_gym: ReasoningGymData | None = None
     prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
-    answer_key: str = "answer"  # column holding the reference answer the reward compares with
+    # column holding the reference answer the reward compares with; sft: the response trained on; reward_model and
+    # dpo: the chosen response (e.g. answer_key: chosen)
+    answer_key: str = "answer"
+    rejected_key: str = "rejected"  # reward_model and dpo: the column holding the rejected response
+    margin_key: str = "margin"  # reward_model: a pair's margin in the Bradley-Terry loss, where rows have it
     apply_chat_template: bool = True  # wrap text prompts as one user message for the tokenizer's chat template
     max_prompt_length: int = 256  # longer prompts (in tokens) are filtered out
     shuffle: bool = True  # a new order every epoch (deterministic from the run's seed)
@@ -208,6 +244,10 @@ class CheckpointConfig:
     save_steps: int = 0  # save every this many steps (0: never)
     keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: str | None = None  # None | "auto" | a checkpoint folder
+    # After the last step, write the trained model (actor_train) to this folder as a Hugging Face checkpoint (sharded
+    # safetensors, config, tokenizer): transformers and vLLM load it; a reward_model run's loads as
+    # *ForSequenceClassification. null: no export.
+    export_hf_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -293,17 +333,20 @@ class PerfConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """A whole run. `pipeline` picks the control loop: grpo (no critic) or ppo (critic + GAE); `agentic` (GRPO's loop
-    over multi-turn trajectories) needs the `agentic` section, which grpo and ppo also take."""
+    over multi-turn trajectories) needs the `agentic` section, which grpo and ppo also take. The offline pipelines
+    (sft, reward_model, dpo; pipelines/offline.py) train actor_train on a dataset, without a rollout."""
 
-    pipeline: str  # "grpo" (no critic), "ppo" (critic + GAE) or "agentic" (grpo with the `agentic` section)
+    # "grpo" (no critic), "ppo" (critic + GAE), "agentic" (grpo with the `agentic` section); offline: "sft",
+    # "reward_model" (actor_train learns a value head from preference pairs) or "dpo" (with a reference role)
+    pipeline: str
     model_path: str  # the model folder (config.json, weights, tokenizer) the roles start from
     actor_train: RoleConfig
-    actor_infer: RoleConfig
+    actor_infer: RoleConfig | None = None  # the rollout engine (required by grpo, ppo and agentic)
     exp_name: str = "run"  # the run's name in logs and metrics
     seed: int = 42  # seed of the data order, sampling and initialisation
     output_dir: str = "runs/run"  # where metrics, the resolved config and checkpoints go
     max_steps: int = 10  # RL steps to run (>= 1)
-    rollout_batch_size: int = 8  # prompts per step
+    rollout_batch_size: int = 8  # prompts per step (sft: examples per step; reward_model and dpo: pairs per step)
     num_return_sequences_in_group: int = 4  # samples per prompt (n)
     response_length: int = 64  # most tokens a response may have
     build_tiny_model: dict[str, Any] | None = None  # TinyModelSpec fields: write a tiny model to model_path first
@@ -315,7 +358,14 @@ class PipelineConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
+    # A trained reward model (a *ForSequenceClassification folder; strategy megatron_infer) scoring every response;
+    # its score joins the rule rewards with reward.model_weight.
+    reward_model: RoleConfig | None = None
+    # On-policy distillation: a teacher model (strategy megatron_infer) scoring the student's samples (`distillation`).
+    teacher: RoleConfig | None = None
     reward: RewardConfig = field(default_factory=RewardConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # sft, reward_model and dpo objectives
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # used with a `teacher:` role
     async_generation: AsyncGenerationConfig = field(default_factory=AsyncGenerationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation on data.val_path
     # Multi-turn rollouts: an environment, tools or an agent function (roll_backend.agentic); null: single-turn.
@@ -325,15 +375,28 @@ class PipelineConfig:
     weight_sync_max_logprob_gap: float | None = None
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
 
+    def other_rewards(self) -> bool:
+        """The run is rewarded by more than rule rewards and functions: an environment, a reward model, a teacher."""
+        return any(part is not None for part in (self.agentic, self.reward_model, self.teacher))
+
+    @property
+    def offline(self) -> bool:
+        """An offline pipeline (sft, reward_model, dpo): it trains on a dataset, with no rollout or reward."""
+        return self.pipeline in OFFLINE_PIPELINES
+
     def logprob_gap_limit(self) -> float:
         """The post-sync probe's limit: as configured, else 1e-3 when trainer and rollout both compute in float32
         and 3e-2 when either uses a 16-bit dtype (bf16 kernels differ between engines by ~1e-3 to 1e-2 per token)."""
         if self.weight_sync_max_logprob_gap is not None:
             return self.weight_sync_max_logprob_gap
-        dtypes = {compute_dtype(self.actor_train), compute_dtype(self.actor_infer)}
+        roles = [role for role in (self.actor_train, self.actor_infer) if role is not None]
+        dtypes = {compute_dtype(role) for role in roles}
         return FULL_PRECISION_LOGPROB_GAP if dtypes == {"float32"} else HALF_PRECISION_LOGPROB_GAP
 
 
+RL_PIPELINES = ("grpo", "ppo", "agentic")
+OFFLINE_PIPELINES = ("sft", "reward_model", "dpo")
+PAIR_PIPELINES = ("reward_model", "dpo")  # rows come in (chosen, rejected) pairs
 FULL_PRECISION_LOGPROB_GAP = 1e-3
 HALF_PRECISION_LOGPROB_GAP = 3e-2
 

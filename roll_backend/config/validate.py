@@ -6,18 +6,32 @@ import math
 from pathlib import Path
 
 from roll_backend import roles
+from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
 from roll_backend.config.run_facts import run_facts
-from roll_backend.config.schema import LOGGER_NAMES, WANDB_MODES, PipelineConfig, RoleConfig
+from roll_backend.config.schema import (
+    DISTILL_MODES,
+    LOGGER_NAMES,
+    OFFLINE_PIPELINES,
+    RL_PIPELINES,
+    WANDB_MODES,
+    PipelineConfig,
+    RoleConfig,
+)
 
-PIPELINES = ("grpo", "ppo", "agentic")
+PIPELINES = RL_PIPELINES + OFFLINE_PIPELINES
+# The roles each offline pipeline starts; the others' blocks must be left out (they would hold resources unused).
+OFFLINE_ROLES = {
+    "sft": (roles.ACTOR_TRAIN,),
+    "reward_model": (roles.ACTOR_TRAIN,),
+    "dpo": (roles.ACTOR_TRAIN, roles.REFERENCE),
+}
 
 
-# A model folder's tokenizer: any of the files transformers' AutoTokenizer reads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _check_model_path(config: PipelineConfig, what: str, model_path: str, problems: list[str]) -> None:
-    """`model_path` must be a local folder with a model config and a tokenizer, unless build_tiny_model writes it."""
+def _check_model_path(
+    config: PipelineConfig, what: str, model_path: str, problems: list[str], recipe_check: bool = False
+) -> None:
+    """`model_path` must be a local folder with a model config and a tokenizer, unless build_tiny_model writes it
+    (or, in a recipe check, the folder holds only config.json: model_folders.describes_only)."""
     if not model_path or (config.build_tiny_model is not None and model_path == config.model_path):
         return  # empty: the strategies' own checks say so
     folder = Path(model_path)
@@ -36,6 +50,8 @@ def _check_model_path(config: PipelineConfig, what: str, model_path: str, proble
         return
     if not (folder / "config.json").is_file():
         problems.append(f"{what}={model_path!r} has no config.json; point it at a Hugging Face model folder")
+    if recipe_check and describes_only(model_path):
+        return  # the tokenizer and weights are where the run will be (model_folders.skipped_checks says so)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         problems.append(
             f"{what}={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
@@ -186,6 +202,8 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
             "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training"
         )
     infer, train = config.actor_infer, config.actor_train
+    if infer is None:
+        return  # (the pipeline check reports the missing rollout)
     if infer.colocate_with is not None or train.colocate_with == roles.ACTOR_INFER:
         problems.append(
             "async_generation.enabled=true needs actor_infer on resources disjoint from actor_train's; remove "
@@ -245,12 +263,24 @@ def _check_reward(config: PipelineConfig, problems: list[str]) -> None:
     from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, check_spec
 
     reward = config.reward
-    for name in reward.builtin_weights():
+    has_model = config.reward_model is not None
+    builtins = reward.builtin_weights(config.other_rewards())
+    for name in builtins:
         if name not in REWARDS:
             problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
-    if not reward.builtin_weights() and not reward.functions:
+    if not builtins and not reward.functions and not config.other_rewards():
         problems.append(
-            "reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}) or add reward.functions"
+            "reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}), add reward.functions, "
+            "a reward_model: role or a distillation teacher:"
+        )
+    if reward.model_score_norm not in (None, "batch"):
+        problems.append(f"reward.model_score_norm={reward.model_score_norm!r}; choose batch or null")
+    if reward.model_score_clip is not None and not reward.model_score_clip > 0:
+        problems.append(f"reward.model_score_clip={reward.model_score_clip} must be > 0 (or null: no clipping)")
+    if not has_model and (reward.model_score_norm is not None or reward.model_score_clip is not None):
+        problems.append(
+            "reward.model_score_norm / model_score_clip act on a reward model's scores: add a `reward_model:` role "
+            "block or drop them"
         )
     for index, spec in enumerate(reward.functions):
         problems.extend(check_spec(spec, f"reward.functions[{index}]"))
@@ -274,10 +304,16 @@ def _check_perf(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(f"perf.probe_seconds={perf.probe_seconds} must be > 0")
 
 
-def _check_eval(config: PipelineConfig, problems: list[str]) -> None:
+def _data_elsewhere(config: PipelineConfig, recipe_check: bool) -> bool:
+    """A recipe checked against a model folder holding only config.json is checked away from the machine that runs
+    it: the prompt files it names need not be here either (model_folders.skipped_checks lists the missing)."""
+    return recipe_check and describes_only(config.model_path)
+
+
+def _check_eval(config: PipelineConfig, problems: list[str], recipe_check: bool = False) -> None:
     ev, paths = config.eval, config.data.val_paths()
     for path in paths:
-        if not Path(path).exists():
+        if not _data_elsewhere(config, recipe_check) and not Path(path).exists():
             problems.append(f"data.val_path: {path!r} does not exist")
     if ev.n < 1:
         problems.append(f"eval.n={ev.n} must be >= 1 (samples per validation prompt)")
@@ -302,15 +338,17 @@ def _check_eval(config: PipelineConfig, problems: list[str]) -> None:
         )
 
 
-def _check_train_path(config: PipelineConfig, problems: list[str]) -> None:
-    """One prompt file, or a mixture whose every entry exists and has a positive weight."""
+def _check_train_path(config: PipelineConfig, problems: list[str], recipe_check: bool = False) -> None:
+    """One prompt file, or a mixture whose every entry exists (or is on the machine that runs a recipe checked
+    elsewhere: `_data_elsewhere`) and has a positive weight."""
     train_path = config.data.train_path
+    data_elsewhere = _data_elsewhere(config, recipe_check)
     if train_path is None:
         if config.data.synthetic is None and config.data.reasoning_gym is None:
             problems.append("data: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic")
         return
     if isinstance(train_path, str):
-        if not Path(train_path).exists():
+        if not data_elsewhere and not Path(train_path).exists():
             problems.append(f"data.train_path={train_path!r} does not exist")
         return
     if not train_path:
@@ -319,7 +357,7 @@ def _check_train_path(config: PipelineConfig, problems: list[str]) -> None:
         )
     for index, source in enumerate(train_path):
         where = f"data.train_path[{index}]"
-        if not Path(source.path).is_file():
+        if not data_elsewhere and not Path(source.path).is_file():
             problems.append(f"{where}.path={source.path!r} does not exist; point it at a JSONL or parquet file")
         if not (source.weight > 0 and math.isfinite(source.weight)):
             problems.append(
@@ -347,8 +385,62 @@ def _check_logging(config: PipelineConfig, problems: list[str]) -> None:
         problems.append("logging.project is empty; name the W&B project / MLflow experiment, e.g. roll-backend")
 
 
-def validate(config: PipelineConfig) -> list[str]:
-    """Every cross-field problem of `config` (empty when it can run)."""
+def _check_distillation(config: PipelineConfig, problems: list[str]) -> None:
+    distill = config.distillation
+    if distill.mode not in DISTILL_MODES:
+        problems.append(f"distillation.mode={distill.mode!r}; choose one of {', '.join(DISTILL_MODES)}")
+    if not distill.coef >= 0:
+        problems.append(f"distillation.coef={distill.coef} must be >= 0")
+
+
+def _check_same_vocabulary(config: PipelineConfig, problems: list[str]) -> None:
+    """A teacher and a reward model read the policy's token ids: their vocabularies must be the policy's."""
+    policy = run_facts(config, roles.ACTOR_TRAIN).model_config or {}
+    for name in (roles.TEACHER, roles.REWARD_MODEL):
+        if getattr(config, name) is None:
+            continue
+        other = run_facts(config, name).model_config or {}
+        if policy.get("vocab_size") and other.get("vocab_size") and policy["vocab_size"] != other["vocab_size"]:
+            problems.append(
+                f"{name}.model_path: vocab_size={other['vocab_size']} differs from the policy's "
+                f"{policy['vocab_size']}; the {name} reads the policy's token ids, so it needs the policy's tokenizer"
+            )
+
+
+def _check_offline(config: PipelineConfig, problems: list[str]) -> None:
+    """sft, reward_model and dpo: the roles they start, their objective's settings, the batch."""
+    from roll_backend.algorithms.preference import DPO_LOSSES
+
+    needed = OFFLINE_ROLES[config.pipeline]
+    for name in roles.MODEL_ROLES:
+        if name not in needed and getattr(config, name) is not None:
+            problems.append(
+                f"{name}: pipeline={config.pipeline} does not use this role (it starts {', '.join(needed)}); remove "
+                f"the block ({name}=null)"
+            )
+    if config.pipeline == "dpo" and config.reference is None:
+        problems.append(
+            "pipeline=dpo needs a `reference:` role block (the frozen starting policy, e.g. model_path: "
+            "${model_path} with strategy megatron_infer)"
+        )
+    pref = config.preference
+    if pref.loss not in DPO_LOSSES:
+        problems.append(f"preference.loss={pref.loss!r}; choose one of {', '.join(DPO_LOSSES)}")
+    if not pref.beta > 0:
+        problems.append(f"preference.beta={pref.beta} must be > 0 (0.1 is usual)")
+    if not 0 <= pref.label_smoothing < 0.5:
+        problems.append(f"preference.label_smoothing={pref.label_smoothing} must be in [0, 0.5)")
+    if pref.loss == "ipo" and pref.label_smoothing:
+        problems.append("preference.label_smoothing applies to the sigmoid loss; set it to 0 with loss=ipo")
+    if config.rollout_batch_size < 1:
+        problems.append(f"rollout_batch_size={config.rollout_batch_size} (examples or pairs per step) must be >= 1")
+    if config.response_length < 1:
+        problems.append(f"response_length={config.response_length} must be >= 1 (the longest response trained on)")
+
+
+def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
+    """Every cross-field problem of `config` (empty when it can run). `recipe_check` (roll-backend validate): a model
+    folder holding only config.json passes, as on a machine other than the run's (model_folders.skipped_checks)."""
     problems: list[str] = []
     if config.max_steps < 1:
         problems.append(
@@ -362,14 +454,18 @@ def validate(config: PipelineConfig) -> list[str]:
         )
     if config.pipeline == "ppo" and config.critic is None:
         problems.append("pipeline=ppo needs a `critic:` role block (or use pipeline=grpo)")
+    if config.pipeline in RL_PIPELINES and config.actor_infer is None:
+        problems.append(
+            f"pipeline={config.pipeline} needs an `actor_infer:` role block (the rollout engine, strategy vllm_rollout)"
+        )
     if config.agentic is not None:
         problems += config.agentic.problems()
     model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
-    _check_model_path(config, "model_path", config.model_path, problems)
+    _check_model_path(config, "model_path", config.model_path, problems, recipe_check)
     for name, role in model_roles.items():
         if role is not None:
             if role.model_path != config.model_path:
-                _check_model_path(config, f"{name}.model_path", role.model_path, problems)
+                _check_model_path(config, f"{name}.model_path", role.model_path, problems, recipe_check)
             _check_role(config, name, role, problems)
             if role.colocate_with is not None:
                 other = model_roles.get(role.colocate_with)
@@ -383,15 +479,20 @@ def validate(config: PipelineConfig) -> list[str]:
                         f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs "
                         f"{other.world_size}); colocated roles share bundles rank by rank"
                     )
-    _check_eval(config, problems)
-    _check_dynamic_sampling(config, problems)
-    _check_train_path(config, problems)
+    _check_train_path(config, problems, recipe_check)
     if not config.model_path and config.build_tiny_model is None:
         problems.append("model_path is empty; point it at a Hugging Face model folder")
-    _check_reward(config, problems)
-    _check_algorithm(config, problems)
-    _check_async(config, problems)
-    _check_batches(config, problems)
+    _check_eval(config, problems, recipe_check)
+    if config.offline:
+        _check_offline(config, problems)
+    elif config.pipeline in RL_PIPELINES:
+        _check_dynamic_sampling(config, problems)
+        _check_reward(config, problems)
+        _check_algorithm(config, problems)
+        _check_async(config, problems)
+        _check_batches(config, problems)
+        _check_distillation(config, problems)
+        _check_same_vocabulary(config, problems)
     _check_fault_tolerance(config, problems)
     _check_perf(config, problems)
     _check_logging(config, problems)

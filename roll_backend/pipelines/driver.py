@@ -1,14 +1,20 @@
-"""Run a config to max_steps once: the synchronous loop (rl_step) or, with `async_generation.enabled`, the one-step
-off-policy loop (async_loop); recovery.run_with_restarts wraps either with automatic restarts."""
+"""Run a config to max_steps once: the synchronous loop (rl_step; offline.offline_step for sft, reward_model and
+dpo) or, with `async_generation.enabled`, the one-step off-policy loop (async_loop); recovery.run_with_restarts
+wraps either with automatic restarts. With checkpoint.export_hf_dir the trained model is exported at the end."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+from roll_backend import roles
 from roll_backend.config.schema import PipelineConfig
 from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
+from roll_backend.pipelines.offline import offline_step
 from roll_backend.pipelines.rl_step import rl_step
 from roll_backend.pipelines.run import PipelineRun, StepHistory
+from roll_backend.pipelines.tracking import phase_deadline
+from roll_backend.workers.actor import ActorWorker
 
 
 def run_pipeline(
@@ -24,11 +30,15 @@ def run_pipeline(
                 for step in run.step_numbers():
                     run.log(step, loop.step(step))
         else:
+            step_fn = offline_step if config.offline else rl_step
             for step in run.step_numbers():
-                metrics = rl_step(run, step)
+                metrics = step_fn(run, step)
                 if validation is not None and validation.due(step):
                     metrics |= validation.run(run.groups, step)
                 run.log(step, metrics)
+        if config.checkpoint.export_hf_dir:
+            with phase_deadline(run.timeouts, roles.CHECKPOINT):
+                run.groups.actor_train.call(ActorWorker.export_hf, str(Path(config.checkpoint.export_hf_dir).resolve()))
         return run.history
 
 

@@ -48,7 +48,7 @@ def generate_filled(run, step: int, timer: PhaseTimer) -> tuple[DataProto, dict[
             generated = phases.generate(groups, prompts, config, step, salt)
         prompts_generated += len(prompts)
         with timer.phase(roles.SCORE):
-            scored = phases.score(groups, generated)
+            scored = phases.score(groups, generated, config.reward)
         metrics = metrics or scored  # the reward of the step's own prompts, as without dynamic sampling
         varied, dropped = phases.drop_uniform_groups(generated)
         new_groups = len(np.unique(varied.non_tensor_batch[keys.UID])) if len(varied) else 0

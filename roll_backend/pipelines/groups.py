@@ -16,6 +16,7 @@ from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 from roll_backend.workers.critic import CriticConfig, CriticLossConfig, CriticWorker
 from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
 from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig
+from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,11 @@ logger = logging.getLogger(__name__)
 
 def _actor_loss_config(config: PipelineConfig) -> ActorLossConfig:
     algo = config.algorithm
+    if config.offline:
+        return ActorLossConfig(objective="sft" if config.pipeline == "sft" else "pairwise")
+    distill = config.distillation
     return ActorLossConfig(
+        distill_loss_coef=distill.coef if config.teacher is not None and distill.mode == "loss" else 0.0,
         policy_loss=algo.policy_loss,
         clip_low=algo.clip_ratio_low,
         clip_high=algo.clip_ratio_high,
@@ -44,17 +49,27 @@ def _strategy_for_run(config: PipelineConfig, name: str) -> dict[str, Any]:
 
 @dataclass
 class RoleGroups:
-    """The running groups of one pipeline, each named by its role (roll_backend.roles); `reference` and `critic`
-    may be None."""
+    """The running groups of one pipeline, each named by its role (roll_backend.roles); all but actor_train may be
+    None (the offline pipelines start no rollout and no reward)."""
 
     actor_train: WorkerGroup
-    actor_infer: WorkerGroup
-    reward: WorkerGroup
+    actor_infer: WorkerGroup | None = None
+    reward: WorkerGroup | None = None
     reference: WorkerGroup | None = None
     critic: WorkerGroup | None = None
+    reward_model: WorkerGroup | None = None
+    teacher: WorkerGroup | None = None
 
     def all(self) -> list[WorkerGroup]:
-        members = (self.actor_train, self.actor_infer, self.reward, self.reference, self.critic)
+        members = (
+            self.actor_train,
+            self.actor_infer,
+            self.reward,
+            self.reference,
+            self.critic,
+            self.reward_model,
+            self.teacher,
+        )
         return [g for g in members if g is not None]
 
     def shutdown(self) -> None:
@@ -114,7 +129,7 @@ class _GroupStarter:
         reward = self.config.reward
         agentic = self.config.agentic is not None
         worker_config = RewardWorkerConfig(
-            rewards=reward.builtin_weights(agentic),
+            rewards=reward.builtin_weights(self.config.other_rewards()),
             env_weight=reward.env_weight if agentic else None,
             functions=tuple(reward.functions),
             on_function_error=reward.on_function_error,
@@ -142,11 +157,12 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
             loss=_actor_loss_config(config),
         ),
     )
-    groups[roles.ACTOR_INFER] = starter.start(
-        RolloutWorker,
-        roles.ACTOR_INFER,
-        RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER), agentic=config.agentic),
-    )
+    if config.actor_infer is not None:
+        groups[roles.ACTOR_INFER] = starter.start(
+            RolloutWorker,
+            roles.ACTOR_INFER,
+            RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER), agentic=config.agentic),
+        )
     if config.reference is not None:
         groups[roles.REFERENCE] = starter.start(
             ReferenceWorker,
@@ -162,7 +178,18 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
                 loss=CriticLossConfig(clip_range=config.algorithm.value_clip),
             ),
         )
-    groups[roles.REWARD] = starter.start_reward()
+    if config.reward_model is not None:
+        groups[roles.REWARD_MODEL] = starter.start(
+            RewardModelWorker, roles.REWARD_MODEL, RewardModelConfig(**_strategy_for_run(config, roles.REWARD_MODEL))
+        )
+    if config.teacher is not None:  # log-probs of the student's samples, as a reference computes them
+        groups[roles.TEACHER] = starter.start(
+            ReferenceWorker, roles.TEACHER, ReferenceConfig(**_strategy_for_run(config, roles.TEACHER))
+        )
+    reward = config.reward
+    rule_rewards = reward.builtin_weights(config.other_rewards())
+    if not config.offline and (rule_rewards or reward.functions or config.agentic is not None):
+        groups[roles.REWARD] = starter.start_reward()  # (a reward model alone needs no reward workers)
     start_together(list(groups.values()))
 
 
@@ -171,6 +198,8 @@ _INIT_MODEL = {
     roles.ACTOR_INFER: RolloutWorker.init_model,
     roles.REFERENCE: ReferenceWorker.init_model,
     roles.CRITIC: CriticWorker.init_model,
+    roles.REWARD_MODEL: RewardModelWorker.init_model,
+    roles.TEACHER: ReferenceWorker.init_model,
 }
 
 

@@ -60,7 +60,7 @@ class PhasePerf:
         model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         self.config = config
         self.counters = {
-            name: model_flops_of(role, value_head=name == roles.CRITIC)
+            name: model_flops_of(role, value_head=name in (roles.CRITIC, roles.REWARD_MODEL))
             for name, role in model_roles.items()
             if role is not None
         }
@@ -104,6 +104,7 @@ class PhasePerf:
             roles.REFERENCE_LOG_PROBS: lambda: counter(roles.REFERENCE_LOG_PROBS).forward_flops(lengths),
             roles.OLD_LOG_PROBS: lambda: counter(roles.OLD_LOG_PROBS).forward_flops(lengths),
             roles.VALUES: lambda: counter(roles.VALUES).forward_flops(lengths),
+            roles.TEACHER_LOG_PROBS: lambda: counter(roles.TEACHER_LOG_PROBS).forward_flops(lengths),
             roles.TRAIN: lambda: epochs * counter(roles.TRAIN).train_flops(lengths),
             roles.CRITIC_TRAIN: lambda: epochs * counter(roles.CRITIC_TRAIN).train_flops(lengths),
         }

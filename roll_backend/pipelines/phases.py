@@ -17,7 +17,7 @@ from roll_backend.algorithms import (
     rollout_correction,
 )
 from roll_backend.algorithms.tokens import place_on_last_token
-from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
+from roll_backend.config.schema import AlgorithmConfig, DistillationConfig, PipelineConfig, RewardConfig
 from roll_backend.distributed.worker_group import GroupFuture, WorkerGroup
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.groups import RoleGroups
@@ -26,6 +26,7 @@ from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
 from roll_backend.workers.reference import ReferenceWorker
 from roll_backend.workers.reward import RewardWorker
+from roll_backend.workers.reward_model import RewardModelWorker
 from roll_backend.workers.rollout import RolloutWorker
 
 
@@ -63,10 +64,40 @@ def generation_metrics(batch: DataProto) -> dict[str, float]:
     return _mean_metrics(batch.meta_info.pop(keys.META_METRICS, None) or {}, prefix="")
 
 
-def score(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
-    rewards = groups.reward.call(RewardWorker.compute_rewards, batch)
-    batch[keys.TOKEN_LEVEL_SCORES] = rewards.batch[keys.TOKEN_LEVEL_SCORES]
-    return _mean_metrics(rewards.meta_info.get(keys.META_METRICS, {}), prefix="reward/")
+def score(groups: RoleGroups, batch: DataProto, reward: RewardConfig | None = None) -> dict[str, float]:
+    """batch[TOKEN_LEVEL_SCORES]: the rule rewards and user functions (the reward group, where the run has one), plus
+    the reward model's score with `reward.model_weight` where it has a reward_model role; reward/ and reward_model/
+    metrics."""
+    if groups.reward is not None:
+        rewards = groups.reward.call(RewardWorker.compute_rewards, batch)
+        scores = rewards.batch[keys.TOKEN_LEVEL_SCORES]
+        metrics = _mean_metrics(rewards.meta_info.get(keys.META_METRICS, {}), prefix="reward/")
+    else:  # a reward model alone
+        scores, metrics = torch.zeros(batch.batch[keys.RESPONSE_MASK].shape, dtype=torch.float32), {}
+    if groups.reward_model is not None:
+        model_scores, model_metrics = reward_model_scores(groups, batch, reward or RewardConfig())
+        scores = scores + place_on_last_token(model_scores, batch.batch[keys.RESPONSE_MASK])
+        metrics |= model_metrics
+    batch[keys.TOKEN_LEVEL_SCORES] = scores
+    return metrics
+
+
+def reward_model_scores(groups: RoleGroups, batch: DataProto, reward: RewardConfig) -> tuple[torch.Tensor, dict]:
+    """[B] the reward model's score of each response, standardised over the batch and clipped as configured, times
+    reward.model_weight; with its metrics (the raw scores' mean and spread, the weighted mean)."""
+    raw = groups.reward_model.call(RewardModelWorker.compute_rewards, batch).batch[keys.SEQUENCE_SCORES].float()
+    scores = raw
+    if reward.model_score_norm == "batch":
+        scores = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-6) if len(raw) > 1 else raw - raw.mean()
+    if reward.model_score_clip is not None:
+        scores = scores.clamp(-reward.model_score_clip, reward.model_score_clip)
+    weighted = reward.model_weight * scores
+    metrics = {
+        "reward_model/raw_mean": float(raw.mean()),
+        "reward_model/raw_std": float(raw.std(unbiased=False)),
+        "reward_model/score_mean": float(weighted.mean()),
+    }
+    return weighted, metrics
 
 
 def drop_uniform_groups(batch: DataProto) -> tuple[DataProto, int]:
@@ -134,12 +165,20 @@ def old_log_probs(groups: RoleGroups, batch: DataProto) -> None:
     batch[keys.OLD_LOG_PROBS] = groups.actor_train.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
 
 
+def teacher_log_probs(groups: RoleGroups, batch: DataProto) -> None:
+    """batch[TEACHER_LOG_PROBS] = the distillation teacher's log-probs of the student's sampled tokens."""
+    batch[keys.TEACHER_LOG_PROBS] = groups.teacher.call(ReferenceWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
+
+
 def values(groups: RoleGroups, batch: DataProto) -> None:
     batch[keys.VALUES] = groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
 
 
-def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[str, float]:
-    """Token rewards (post-processed scores, minus the KL penalty if KL is in the reward) and advantages."""
+def advantages(
+    batch: DataProto, algo: AlgorithmConfig, kl_coef: float, distill: DistillationConfig | None = None
+) -> dict[str, float]:
+    """Token rewards (post-processed scores, minus the KL penalty if KL is in the reward, minus the reverse KL to the
+    teacher where distillation is a reward) and advantages."""
     tensors = batch.batch
     mask = tensors[keys.RESPONSE_MASK].float()
     scores = tensors[keys.TOKEN_LEVEL_SCORES].float()
@@ -161,6 +200,14 @@ def advantages(batch: DataProto, algo: AlgorithmConfig, kl_coef: float) -> dict[
                 scores, tensors[keys.OLD_LOG_PROBS], tensors[keys.REF_LOG_PROBS], kl_coef, mask=mask
             )
             metrics["actor/kl_coef"] = kl_coef
+    if keys.TEACHER_LOG_PROBS in tensors.keys():
+        policy_log_probs = (
+            tensors[keys.OLD_LOG_PROBS] if keys.OLD_LOG_PROBS in tensors.keys() else tensors[keys.ROLLOUT_LOG_PROBS]
+        )
+        reverse_kl = (policy_log_probs - tensors[keys.TEACHER_LOG_PROBS]) * mask  # per sampled token (k1)
+        metrics["distill/reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
+        if distill is not None and distill.mode == "reward":
+            rewards = rewards - distill.coef * reverse_kl
     estimator = get_advantage_estimator(algo.adv_estimator)
     inputs = {"group_ids": group_ids, "gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std}
     if keys.VALUES in tensors.keys():

@@ -28,13 +28,21 @@ def check_data(config: PipelineConfig):
     """Load and check the run's prompts on the driver, before Ray or any actor starts (raises DataError); None
     when there is no tokenizer yet (the config check reports that)."""
     tokenizer = driver_tokenizer(config)
-    return None if tokenizer is None else training_prompts(config.data, tokenizer, config.seed)
+    if tokenizer is None:
+        return None
+    if config.offline:  # examples or pairs, with their validation set
+        from roll_backend.pipelines.offline_data import offline_datasets
+
+        return offline_datasets(config, tokenizer)[0]
+    return training_prompts(config.data, tokenizer, config.seed)
 
 
 def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
     """Every prompt of data.val_path in file order (checked like the training prompts), a `data_source` from the row
     or the file's name, then those of data.val_reasoning_gym and data.val_synthetic; a stable UID per prompt; None
-    without any."""
+    without any, and for the offline pipelines (their held-out examples are pipelines.offline_data's)."""
+    if config.offline:
+        return None
     parts = []
     plain = dataclasses.replace(config.data, train_path=None, synthetic=None, reasoning_gym=None, shuffle=False)
     for path in config.data.val_paths():

@@ -47,7 +47,7 @@ def prepare_batch(
     refilled = keys.TOKEN_LEVEL_SCORES in batch.batch.keys()  # dynamic_sampling.generate_filled scored and kept it
     if not refilled:
         with timer.phase(roles.SCORE):
-            metrics |= phases.score(groups, batch)
+            metrics |= phases.score(groups, batch, run.config.reward)
     metrics |= phases.batch_metrics(batch, seconds_generating)
     metrics |= per_source_reward_metrics(batch)
     if algo.dynamic_sampling and not refilled:  # (the asynchronous loop: drop without refill)
@@ -56,6 +56,9 @@ def prepare_batch(
     if groups.reference is not None and len(batch):
         with timer.phase(roles.REFERENCE_LOG_PROBS):
             phases.reference_log_probs(groups, batch)
+    if groups.teacher is not None and len(batch):
+        with timer.phase(roles.TEACHER_LOG_PROBS):
+            phases.teacher_log_probs(groups, batch)
     return metrics, batch
 
 
@@ -86,7 +89,7 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     if groups.critic is not None:
         with timer.phase(roles.VALUES):
             phases.values(groups, batch)
-    metrics |= phases.advantages(batch, algo, run.kl_ctrl.value)
+    metrics |= phases.advantages(batch, algo, run.kl_ctrl.value, config.distillation)
     if groups.critic is not None:
         with timer.phase(roles.CRITIC_TRAIN):
             metrics |= phases.train_critic(groups, batch, algo, phases.step_seed(config, step, salt=2))

@@ -13,6 +13,8 @@ from roll_backend.config.schema import PipelineConfig
 from roll_backend.pipelines import checkpoint as ckpt
 from roll_backend.pipelines import phases
 from roll_backend.pipelines.groups import RoleGroups, build_role_groups
+from roll_backend.pipelines.offline import OfflineValidation
+from roll_backend.pipelines.offline_data import offline_datasets
 from roll_backend.pipelines.perf import PhasePerf
 from roll_backend.pipelines.tracking import MetricsTracker, phase_deadline
 from roll_backend.pipelines.validation import Validation
@@ -60,8 +62,11 @@ class PipelineRun:
         (self.output_dir / "config.yaml").write_text(config_to_yaml(config))
         ensure_model(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.data = training_prompts(config.data, tokenizer, config.seed)
-        val_prompts = load_validation_prompts(config, tokenizer)
+        if config.offline:
+            self.data, val_data = offline_datasets(config, tokenizer)
+        else:
+            self.data = training_prompts(config.data, tokenizer, config.seed)
+            val_prompts = load_validation_prompts(config, tokenizer)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timeouts = config.fault_tolerance.timeouts
@@ -80,9 +85,12 @@ class PipelineRun:
                 with phase_deadline(self.timeouts, roles.CHECKPOINT):
                     self._resume(config.checkpoint.resume)
             self.tracker = MetricsTracker(self.output_dir, config.logging, config.max_steps, self.first_step - 1)
-            self.validation = (
-                None if val_prompts is None else Validation(config, val_prompts, self.output_dir, self.first_step)
-            )
+            if config.offline:
+                self.validation = None if val_data is None else OfflineValidation(config, val_data)
+            else:
+                self.validation = (
+                    None if val_prompts is None else Validation(config, val_prompts, self.output_dir, self.first_step)
+                )
             self.history.resumed(self.first_step - 1)
         except BaseException:
             self.groups.shutdown()
@@ -136,7 +144,10 @@ class PipelineRun:
                 self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
-        phases.sync_weights(self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit())
+        if self.groups.actor_infer is not None:
+            phases.sync_weights(
+                self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit()
+            )
         self.policy_version = self.rollout_version = state.get("policy_version", state["step"])
         if self.config.async_generation.enabled and (Path(path) / ckpt.NEXT_BATCH).is_file():
             # The batch the rollout had generated for the next step (one version behind) resumes as it was.

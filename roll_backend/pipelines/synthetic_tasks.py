@@ -19,6 +19,14 @@ def copy_digit(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
     return [{"prompt": f"copy {digit}", "answer": str(digit)} for digit in digits]
 
 
+def copy_digit_pairs(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
+    """Preference pairs of copy_digit: the prompt's digit is chosen, another digit rejected (reward_model, dpo)."""
+    rows = copy_digit(num_prompts, rng)
+    for row in rows:
+        row["rejected"] = str((int(row["answer"]) + rng.randrange(1, 10)) % 10)
+    return rows
+
+
 def episodes(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
     """Rows that only seed an environment's episodes (agentic runs, the prompt comes from the environment): an
     empty prompt and answer, `seed` (the row's extra_info.seed) drawn at random."""
@@ -27,6 +35,7 @@ def episodes(num_prompts: int, rng: random.Random) -> list[dict[str, str]]:
 
 SYNTHETIC_TASKS: Mapping[str, TaskGenerator] = {
     "copy_digit": copy_digit,
+    "copy_digit_pairs": copy_digit_pairs,
     "episodes": episodes,
 }
 

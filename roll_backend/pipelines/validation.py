@@ -66,7 +66,7 @@ class Validation:
                 generated = groups.actor_infer.call(RolloutWorker.generate, chunk)
             rollout.append(phases.generation_metrics(generated))
             with timer.phase(roles.SCORE):
-                phases.score(groups, generated)
+                phases.score(groups, generated, self.config.reward)
             scored.append(generated)
         batch = DataProto.concat(scored)
         rewards = batch.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist()

@@ -246,8 +246,9 @@ class MegatronInferConfig:
         _raise("megatron_infer config", _settings_problems(self))
 
     def for_run(self, run: RunFacts) -> MegatronInferConfig:
-        """This config with a value head where the role scores values."""
-        return dataclasses.replace(self, value_head=True) if run.value_head and not self.value_head else self
+        """This config with a value head where the role scores values (loaded from the folder's score head where
+        the role is a trained reward model)."""
+        return dataclasses.replace(self, **_value_head_updates(self, run))
 
     def problems(self, run: RunFacts) -> list[str]:
         """What this config cannot do in this run (the ranks' start-up rules), before Ray starts."""
@@ -316,13 +317,21 @@ class MegatronTrainConfig:
         updates: dict[str, Any] = {}
         if run.optimizer_steps is not None:
             updates["total_steps"] = run.optimizer_steps
-        if run.value_head and not self.value_head:
-            updates["value_head"] = True
+        updates |= _value_head_updates(self, run)
         return dataclasses.replace(self, **updates) if updates else self
 
     def problems(self, run: RunFacts) -> list[str]:
         """What this config cannot do in this run (the ranks' start-up rules), before Ray starts."""
         return _run_problems(self, run) + _training_run_problems(self, run)
+
+
+def _value_head_updates(cfg, run: RunFacts) -> dict[str, Any]:
+    updates: dict[str, Any] = {}
+    if run.value_head and not cfg.value_head:
+        updates["value_head"] = True
+    if run.score_head and cfg.value_head_init != "score_head":
+        updates["value_head_init"] = "score_head"
+    return updates
 
 
 def _training_settings_problems(cfg: MegatronTrainConfig) -> list[str]:
@@ -463,7 +472,8 @@ def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]
             problems.append(
                 f"{run.role}: a mini-batch of {mini} responses cannot be split into micro-batches of "
                 f"{run.role}.strategy.micro_batch_size={micro} on each of {dp} data-parallel ranks; make "
-                f"ppo_mini_batch_size a multiple of {dp * micro} or change micro_batch_size to one of {choices}"
+                f"the mini-batch (algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of "
+                f"{dp * micro} or change micro_batch_size to one of {choices}"
             )
     if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":
         problems.append(

@@ -50,3 +50,25 @@ def test_old_log_probs_are_computed_off_policy_or_for_the_rollout_correction():
     assert needs_old_log_probs(AlgorithmConfig(ppo_epochs=2), 64)
     for correction in (RolloutCorrectionConfig(is_level="token"), RolloutCorrectionConfig(rejection="sequence")):
         assert needs_old_log_probs(AlgorithmConfig(rollout_correction=correction), 64)  # on-policy, yet needed
+
+
+def test_distillation_as_a_loss_adds_the_teacher_kl_like_the_reference_kl():
+    """distill_loss_coef * the kl_estimator's token-mean KL to TEACHER_LOG_PROBS: with the teacher's log-probs in the
+    reference's column instead, kl_loss_coef gives the same loss and gradient."""
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    advantages, teacher = torch.randn(3, 5, generator=generator), torch.randn(3, 5, generator=generator) - 2
+    logits = torch.randn(3, 5, generator=generator)
+
+    def loss_and_grad(column: str, config: ActorLossConfig):
+        leaf = logits.clone().requires_grad_(True)
+        tensors = {keys.RESPONSE_MASK: mask, keys.ADVANTAGES: advantages, column: teacher}
+        micro = DataProto.from_dict(tensors=tensors, meta_info={keys.META_GLOBAL_TOKEN_COUNT: 9.0})
+        loss, metrics = actor_loss(config, {keys.LOG_PROBS: torch.log_softmax(leaf, -1)}, micro)
+        loss.backward()
+        return loss.detach(), leaf.grad, metrics
+
+    distilled = loss_and_grad(keys.TEACHER_LOG_PROBS, ActorLossConfig(distill_loss_coef=0.3))
+    as_reference = loss_and_grad(keys.REF_LOG_PROBS, ActorLossConfig(kl_loss_coef=0.3))
+    assert torch.allclose(distilled[0], as_reference[0]) and torch.allclose(distilled[1], as_reference[1])
+    assert float(distilled[2]["distill_kl"]) == float(as_reference[2]["kl_loss"]) > 0

@@ -231,8 +231,8 @@ def test_mini_batch_must_split_into_micro_batches_on_every_dp_rank(base):
     ]
     assert problems_of(base + overrides) == [
         "actor_train: a mini-batch of 12 responses cannot be split into micro-batches of "
-        "actor_train.strategy.micro_batch_size=4 on each of 2 data-parallel ranks; make ppo_mini_batch_size "
-        "a multiple of 8 or change micro_batch_size to one of 1, 2, 3, 6"
+        "actor_train.strategy.micro_batch_size=4 on each of 2 data-parallel ranks; make the mini-batch "
+        "(algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of 8 or change micro_batch_size to one of 1, 2, 3, 6"
     ]
 
 
@@ -268,7 +268,38 @@ def test_ppo_pipeline_needs_a_critic(base):
 
 
 def test_unknown_pipeline_lists_the_known_ones(base):
-    assert problems_of(base + ["pipeline=dpo"]) == ["pipeline='dpo' is unknown; choose one of grpo, ppo, agentic"]
+    assert problems_of(base + ["pipeline=kto"]) == [
+        "pipeline='kto' is unknown; choose one of grpo, ppo, agentic, sft, reward_model, dpo"
+    ]
+
+
+def test_offline_pipelines_name_the_roles_they_start_and_their_settings(base):
+    """The RL demo turned into a DPO run: the rollout is not used, the objective's settings are checked."""
+    problems = problems_of(
+        base
+        + [
+            "pipeline=dpo",
+            "reference=null",
+            "preference.loss=ipo",
+            "preference.label_smoothing=0.1",
+            "preference.beta=0",
+        ]
+    )
+    assert problems == [
+        "actor_train: a mini-batch of 32 responses cannot be split into micro-batches of "
+        "actor_train.strategy.micro_batch_size=64 on each of 1 data-parallel ranks; make the mini-batch "
+        "(algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of 64 or change "
+        "micro_batch_size to one of 1, 2, 4, 8, 16, 32",
+        "actor_infer: pipeline=dpo does not use this role (it starts actor_train, reference); remove the block "
+        "(actor_infer=null)",
+        "pipeline=dpo needs a `reference:` role block (the frozen starting policy, e.g. model_path: ${model_path} "
+        "with strategy megatron_infer)",
+        "preference.beta=0.0 must be > 0 (0.1 is usual)",
+        "preference.label_smoothing applies to the sigmoid loss; set it to 0 with loss=ipo",
+    ]
+    assert problems_of(base + ["pipeline=grpo", "actor_infer=null"]) == [
+        "pipeline=grpo needs an `actor_infer:` role block (the rollout engine, strategy vllm_rollout)"
+    ]
 
 
 def test_unknown_algorithm_names_are_all_reported_with_the_known_ones(base):

@@ -46,3 +46,28 @@ def test_grpo_advantages_on_the_batch_are_group_normalised_and_masked():
     assert torch.allclose(adv[1, :2], torch.full((2,), -0.5 / (std + 1e-6)))
     assert torch.equal(adv[2:], torch.zeros(2, 3)) and torch.equal(adv[:, 2], torch.zeros(4))
     assert "advantages/mean" in metrics
+
+
+def test_distillation_as_a_reward_subtracts_the_per_token_reverse_kl():
+    """distillation.mode=reward: each response token's reward loses coef * (log pi - log pi_teacher), the sampler's
+    log-probs standing in for the policy's on-policy; outside the mask nothing changes. mode=loss leaves the
+    rewards alone (the actor loss takes it) but reports the same reverse KL."""
+    from roll_backend.config.schema import DistillationConfig
+
+    batch = scored_batch([1.0, 0.0], ["a", "a"])
+    policy = torch.tensor([[-0.5, -1.0, -9.0], [-2.0, -0.1, -9.0]])
+    teacher = torch.tensor([[-1.5, -0.5, -1.0], [-0.5, -0.3, -1.0]])
+    batch.batch[keys.ROLLOUT_LOG_PROBS] = policy
+    batch.batch[keys.TEACHER_LOG_PROBS] = teacher
+    algo = AlgorithmConfig(adv_estimator="reinforce_plus_plus", use_kl_loss=False)
+    metrics = advantages(batch, algo, 0.0, DistillationConfig(mode="reward", coef=0.5))
+    mask = batch.batch[keys.RESPONSE_MASK].float()
+    expected = batch.batch[keys.TOKEN_LEVEL_SCORES] - 0.5 * (policy - teacher) * mask
+    assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_REWARDS], expected)
+    reverse_kl = float(((policy - teacher) * mask).sum() / mask.sum())
+    assert metrics["distill/reverse_kl"] == reverse_kl
+    as_loss = scored_batch([1.0, 0.0], ["a", "a"])
+    as_loss.batch[keys.ROLLOUT_LOG_PROBS], as_loss.batch[keys.TEACHER_LOG_PROBS] = policy, teacher
+    metrics = advantages(as_loss, algo, 0.0, DistillationConfig(mode="loss", coef=0.5))
+    assert torch.equal(as_loss.batch[keys.TOKEN_LEVEL_REWARDS], as_loss.batch[keys.TOKEN_LEVEL_SCORES])
+    assert metrics["distill/reverse_kl"] == reverse_kl
