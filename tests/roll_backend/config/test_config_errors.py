@@ -232,7 +232,8 @@ def test_mini_batch_must_split_into_micro_batches_on_every_dp_rank(base):
     assert problems_of(base + overrides) == [
         "actor_train: a mini-batch of 12 responses cannot be split into micro-batches of "
         "actor_train.strategy.micro_batch_size=4 on each of 2 data-parallel ranks; make the mini-batch "
-        "(algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of 8 or change micro_batch_size to one of 1, 2, 3, 6"
+        "(algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of 8 or change "
+        "micro_batch_size to one of 1, 2, 3, 6"
     ]
 
 
