@@ -4,7 +4,7 @@ running engine, then vLLM's greedy output
 equals transformers' with the trained weights on 16 prompts sharing a 420-token prefix, and vLLM's sampling
 log-probs agree with Megatron's log-probs of the same sequences (the check that fails, 30x over its bound, when
 the prefix cache is not reset after the sync: these few small Adam steps leave greedy decoding on a repeated token
-that the stale prefix does not change)."""
+that the stale prefix does not change). The engine starts from the actor's sharded HF export."""
 
 from __future__ import annotations
 
@@ -34,10 +34,20 @@ TRAIN_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def rollout(make_group, model_dir):  # noqa: F811
+def sharded_start(actor, tmp_path_factory) -> str:
+    """The actor's starting weights exported in 128 KiB shards with their index: the engine starts from them, so vLLM
+    loads a sharded export (and greedy output before the sync is the tiny model's, as the tests below expect)."""
+    out = tmp_path_factory.mktemp("sharded_start")
+    actor.call(ActorWorker.export_hf, str(out), 128 * 1024)
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def rollout(make_group, sharded_start):
     config = RolloutWorkerConfig(
         strategy=VllmRolloutConfig(
-            model_path=model_dir,
+            model_path=sharded_start,
             max_model_len=1024,
             sampling=SamplingConfig(n=4, temperature=1.0, max_tokens=24),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=GREEDY_TOKENS),
