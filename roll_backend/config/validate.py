@@ -432,6 +432,9 @@ def _check_offline(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(f"preference.label_smoothing={pref.label_smoothing} must be in [0, 0.5)")
     if pref.loss == "ipo" and pref.label_smoothing:
         problems.append("preference.label_smoothing applies to the sigmoid loss; set it to 0 with loss=ipo")
+    for section, value in (("async_generation.enabled", config.async_generation.enabled), ("agentic", config.agentic)):
+        if value:
+            problems.append(f"{section}: pipeline={config.pipeline} trains on a dataset, without a rollout; drop it")
     if config.rollout_batch_size < 1:
         problems.append(f"rollout_batch_size={config.rollout_batch_size} (examples or pairs per step) must be >= 1")
     if config.response_length < 1:

@@ -298,6 +298,16 @@ def test_offline_pipelines_name_the_roles_they_start_and_their_settings(base):
         "preference.beta=0.0 must be > 0 (0.1 is usual)",
         "preference.label_smoothing applies to the sigmoid loss; set it to 0 with loss=ipo",
     ]
+    offline = [
+        "pipeline=sft",
+        "reference=null",
+        "actor_infer=null",
+        "async_generation.enabled=true",
+        "rollout_batch_size=64",
+    ]
+    assert problems_of(base + offline) == [
+        "async_generation.enabled: pipeline=sft trains on a dataset, without a rollout; drop it"
+    ]
     assert problems_of(base + ["pipeline=grpo", "actor_infer=null"]) == [
         "pipeline=grpo needs an `actor_infer:` role block (the rollout engine, strategy vllm_rollout)"
     ]
