@@ -109,26 +109,16 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
         entropy = agg_loss(per_token[keys.ENTROPY], mask, "token-mean", dp_size=1, batch_num_tokens=global_tokens)
         metrics["entropy"] = entropy.detach()
         loss = loss - cfg.entropy_coef * entropy
-    if cfg.kl_loss_coef:
-        kl = agg_loss(
-            kl_estimate(log_probs, batch[keys.REF_LOG_PROBS], cfg.kl_estimator),
-            mask,
-            "token-mean",
-            dp_size=1,
-            batch_num_tokens=global_tokens,
-        )
-        metrics["kl_loss"] = kl.detach()
-        loss = loss + cfg.kl_loss_coef * kl
-    if cfg.distill_loss_coef:
-        distill = agg_loss(
-            kl_estimate(log_probs, batch[keys.TEACHER_LOG_PROBS], cfg.kl_estimator),
-            mask,
-            "token-mean",
-            dp_size=1,
-            batch_num_tokens=global_tokens,
-        )
-        metrics["distill_kl"] = distill.detach()
-        loss = loss + cfg.distill_loss_coef * distill
+    # KL to the reference and (distillation as a loss) to the teacher: the same estimator, token mean over the step
+    for coef, column, name in (
+        (cfg.kl_loss_coef, keys.REF_LOG_PROBS, "kl_loss"),
+        (cfg.distill_loss_coef, keys.TEACHER_LOG_PROBS, "distill_kl"),
+    ):
+        if coef:
+            kl = kl_estimate(log_probs, batch[column], cfg.kl_estimator)
+            kl = agg_loss(kl, mask, "token-mean", dp_size=1, batch_num_tokens=global_tokens)
+            metrics[name] = kl.detach()
+            loss = loss + coef * kl
     return loss, metrics
 
 

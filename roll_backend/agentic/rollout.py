@@ -29,7 +29,7 @@ from roll_backend.agentic.config import AgenticConfig
 from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.agentic.episode import Episode, EpisodeSpec, Outcome
 from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBreak
-from roll_backend.algorithms.tokens import left_pad
+from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
 
@@ -147,14 +147,9 @@ class AgenticRollout:
             present[i, :length] = 1
             loss_mask[i, :length] = torch.tensor(seg.loss_mask, dtype=torch.int64)
             log_probs[i, :length] = torch.tensor(seg.log_probs, dtype=torch.float32)
-        attention = torch.cat([prompt_mask, present], dim=1)
         rows = [traj.row for traj, _ in segments]
-        tensors = {
-            keys.PROMPTS: prompts,
-            keys.RESPONSES: responses,
-            keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-            keys.ATTENTION_MASK: attention,
-            keys.POSITION_IDS: (attention.cumsum(dim=1) - 1).clamp(min=0),
+        tensors = sequence_columns(prompts, prompt_mask, responses, present)
+        tensors |= {
             keys.RESPONSE_MASK: loss_mask,
             keys.ROLLOUT_LOG_PROBS: log_probs,
             keys.ENV_REWARDS: torch.tensor(

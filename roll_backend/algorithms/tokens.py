@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from roll_backend import keys
 from roll_backend.algorithms.aggregation import agg_loss
 
 
@@ -81,3 +82,33 @@ def left_pad(
             ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.int64)
             mask[row, width - len(seq) :] = 1
     return ids, mask
+
+
+def right_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and mask, both [B, width] int64 (longer sequences are cut at `width`)."""
+    width = width if width is not None else max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for row, seq in enumerate(sequences):
+        seq = list(seq)[:width]
+        if seq:
+            ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
+            mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def sequence_columns(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_present: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The rollout layout's sequence columns (keys.PROMPTS, RESPONSES, INPUT_IDS, ATTENTION_MASK, POSITION_IDS) from
+    left-padded prompts and right-padded responses with their masks (the tokens present; the loss mask is apart)."""
+    attention = torch.cat([prompt_mask, response_present], dim=1)
+    return {
+        keys.PROMPTS: prompts,
+        keys.RESPONSES: responses,
+        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+        keys.ATTENTION_MASK: attention,
+        keys.POSITION_IDS: (attention.cumsum(dim=1) - 1).clamp(min=0),
+    }

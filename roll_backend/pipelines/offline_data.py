@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import left_pad
+from roll_backend.algorithms.tokens import left_pad, right_pad, sequence_columns
 from roll_backend.config.schema import PAIR_PIPELINES, DataConfig, PipelineConfig
 from roll_backend.pipelines.data import PromptDataset, _encode
 from roll_backend.pipelines.data_rows import DataError
@@ -77,21 +77,9 @@ class OfflineDataset:
             (self.prompt_ids[i], column[i]) for i in indices for column in self.response_ids[: 2 if self.pairs else 1]
         ]
         prompts, prompt_mask = left_pad([prompt for prompt, _ in examples], self.pad_id)
-        width = max(len(response) for _, response in examples)
-        responses = torch.full((len(examples), width), self.pad_id, dtype=torch.int64)
-        response_mask = torch.zeros_like(responses)
-        for row, (_, response) in enumerate(examples):
-            responses[row, : len(response)] = torch.as_tensor(response)
-            response_mask[row, : len(response)] = 1
-        attention = torch.cat([prompt_mask, response_mask], dim=1)
-        tensors = {
-            keys.PROMPTS: prompts,
-            keys.RESPONSES: responses,
-            keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-            keys.ATTENTION_MASK: attention,
-            keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
-            keys.RESPONSE_MASK: response_mask,
-        }
+        responses, response_mask = right_pad([response for _, response in examples], self.pad_id)
+        tensors = sequence_columns(prompts, prompt_mask, responses, response_mask)
+        tensors[keys.RESPONSE_MASK] = response_mask
         rows_per_example = 2 if self.pairs else 1
         tensors[PAIR_INDEX] = torch.arange(len(indices)).repeat_interleave(rows_per_example)
         return DataProto.from_dict(tensors=tensors, meta_info={"margins": self.margins[indices].tolist()})

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import left_pad
+from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
@@ -205,17 +205,8 @@ class VllmRolloutStrategy(RolloutStrategy):
             rollout_log_probs[row, :length] = torch.tensor(
                 [step[token].logprob for step, token in zip(completion.logprobs, token_ids)], dtype=torch.float32
             )
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B*n, T]
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        tensors = {
-            keys.PROMPTS: prompts,
-            keys.RESPONSES: responses,
-            keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-            keys.ATTENTION_MASK: attention_mask,
-            keys.POSITION_IDS: position_ids,
-            keys.RESPONSE_MASK: response_mask,
-            keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
-        }
+        tensors = sequence_columns(prompts, prompt_mask, responses, response_mask)  # [B*n, T] each
+        tensors |= {keys.RESPONSE_MASK: response_mask, keys.ROLLOUT_LOG_PROBS: rollout_log_probs}
         tensors.update(self._carried_tensors(batch, n, exclude=tensors))
         non_tensors = {name: np.repeat(column, n, axis=0) for name, column in batch.non_tensor_batch.items()}
         if keys.UID not in non_tensors:
