@@ -194,8 +194,9 @@ class DataConfig:
     # Training prompts from a reasoning-gym dataset (when train_path is unset; it wins over synthetic).
     reasoning_gym: ReasoningGymData | None = None
     prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
-    # column holding the reference answer the reward compares with; sft: the response trained on; reward_model and
-    # dpo: the chosen response (e.g. answer_key: chosen)
+    # column holding the reference answer the reward compares with; sft: the response trained on (or, naming the
+    # prompt's column, conversations whose last assistant message is the response); reward_model and dpo: the chosen
+    # response (e.g. answer_key: chosen)
     answer_key: str = "answer"
     rejected_key: str = "rejected"  # reward_model and dpo: the column holding the rejected response
     margin_key: str = "margin"  # reward_model: a pair's margin in the Bradley-Terry loss, where rows have it

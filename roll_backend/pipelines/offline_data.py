@@ -1,5 +1,5 @@
-"""Datasets of the offline pipelines: (prompt, response) examples for sft and (prompt, chosen, rejected) pairs for
-reward_model and dpo, served as rollout-layout batches (left-padded prompts, right-padded responses ending in EOS) so
+"""Datasets of the offline pipelines: (prompt, response) examples or whole conversations (the last assistant message
+is the response) for sft and (prompt, chosen, rejected) pairs for reward_model and dpo, served as rollout-layout batches (left-padded prompts, right-padded responses ending in EOS) so
 the Megatron strategies take them as they take a rollout's. Rows are read, checked, chat-templated and ordered
 by the prompt datasets (pipelines.data: the answer column holds the response or the chosen one, the rejected
 response rides in extra_info), so `batch_at(step, B)` depends only on (seed, step, B) and a resumed run trains on
@@ -39,8 +39,13 @@ class OfflineDataset:
                     f"pair rows need {data.prompt_key!r}, {data.answer_key!r} (chosen) and {data.rejected_key!r}, or "
                     "set data.rejected_key"
                 )
-        self.prompt_ids = [_encode(tokenizer, prompt) for prompt in self.rows.prompts]
-        responses = [list(self.rows.answers)]
+        prompts, answers = list(self.rows.prompts), list(self.rows.answers)
+        if not self.pairs:  # a whole conversation (answer_key naming the prompt's column): its last reply is trained
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
+                    prompts[i], answers[i] = prompt[:-1], str(prompt[-1].get("content", ""))
+        self.prompt_ids = [_encode(tokenizer, prompt) for prompt in prompts]
+        responses = [answers]
         if self.pairs:
             responses.append([str(info[data.rejected_key]) for info in infos])
         self.response_ids = [
