@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import at_last_token, place_on_last_token
+from roll_backend.algorithms.tokens import at_last_token, last_token_index, place_on_last_token
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -24,14 +24,27 @@ class RewardModelConfig:
 
 
 def with_one_more_column(batch: DataProto) -> DataProto:
-    """The batch's sequence columns with one masked padding column appended on the response side."""
+    """The batch's sequence columns with one padding column appended on the response side, and each row's column
+    right after its last response token attended (a padding token there, out of the loss): the value read at that
+    column is the one at the last response token itself (`sequence_scores`), and an attended column is one that
+    token-budget and packed micro-batches keep. The token there cannot change the earlier positions (causal)."""
     columns = (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK)
     missing = [name for name in columns if name not in batch.batch.keys()]
     if missing:
         raise KeyError(f"compute_rewards needs the tensor columns {missing}")
     tensors = {name: batch.batch[name] for name in columns}
     extended = {name: torch.cat([t, t.new_zeros(t.shape[0], 1)], dim=1) for name, t in tensors.items()}
-    extended[keys.POSITION_IDS][:, -1] = tensors[keys.POSITION_IDS][:, -1] + 1
+    response_mask = tensors[keys.RESPONSE_MASK]
+    rows = torch.arange(len(response_mask))
+    after_last = (
+        extended[keys.INPUT_IDS].shape[1] - extended[keys.RESPONSES].shape[1] + last_token_index(response_mask) + 1
+    )
+    has_response = response_mask.bool().any(1)
+    attention, positions = extended[keys.ATTENTION_MASK], extended[keys.POSITION_IDS]
+    attention[rows[has_response], after_last[has_response]] = 1
+    positions[rows, after_last] = torch.where(
+        has_response, positions[rows, after_last - 1] + 1, positions[rows, after_last]
+    )
     return DataProto.from_dict(tensors=extended, meta_info=dict(batch.meta_info))
 
 

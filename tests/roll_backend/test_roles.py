@@ -13,6 +13,7 @@ from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
 from roll_backend.workers.reference import ReferenceWorker
 from roll_backend.workers.reward import RewardWorker
+from roll_backend.workers.reward_model import RewardModelWorker
 from roll_backend.workers.rollout import RolloutWorker
 
 ROLE_WORKERS = {
@@ -21,6 +22,8 @@ ROLE_WORKERS = {
     roles.REFERENCE: ReferenceWorker,
     roles.CRITIC: CriticWorker,
     roles.REWARD: RewardWorker,
+    roles.REWARD_MODEL: RewardModelWorker,
+    roles.TEACHER: ReferenceWorker,  # (a teacher's log-probs are computed as a reference's)
 }
 
 

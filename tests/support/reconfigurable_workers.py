@@ -1,14 +1,33 @@
 """Test-only workers that load another model into a running group (a new group per model costs seconds of
-spawning; a tiny model builds in milliseconds)."""
+spawning; a tiny model builds in milliseconds), and measure the resident memory an HF export adds to each rank: the
+process's peak RSS (VmHWM, reset just before) over its RSS before the export."""
 
 from __future__ import annotations
 
 import functools
+import re
 
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorConfig, ActorWorker
 from roll_backend.workers.critic import CriticConfig, critic_loss
+
+
+def _status_bytes(field: str) -> int:
+    """A `VmRSS`/`VmHWM` line of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    return int(match.group(1)) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _status_bytes("VmHWM") <= _status_bytes("VmRSS") + (1 << 20)
 
 
 class ReconfigurableActor(ActorWorker):
@@ -25,3 +44,19 @@ class ReconfigurableActor(ActorWorker):
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def critic_train_step(self, batch: DataProto) -> dict[str, float] | None:
         return self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf_measuring_rss(self, out_dir: str, max_shard_bytes: int) -> dict:
+        """{"written": the strategy's export_hf result, "rss_before", "peak_rss": bytes, "peak_reset": whether the
+        peak could be reset (else "peak_rss" is the process's all-time peak), "tp", "pp": this rank's place}."""
+        peak_reset = reset_peak_rss()
+        rss_before = _status_bytes("VmRSS")
+        written = self.strategy.export_hf(out_dir, max_shard_bytes=max_shard_bytes)
+        return {
+            "written": written,
+            "rss_before": rss_before,
+            "peak_rss": _status_bytes("VmHWM"),
+            "peak_reset": peak_reset,
+            "tp": self.coords.tp,
+            "pp": self.coords.pp,
+        }

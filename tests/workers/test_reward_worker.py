@@ -123,7 +123,7 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
     group = make_group(RewardWorker, 2, role="reward", worker_config=config)
     responses, answers = ["7", "3 ", "x", "12", "5"], ["7", "3", "4", "1", "55"]  # 5 rows: one dispatch padding row
     batch = text_batch(responses, answers)
-    metrics = score(SimpleNamespace(reward=group), batch)
+    metrics = score(SimpleNamespace(reward=group, reward_model=None), batch)
     exact = [1.0, 1.0, 0.0, 0.0, 0.0]
     expected = [
         2 * e + e + (0.5 if r[0].isdigit() else 0.0) + 0.25 * len(a) for e, r, a in zip(exact, responses, answers)
@@ -165,7 +165,7 @@ def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user
     )
     group = make_group(RewardWorker, 2, role="reward", worker_config=config)
     batch = text_batch(["1", "0", "4", "0", "1", "2"], ["0"] * 6)
-    metrics = score(SimpleNamespace(reward=group), batch)
+    metrics = score(SimpleNamespace(reward=group, reward_model=None), batch)
     divide = [1.0, 0.0, 0.25, 0.0, 1.0, 0.5]
     slow = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # "1" sleeps past the deadline: scored 0
     assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(divide) + torch.tensor(slow))

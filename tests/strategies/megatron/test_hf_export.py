@@ -3,7 +3,8 @@ sequence-classifier config on their own; then, on one TP2 x PP2 group, a sharded
 the same log-probs, written by a rank whose memory grows by about one shard (not the whole model), and a value-head
 model exported as Qwen2ForSequenceClassification that transformers and our own loader score as the model does.
 
-Tests run in file order and share the group (models are loaded into it with `init_model_with`).
+Tests run in file order and share the package's TP2 x PP2 group (conftest.py; models are loaded into it with
+`init_model_with`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from export_probe import ExportProbeActor
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
+from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
 from roll_backend.algorithms.tokens import at_last_token
-from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model, tokenizer_for
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
@@ -35,7 +35,6 @@ from roll_backend.workers.critic import CriticConfig
 from roll_backend.workers.reward_model import with_one_more_column
 
 TOL = 1e-5
-TP2_PP2 = ParallelLayout(tp=2, pp=2)
 # 18 layers of hidden 256: ~68 MiB of float32 weights, 8.5 shards of 8 MiB; its largest tensor (gate_proj, 1 MiB)
 # is far below a shard, so a writer holding one shard stays near 8 MiB while one holding the model would not.
 LARGE_SPEC = TinyModelSpec(
@@ -123,9 +122,9 @@ def test_sequence_classification_config_names_the_class_and_takes_the_tokenizers
 
 # ---- one TP2 x PP2 group: sharded export, its memory, a value-head export --------------------------------------------
 @pytest.fixture(scope="module")
-def group(make_group):
-    placeholder = ActorConfig(strategy=MegatronTrainConfig(model_path="unused"))
-    return make_group(ExportProbeActor, 4, TP2_PP2, role="hf_export", worker_config=placeholder)
+def group(layout_actors):
+    """The package's shared TP2 x PP2 group (conftest.py)."""
+    return layout_actors["tp2pp2"]
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +137,9 @@ def sharded_export(group, large_model_dir, tmp_path_factory) -> dict:
     """The large model loaded into the group and exported in shards of MAX_SHARD_BYTES: {"dir", "ranks": each
     rank's export_hf_measuring_rss}."""
     config = ActorConfig(strategy=MegatronTrainConfig(model_path=large_model_dir, micro_batch_size=2))
-    group.call(ExportProbeActor.init_model_with, config)
+    group.call(ReconfigurableActor.init_model_with, config)
     out_dir = tmp_path_factory.mktemp("hf_export_sharded") / "export"
-    ranks = group.call(ExportProbeActor.export_hf_measuring_rss, str(out_dir), MAX_SHARD_BYTES)
+    ranks = group.call(ReconfigurableActor.export_hf_measuring_rss, str(out_dir), MAX_SHARD_BYTES)
     return {"dir": out_dir, "ranks": ranks}
 
 
@@ -200,7 +199,7 @@ def test_exporting_rank_memory_grows_by_about_one_shard(group, sharded_export, t
     rank alone), the writing process's peak RSS grows less than 3 shards more than its peer's (the shard held, the
     tensor being gathered, allocator slack) for a model 8 shards large; the same export in one shard, which holds the
     whole model, grows more, so the measurement tells the two apart."""
-    measure = ExportProbeActor.export_hf_measuring_rss
+    measure = ReconfigurableActor.export_hf_measuring_rss
     sharded = group.call(measure, str(tmp_path / "sharded"), MAX_SHARD_BYTES)
     if not all(rank["peak_reset"] for rank in sharded):
         pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
@@ -224,13 +223,13 @@ def _value_model(group, model_dir: str) -> None:
             model_path=model_dir, micro_batch_size=2, value_head=True, value_head_init="score_head"
         )
     )
-    group.call(ExportProbeActor.init_model_with, config)
+    group.call(ReconfigurableActor.init_model_with, config)
 
 
 def _scores(group, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The value head at each row's last token, as RewardModelWorker.compute_rewards reads it: [B]."""
     batch = with_one_more_column(DataProto.from_dict(tensors=tensors))
-    values = group.call(ExportProbeActor.compute_values, batch).batch[keys.VALUES]  # [B, T_resp + 1]
+    values = group.call(ReconfigurableActor.compute_values, batch).batch[keys.VALUES]  # [B, T_resp + 1]
     return at_last_token(values[:, 1:], tensors[keys.RESPONSE_MASK])
 
 

@@ -5,8 +5,9 @@ weights (algorithms.preference.pair_loss_row_weights); their gradient is the pai
 DPO step equals that of transformers' model backpropagating TRL-style DPO on the same pairs, and the reward model's
 that of a hand-written Bradley-Terry backward through a value head on transformers' hidden states.
 
-The batch has pairs whose two rows land in different micro-batches (micro_batch_size=2 over 3 pairs interleaved),
-uneven prompt and response lengths, and a vocabulary that TP2 does not split evenly into the tokenizer's size."""
+The batch has pairs whose two rows land in different micro-batches (micro_batch_size=2 over 3 pairs interleaved at
+TP1; packs of 24 tokens for DPO and a 26-token budget for the reward model at TP2 x PP2) and uneven prompt and
+response lengths."""
 
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ def pair_tensors() -> dict[str, torch.Tensor]:
     return make_rl_batch_tensors(vocab_size=300, num_rows=6, seed=11)
 
 
-def _load(group, model_dir: str, objective: str, value_head: bool = False):
+def _load(group, model_dir: str, objective: str, value_head: bool = False, **batching):
     strategy = MegatronTrainConfig(
         model_path=model_dir,
         micro_batch_size=2,
         value_head=value_head,
+        **batching,
         # Adam's first step moves every weight by about lr * sign(grad); an epsilon above float32 noise keeps
         # near-zero gradients (equal up to rounding between layouts) from moving weights by +-lr apart
         optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.0, eps=1e-4),
@@ -69,11 +71,15 @@ def _assert_same_step(reference: dict, got: dict, weights_ref: dict, weights_got
         assert weights_got[name][1] == pytest.approx(total, rel=TOL, abs=TOL), name
 
 
-def _step_at_both_layouts(layout_actors, model_dir, objective, batch: DataProto, value_head=False, check=None):
-    """(metrics, weights) at TP1 and TP2 x PP2 after one step on `batch`; `check(group)` runs on TP1 first."""
+def _step_at_both_layouts(
+    layout_actors, model_dir, objective, batch: DataProto, value_head=False, check=None, **tp2pp2_batching
+):
+    """(metrics, weights) at TP1 (micro-batches of 2 rows) and TP2 x PP2 (with `tp2pp2_batching`: a token budget or
+    packing) after one step on `batch`; `check(group)` runs on TP1 first."""
     results = []
     for name in ("tp1", "tp2pp2"):
-        group = _load(layout_actors[name], model_dir, objective, value_head)
+        batching = tp2pp2_batching if name == "tp2pp2" else {}
+        group = _load(layout_actors[name], model_dir, objective, value_head, **batching)
         if check is not None and name == "tp1":
             check(group)
         metrics = group.call(ActorWorker.train_step, batch)[0]
@@ -114,7 +120,9 @@ def test_dpo_step_is_layout_independent_and_has_the_dpo_gradient(layout_actors, 
         _, weights = pair_loss_row_weights((log_probs * mask).sum(-1), lambda rows: mean_loss(reference.double(), rows))
         batch.batch[keys.ROW_LOSS_WEIGHTS] = weights.float()
 
-    metrics = _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, check=add_weights)
+    # TP2 x PP2 packs rows into 24-token micro-batches: a pair's rows land in different packs
+    packed = {"max_tokens_per_microbatch": 24, "use_sequence_packing": True}
+    metrics = _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, check=add_weights, **packed)
 
     def hf_dpo(model):
         logits = model(
@@ -147,7 +155,8 @@ def test_reward_model_step_is_layout_independent(layout_actors, model_dir, pair_
         )
         batch.batch[keys.ROW_LOSS_WEIGHTS] = weights.float()
 
-    _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, value_head=True, check=add_weights)
+    budget = {"max_tokens_per_microbatch": 26}  # TP2 x PP2: micro-batches of at most 26 padded tokens
+    _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, value_head=True, check=add_weights, **budget)
     # the scores moved the way the loss asks: each chosen row's score rose against its rejected row
     group = layout_actors["tp2pp2"]
     after = sequence_scores(
