@@ -1,9 +1,9 @@
 """Datasets of the offline pipelines: (prompt, response) examples or whole conversations (the last assistant message
-is the response) for sft and (prompt, chosen, rejected) pairs for reward_model and dpo, served as rollout-layout batches (left-padded prompts, right-padded responses ending in EOS) so
-the Megatron strategies take them as they take a rollout's. Rows are read, checked, chat-templated and ordered
-by the prompt datasets (pipelines.data: the answer column holds the response or the chosen one, the rejected
-response rides in extra_info), so `batch_at(step, B)` depends only on (seed, step, B) and a resumed run trains on
-the same batches."""
+is the response) for sft and (prompt, chosen, rejected) pairs for reward_model and dpo, served as rollout-layout
+batches (left-padded prompts, right-padded responses ending in EOS) so the Megatron strategies take them as they take
+a rollout's. Rows are read, checked, chat-templated and ordered by the prompt datasets (pipelines.data: the answer
+column holds the response or the chosen one, the rejected response rides in extra_info), so `batch_at(step, B)`
+depends only on (seed, step, B) and a resumed run trains on the same batches."""
 
 from __future__ import annotations
 
