@@ -6,5 +6,6 @@
   loaded from HF files (`convert`, `hf_files`, `moe_convert`); `mtp`, `moe`, `compiled_layers`, `layers`;
 - `micro_batches`: fixed, token-budget and packed micro-batches; `cp`: context-parallel slicing;
 - `schedule`: the pipelined forward/backward; `log_probs`: vocab-parallel log-probs, entropy and values;
-- `weights`: full HF-named weights gathered over TP/EP/PP (weight sync, HF export).
+- `weights`: full HF-named weights gathered over TP/EP/PP (weight sync, HF export); `hf_export`: the sharded
+  safetensors writer and the *ForSequenceClassification config of a value-head export.
 """
