@@ -289,11 +289,17 @@ def read_metrics(path: Path) -> list[dict]:
 def cmd_plot(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
-    train = [(row["step"], row["reward/mean"]) for row in rows if "step" in row and "reward/mean" in row]
+    metric, val_metric = args.metric, args.val_metric
+    train = [(row["step"], row[metric]) for row in rows if "step" in row and metric in row]
     if not train:
-        raise CliError(f"{run_dir / 'metrics.jsonl'} has no rows with both 'step' and 'reward/mean'")
-    val = [(row["step"], row["val/reward"]) for row in rows if "step" in row and "val/reward" in row]
-    out = Path(args.out) if args.out else run_dir / "reward_curve.png"
+        known = sorted(
+            {key for row in rows for key, value in row.items() if isinstance(value, (int, float))} - {"step"}
+        )
+        hint = f"; pass --metric with one of {', '.join(known[:40])}" if known else ""
+        raise CliError(f"{run_dir / 'metrics.jsonl'} has no rows with both 'step' and {metric!r}{hint}")
+    val = [(row["step"], row[val_metric]) for row in rows if "step" in row and val_metric in row]
+    default_name = "reward_curve.png" if metric == "reward/mean" else metric.replace("/", "_") + ".png"
+    out = Path(args.out) if args.out else run_dir / default_name
 
     import matplotlib
 
@@ -301,11 +307,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(*zip(*train), marker="." if len(train) < 50 else None, label="reward/mean (train)")
+    ax.plot(*zip(*train), marker="." if len(train) < 50 else None, label=f"{metric} (train)")
     if val:
-        ax.plot(*zip(*val), marker="o", label="val/reward")
+        ax.plot(*zip(*val), marker="o", label=val_metric)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel(metric)
     ax.set_title(run_dir.resolve().name)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -353,9 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(submit)
     submit.set_defaults(handler=cmd_submit)
 
-    plot = commands.add_parser("plot", help="plot the reward curve of a run from RUN_DIR/metrics.jsonl")
+    plot = commands.add_parser(
+        "plot", help="plot a metric of a run (the reward curve by default) from RUN_DIR/metrics.jsonl"
+    )
     plot.add_argument("run_dir", metavar="RUN_DIR")
-    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/reward_curve.png)")
+    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/reward_curve.png, or <metric>.png)")
+    plot.add_argument("--metric", default="reward/mean", help="the training metric to plot (e.g. actor/loss for sft)")
+    plot.add_argument("--val-metric", default="val/reward", help="a validation metric drawn beside it, where logged")
     plot.set_defaults(handler=cmd_plot)
     return parser
 

@@ -96,7 +96,15 @@ def test_plot_without_metrics_says_what_to_pass(tmp_path, capsys):
 def test_plot_rejects_rows_without_reward(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     assert cli.main(["plot", str(tmp_path)]) == 2
-    assert "no rows with both 'step' and 'reward/mean'" in capsys.readouterr().err
+    assert "no rows with both 'step' and 'reward/mean'; pass --metric with one of loss" in capsys.readouterr().err
+
+
+def test_plot_draws_any_metric_of_an_offline_run(tmp_path, capsys):
+    rows = [{"step": s, "actor/loss": 2.0 / s} for s in range(1, 6)] + [{"step": 5, "val/sft/nll": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["plot", str(tmp_path), "--metric", "actor/loss", "--val-metric", "val/sft/nll"]) == 0
+    png = tmp_path / "actor_loss.png"
+    assert capsys.readouterr().out.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- submit: the pieces that need no cluster ------------------------------------------------------------
