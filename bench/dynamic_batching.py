@@ -56,6 +56,7 @@ def response_lengths(count: int, seed: int) -> np.ndarray:
 def rl_batch(lengths: np.ndarray, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """64-token prompts, right-padded responses of `lengths`, random advantages and old log-probs."""
     from roll_backend import keys
+    from roll_backend.algorithms.tokens import sequence_columns
 
     gen = torch.Generator().manual_seed(seed)
     rows, width = len(lengths), MAX_RESPONSE
@@ -63,13 +64,9 @@ def rl_batch(lengths: np.ndarray, vocab_size: int, seed: int) -> dict[str, torch
     responses = torch.randint(3, vocab_size, (rows, width), generator=gen)
     response_mask = (torch.arange(width)[None] < torch.as_tensor(lengths)[:, None]).long()
     responses = responses * response_mask
-    attention = torch.cat([torch.ones(rows, PROMPT_LEN, dtype=torch.long), response_mask], dim=1)
+    prompt_mask = torch.ones(rows, PROMPT_LEN, dtype=torch.long)
     return {
-        keys.PROMPTS: prompts,
-        keys.RESPONSES: responses,
-        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention,
-        keys.POSITION_IDS: (attention.cumsum(-1) - 1).clamp(min=0),
+        **sequence_columns(prompts, prompt_mask, responses, response_mask),
         keys.RESPONSE_MASK: response_mask,
         keys.ADVANTAGES: torch.randn(rows, width, generator=gen),
     }

@@ -44,7 +44,7 @@ class PromptDataset:
         self.skipped_rows = loaded.skipped  # bad rows skipped under data.skip_invalid_rows
         _check_encodable(tokenizer, [row[config.prompt_key] for row in rows], loaded.locations)
         prompts = [_as_prompt(row[config.prompt_key], config.apply_chat_template) for row in rows]
-        lengths = [len(_encode(tokenizer, prompt)) for prompt in prompts]
+        lengths = [len(encode_prompt(tokenizer, prompt)) for prompt in prompts]
         kept = [index for index, length in enumerate(lengths) if length <= config.max_prompt_length]
         if not kept:
             raise DataError(
@@ -195,7 +195,7 @@ def _as_prompt(text: Any, apply_chat_template: bool) -> str | list[dict[str, str
     return [{"role": "user", "content": str(text)}] if apply_chat_template else str(text)
 
 
-def _encode(tokenizer, prompt: str | Sequence[dict[str, str]]) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | Sequence[dict[str, str]]) -> list[int]:
     """Token ids as the rollout will see them (strategies/vllm/rollout.py: encode_prompt)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=False)

@@ -25,6 +25,7 @@ from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.pipelines.offline_data import OfflineDataset
 from roll_backend.pipelines.perf import SequenceLengths
 from roll_backend.pipelines.tracking import PhaseTimer
+from roll_backend.pipelines.validation import validation_due
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.reference import ReferenceWorker
@@ -143,8 +144,7 @@ class OfflineValidation:
         self.has_reference = False
 
     def due(self, step: int) -> bool:
-        every = self.config.eval.every_steps
-        return step == self.config.max_steps or bool(every and step % every == 0)
+        return validation_due(self.config, step)
 
     def run(self, groups: RoleGroups, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.config.fault_tolerance.timeouts)

@@ -10,16 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 
 from roll_backend import keys
 from roll_backend.algorithms.tokens import left_pad, right_pad, sequence_columns
 from roll_backend.config.schema import PAIR_PIPELINES, DataConfig, PipelineConfig
-from roll_backend.pipelines.data import PromptDataset, _encode
+from roll_backend.pipelines.data import PromptDataset, encode_prompt
 from roll_backend.pipelines.data_rows import DataError
 from roll_backend.protocol import DataProto
-
-PAIR_INDEX = "pair_index"  # [B] int64 column: the pair a row belongs to (its chosen row is even, rejected odd)
 
 
 class OfflineDataset:
@@ -44,7 +41,7 @@ class OfflineDataset:
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
                     prompts[i], answers[i] = prompt[:-1], str(prompt[-1].get("content", ""))
-        self.prompt_ids = [_encode(tokenizer, prompt) for prompt in prompts]
+        self.tokenizer, self.prompts = tokenizer, prompts  # (encoded per batch: PromptDataset measured them already)
         responses = [answers]
         if self.pairs:
             responses.append([str(info[data.rejected_key]) for info in infos])
@@ -59,7 +56,6 @@ class OfflineDataset:
                 f"(longest: {longest}); raise response_length to {longest} or shorten them"
             )
         self.margins = np.array([float(info.get(data.margin_key, 0.0) or 0.0) for info in infos], dtype=np.float32)
-        self.has_margins = self.pairs and any(data.margin_key in info for info in infos)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -79,14 +75,14 @@ class OfflineDataset:
     def batch_of(self, indices: np.ndarray) -> DataProto:
         """The examples (or pairs: chosen then rejected, interleaved) at `indices` in the rollout layout."""
         examples = [
-            (self.prompt_ids[i], column[i]) for i in indices for column in self.response_ids[: 2 if self.pairs else 1]
+            (encode_prompt(self.tokenizer, self.prompts[i]), column[i])
+            for i in indices
+            for column in self.response_ids[: 2 if self.pairs else 1]
         ]
         prompts, prompt_mask = left_pad([prompt for prompt, _ in examples], self.pad_id)
         responses, response_mask = right_pad([response for _, response in examples], self.pad_id)
         tensors = sequence_columns(prompts, prompt_mask, responses, response_mask)
         tensors[keys.RESPONSE_MASK] = response_mask
-        rows_per_example = 2 if self.pairs else 1
-        tensors[PAIR_INDEX] = torch.arange(len(indices)).repeat_interleave(rows_per_example)
         return DataProto.from_dict(tensors=tensors, meta_info={"margins": self.margins[indices].tolist()})
 
 

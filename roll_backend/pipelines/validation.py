@@ -25,6 +25,12 @@ SAMPLES_FILE = "validation.jsonl"
 VALIDATION_SEED_SALT = 3  # phases.step_seed salt: validation samples apart from the training rollouts
 
 
+def validation_due(config: PipelineConfig, step: int) -> bool:
+    """Validation runs after the last step and every eval.every_steps steps (and before training: the driver)."""
+    every = config.eval.every_steps
+    return step == config.max_steps or bool(every and step % every == 0)
+
+
 class Validation:
     """Runs validation for a PipelineRun at the steps the `eval` block asks for."""
 
@@ -34,8 +40,7 @@ class Validation:
         _cut_samples_after(self.samples_path, first_step - 1)
 
     def due(self, step: int) -> bool:
-        every = self.config.eval.every_steps
-        return step == self.config.max_steps or bool(every and step % every == 0)
+        return validation_due(self.config, step)
 
     def sampling(self, step: int) -> dict:
         """The rollout's per-call settings (strategies/vllm: META_VALIDATE picks its validation sampling)."""

@@ -12,9 +12,9 @@ import torch
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig
 from roll_backend.models.tiny import TinyModelSpec, tokenizer_for
-from roll_backend.pipelines.data import _encode
+from roll_backend.pipelines.data import encode_prompt
 from roll_backend.pipelines.data_rows import DataError
-from roll_backend.pipelines.offline_data import PAIR_INDEX, OfflineDataset
+from roll_backend.pipelines.offline_data import OfflineDataset
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,9 @@ def test_pairs_are_interleaved_rows_in_the_rollout_layout(tokenizer, tmp_path):
     for row, text in enumerate(expected):
         ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
         assert responses[row, : len(ids)].tolist() == ids and int(mask[row].sum()) == len(ids)
-    assert batch.batch[PAIR_INDEX].tolist() == [0, 0, 1, 1]
     assert batch.meta_info["margins"] == [0.5, 0.0]
     # the prompts are left-padded to a common width; positions count real tokens only
-    prompt = _encode(tokenizer, [{"role": "user", "content": "copy 7"}])
+    prompt = encode_prompt(tokenizer, [{"role": "user", "content": "copy 7"}])
     width = batch.batch[keys.PROMPTS].shape[1]
     assert batch.batch[keys.PROMPTS][0, width - len(prompt) :].tolist() == prompt
     attention = batch.batch[keys.ATTENTION_MASK]
@@ -67,7 +66,7 @@ def test_conversations_train_on_their_last_assistant_message(tokenizer, tmp_path
         max_prompt_length=200,
     )
     batch = OfflineDataset(data, "sft", tokenizer, seed=0, response_length=2).batch_at(0, 1)
-    prompt = _encode(tokenizer, conversation[:-1])
+    prompt = encode_prompt(tokenizer, conversation[:-1])
     assert batch.batch[keys.PROMPTS][0].tolist() == prompt
     assert batch.batch[keys.RESPONSES][0].tolist() == tokenizer.encode("9", add_special_tokens=False) + [
         tokenizer.eos_token_id

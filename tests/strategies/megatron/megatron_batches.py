@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from roll_backend import keys
+from roll_backend.algorithms.tokens import sequence_columns
 
 PROMPT_LEN = 7
 RESPONSE_LEN = 5
@@ -26,17 +27,7 @@ def make_rl_batch_tensors(
         prompt_mask[row, PROMPT_LEN - p_len :] = 1
         responses[row, :r_len] = torch.randint(3, vocab_size, (r_len,), generator=gen)
         response_mask[row, :r_len] = 1
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {
-        keys.PROMPTS: prompts,
-        keys.RESPONSES: responses,
-        keys.INPUT_IDS: input_ids,
-        keys.ATTENTION_MASK: attention_mask,
-        keys.POSITION_IDS: position_ids,
-        keys.RESPONSE_MASK: response_mask,
-    }
+    return {**sequence_columns(prompts, prompt_mask, responses, response_mask), keys.RESPONSE_MASK: response_mask}
 
 
 def rl_batch_of_lengths(
@@ -52,13 +43,8 @@ def rl_batch_of_lengths(
         prompt_mask[row, prompt_width - p :] = 1
         responses[row, :r] = torch.randint(3, vocab_size, (r,), generator=gen)
         response_mask[row, :r] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
-        keys.PROMPTS: prompts,
-        keys.RESPONSES: responses,
-        keys.INPUT_IDS: torch.cat([prompts, responses], dim=1),
-        keys.ATTENTION_MASK: attention_mask,
-        keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        **sequence_columns(prompts, prompt_mask, responses, response_mask),
         keys.RESPONSE_MASK: response_mask,
         keys.ADVANTAGES: torch.randn(rows, response_width, generator=gen),
     }
@@ -70,6 +56,11 @@ def hf_response_log_probs(model_dir: str, tensors: dict[str, torch.Tensor], temp
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_response_log_probs(model, tensors, temperature)
+
+
+def model_response_log_probs(model, tensors: dict[str, torch.Tensor], temperature: float = 1.0):
+    """(log_probs, entropy) [B, T_resp] of the responses under a transformers causal LM (differentiable)."""
     logits = model(
         input_ids=tensors[keys.INPUT_IDS],
         attention_mask=tensors[keys.ATTENTION_MASK],

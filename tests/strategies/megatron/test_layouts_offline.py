@@ -2,8 +2,8 @@
 SFT, DPO and the reward model's Bradley-Terry loss each take one step at TP1 and at TP2 x PP2 from the same weights
 and batch, with the same loss, grad norm and weights after the step (1e-5). The pair losses train through per-row
 weights (algorithms.preference.pair_loss_row_weights); their gradient is the pair loss's own: the grad norm of the
-DPO step equals that of transformers' model backpropagating TRL-style DPO on the same pairs, and the reward model's
-that of a hand-written Bradley-Terry backward through a value head on transformers' hidden states.
+DPO step equals that of transformers' model backpropagating the DPO loss on the same pairs, and the reward model's
+that of transformers' *ForSequenceClassification backpropagating the Bradley-Terry loss.
 
 The batch has pairs whose two rows land in different micro-batches (micro_batch_size=2 over 3 pairs interleaved at
 TP1; packs of 24 tokens for DPO and a 26-token budget for the reward model at TP2 x PP2) and uneven prompt and
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_batches import make_rl_batch_tensors, max_masked_diff
+from megatron_batches import make_rl_batch_tensors, max_masked_diff, model_response_log_probs
 from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
 from roll_backend.algorithms.preference import bradley_terry_loss, dpo_loss, pair_loss_row_weights
-from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
@@ -47,6 +47,7 @@ def _load(group, model_dir: str, objective: str, value_head: bool = False, **bat
         model_path=model_dir,
         micro_batch_size=2,
         value_head=value_head,
+        value_head_init="score_head" if value_head else "fresh",  # (a value head loads the reward model's score)
         **batching,
         # Adam's first step moves every weight by about lr * sign(grad); an epsilon above float32 noise keeps
         # near-zero gradients (equal up to rounding between layouts) from moving weights by +-lr apart
@@ -99,10 +100,8 @@ def test_sft_step_is_layout_independent(layout_actors, model_dir, pair_tensors):
     assert metrics["loss"] == pytest.approx(float(-(log_probs * mask).sum() / mask.sum()), abs=TOL)
 
 
-def _hf_grad_norm(model_dir: str, loss_of_model) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def _hf_grad_norm(model, loss_of_model) -> float:
+    """The global gradient norm of `loss_of_model(model)` over a transformers model's parameters."""
     loss_of_model(model).backward()
     return float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
 
@@ -125,22 +124,32 @@ def test_dpo_step_is_layout_independent_and_has_the_dpo_gradient(layout_actors, 
     metrics = _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, check=add_weights, **packed)
 
     def hf_dpo(model):
-        logits = model(
-            input_ids=pair_tensors[keys.INPUT_IDS],
-            attention_mask=pair_tensors[keys.ATTENTION_MASK],
-            position_ids=pair_tensors[keys.POSITION_IDS],
-        ).logits
-        width = pair_tensors[keys.RESPONSES].shape[1]
-        token_log_probs = logits[:, -width - 1 : -1].log_softmax(-1)
-        token_log_probs = token_log_probs.gather(-1, pair_tensors[keys.RESPONSES][..., None]).squeeze(-1)
+        token_log_probs, _ = model_response_log_probs(model, pair_tensors)
         return mean_loss(reference, (token_log_probs * mask).sum(-1))
 
-    assert metrics["grad_norm"] == pytest.approx(_hf_grad_norm(model_dir, hf_dpo), rel=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert metrics["grad_norm"] == pytest.approx(_hf_grad_norm(hf, hf_dpo), rel=1e-5)
 
 
-def test_reward_model_step_is_layout_independent(layout_actors, model_dir, pair_tensors):
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2ForSequenceClassification: its score head gives the value head its weights, so transformers can
+    run the same Bradley-Terry step."""
+    spec = TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, seed=6
+    )
+    return str(build_tiny_reward_model(tmp_path_factory.mktemp("offline_reward_model"), spec))
+
+
+def test_reward_model_step_is_layout_independent_and_has_the_bradley_terry_gradient(
+    layout_actors, reward_model_dir, pair_tensors
+):
     """The value head scores each row at its last response token (one more response column, as the reward_model
-    pipeline feeds it); padding rows and margins included."""
+    pipeline feeds it); padding rows and margins included. The step's grad norm equals that of transformers'
+    *ForSequenceClassification backpropagating the same Bradley-Terry loss (its score read at each row's last real
+    token)."""
     batch = with_one_more_column(DataProto.from_dict(tensors=dict(pair_tensors)))
     batch.batch[keys.PROMPTS] = pair_tensors[keys.PROMPTS]
     margins = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
@@ -156,7 +165,23 @@ def test_reward_model_step_is_layout_independent(layout_actors, model_dir, pair_
         batch.batch[keys.ROW_LOSS_WEIGHTS] = weights.float()
 
     budget = {"max_tokens_per_microbatch": 26}  # TP2 x PP2: micro-batches of at most 26 padded tokens
-    _step_at_both_layouts(layout_actors, model_dir, "pairwise", batch, value_head=True, check=add_weights, **budget)
+    metrics = _step_at_both_layouts(
+        layout_actors, reward_model_dir, "pairwise", batch, value_head=True, check=add_weights, **budget
+    )
+
+    def hf_bradley_terry(model):
+        tensors = pair_tensors
+        scores = model(
+            input_ids=tensors[keys.INPUT_IDS],
+            attention_mask=tensors[keys.ATTENTION_MASK],
+            position_ids=tensors[keys.POSITION_IDS],
+        ).logits[:, 0]
+        return bradley_terry_loss(scores[0::2], scores[1::2], margins.float()).mean()
+
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_model_dir, dtype=torch.float32)
+    assert metrics["grad_norm"] == pytest.approx(_hf_grad_norm(hf, hf_bradley_terry), rel=1e-5)
     # the scores moved the way the loss asks: each chosen row's score rose against its rejected row
     group = layout_actors["tp2pp2"]
     after = sequence_scores(
