@@ -1,23 +1,26 @@
-"""Synchronous vs one-step off-policy GRPO: generated tokens/s with the same role placement in both modes.
+"""Synchronous vs one-step off-policy vs streaming GRPO: generated tokens/s with the same role placement, model and
+batch in every mode.
 
-The model and batch of bench/grpo_step.py (its FULL scale; --quick for a smoke test), run by the product loop:
-`rl_step` for synchronous steps, `OneStepOffPolicyLoop` for asynchronous ones. The rollout's ranks and the
-actor's are pinned to disjoint CPU cores in both modes, as roles own their GPUs on a cluster: the synchronous loop
-leaves one side idle while the other works, the asynchronous one overlaps them. The reference (frozen) goes with
-the rollout by default (`--reference-on rollout`: colocated with actor_infer, and the async loop prepares each
-batch ahead: reward and reference log-probs right after generation, while the actor trains) or with the actor
-(`--reference-on trainer`: computed in the trainer's half of each step). Either way both modes share the placement.
-Throughput: generated tokens of the timed steps (after warm-up) over their wall time. In bf16 where the CPU has it
-natively, else float32 (bench/_machine.py; --dtype).
-Run: .venv/bin/python bench/async_pipeline.py [--steps 3] [--warmup 1] [--dtype auto|bfloat16|float32]
-     [--reference-on rollout|trainer] [--quick]
+Two tasks. `long_tail` (default): responses end when the model samples its end token, as reasoning and agent
+responses do, so lengths are long-tailed (a char-tokenizer model of bench/grpo_step.py's FULL size: ~1 token in 35
+is the end token, so lengths are roughly geometric with a long tail up to `--max-tokens`). A whole-batch rollout
+then waits for its longest sample; streaming keeps the engine full and hands the trainer the groups that finished
+(`async_generation.mode: streaming`, max_staleness 1, partial rollouts kept). `fixed`: every response exactly
+`new_tokens` long (min_tokens), grpo_step.py's batch; there streaming has no tail to gain from.
+The rollout's ranks and the actor's are pinned to disjoint CPU cores in every mode, as roles own their GPUs on a
+cluster: the synchronous loop leaves one side idle while the other works, the asynchronous ones overlap them. The
+reference (frozen) runs with the actor (`--reference-on trainer`, the default for long_tail) or on the rollout's
+cores (`rollout`: colocated with actor_infer; one-step prepares each batch ahead there; not for streaming, whose
+engine never idles). Throughput: generated tokens of the timed steps (after warm-up) over their wall time. In bf16
+where the CPU has it natively, else float32 (bench/_machine.py; --dtype).
+Run: .venv/bin/python bench/async_pipeline.py [--task long_tail|fixed] [--steps 4] [--warmup 2]
+     [--dtype auto|bfloat16|float32] [--reference-on rollout|trainer] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 from _machine import add_dtype_option, announce
-from grpo_step import FULL, QUICK, prompt_rows, roll_backend_config
+from grpo_step import FULL, QUICK, Scale, prompt_rows, roll_backend_config
 
 
 def core_split() -> tuple[list[int], list[int]]:
@@ -50,67 +53,92 @@ def pin_group(group, cores: list[int]) -> None:
         )
 
 
-def timed_steps(
-    config, warmup: int, rollout_cores: list[int], trainer_cores: list[int], reference_on_rollout: bool
-) -> tuple[float, float]:
+def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: list[int], reference_cores: list[int]):
     """Run 1..max_steps in the config's mode; returns (generated tokens, wall seconds) of the steps after warm-up."""
     from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
     from roll_backend.pipelines.rl_step import rl_step
     from roll_backend.pipelines.run import PipelineRun
+    from roll_backend.pipelines.streaming import StreamingLoop
 
-    mode = "async" if config.async_generation.enabled else "sync"
-    asynchronous = config.async_generation.enabled
-    with PipelineRun(config) as run, OneStepOffPolicyLoop(run) if asynchronous else contextlib.nullcontext() as loop:
+    mode = mode_of(config)
+    loop_class = {"one_step": OneStepOffPolicyLoop, "streaming": StreamingLoop}.get(mode)
+    with PipelineRun(config) as run:
         pin_group(run.groups.actor_infer, rollout_cores)
         pin_group(run.groups.actor_train, trainer_cores)
-        pin_group(run.groups.reference, rollout_cores if reference_on_rollout else trainer_cores)
-        step_fn = loop.step if asynchronous else lambda s: rl_step(run, s)
-        tokens = seconds = 0.0
-        for step in run.step_numbers():
-            start = time.perf_counter()
-            metrics = step_fn(step)
-            elapsed = time.perf_counter() - start
-            rows = config.rollout_batch_size * config.num_return_sequences_in_group
-            generated = metrics["response_length/mean"] * rows
-            timings = (k for k in metrics if k.startswith(("async/", "timing/")))
-            waits = " ".join(f"{k.split('/')[1]}={metrics[k]:.1f}" for k in timings)
-            print(f"{mode} step {step}{' (warm-up)' if step <= warmup else ''}: {elapsed:.1f}s [{waits}]", flush=True)
-            if step > warmup:
-                tokens, seconds = tokens + generated, seconds + elapsed
+        pin_group(run.groups.reference, reference_cores)
+        with loop_class(run) if loop_class else contextlib.nullcontext() as loop:
+            step_fn = loop.step if loop_class else lambda s: rl_step(run, s)
+            tokens = seconds = 0.0
+            for step in run.step_numbers():
+                start = time.perf_counter()
+                metrics = step_fn(step)
+                elapsed = time.perf_counter() - start
+                rows = config.rollout_batch_size * config.num_return_sequences_in_group
+                generated = metrics["response_length/mean"] * rows
+                shown = ("async/trainer_wait_s", "async/rollout_idle_s", "timing/generate", "timing/train")
+                waits = " ".join(f"{k.split('/')[1]}={metrics[k]:.1f}" for k in shown if k in metrics)
+                lengths = f"len mean {metrics['response_length/mean']:.0f} max {metrics['response_length/max']:.0f}"
+                extra = ""
+                if mode == "streaming":
+                    extra = (
+                        f" lag<=1 {metrics['async/token_staleness_max']:.0f} partial "
+                        f"{metrics['stream/partial_resumed_requests']:.0f} dropped "
+                        f"{metrics['stream/dropped_stale_groups']:.0f}"
+                    )
+                warm = " (warm-up)" if step <= warmup else ""
+                print(f"{mode} step {step}{warm}: {elapsed:.1f}s [{waits}] {lengths}{extra}", flush=True)
+                if step > warmup:
+                    tokens, seconds = tokens + generated, seconds + elapsed
     return tokens, seconds
+
+
+def mode_of(config) -> str:
+    cfg = config.async_generation
+    return cfg.mode if cfg.enabled else "sync"
+
+
+def yaml_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+LONG_TAIL_ALPHABET = "0123456789 +?.whatisnrbol"  # the prompts' characters (bench/grpo_step.py prompt_rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after the warm-up")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--task", default="long_tail", choices=("long_tail", "fixed"))
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=384, help="long_tail: the response cap")
+    parser.add_argument("--prompts", type=int, default=8, help="long_tail: prompts per step")
     add_dtype_option(parser)
-    parser.add_argument(
-        "--reference-on",
-        default="rollout",
-        choices=("rollout", "trainer"),
-        help="the cores the reference runs on (rollout: prepared ahead in async mode)",
-    )
+    parser.add_argument("--reference-on", default=None, choices=("rollout", "trainer"))
+    parser.add_argument("--modes", default="sync,one_step,streaming")
     parser.add_argument("--quick", action="store_true", help="tiny scale smoke test (not the benchmark)")
     args = parser.parse_args()
     dtype = announce(args.dtype)
     scale = QUICK if args.quick else FULL
+    model = dict(scale.model)
+    if args.task == "long_tail":  # ends on its end token: ~1 in 35 of a random char model's samples
+        scale = Scale(args.prompts, scale.samples, args.max_tokens if not args.quick else 48, scale.micro_batch, model)
+        model |= {"tokenizer": "char", "char_alphabet": LONG_TAIL_ALPHABET}
+    reference_on = args.reference_on or ("trainer" if args.task == "long_tail" else "rollout")
+    modes = args.modes.split(",")
 
     import ray
 
-    from roll_backend.config.schema import AsyncGenerationConfig
     from roll_backend.distributed.ray_env import init_local_ray
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="async_pipeline_"))
-    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
+    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **model)))
     data_path = work / "prompts.jsonl"
-    data_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(scale.prompts)))
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(max(scale.prompts * 8, 64))))
     rollout_cores, trainer_cores = core_split()
-    reference_on_rollout = args.reference_on == "rollout"
     print(
-        f"rollout on cores {rollout_cores}, actor on {trainer_cores}, reference on the {args.reference_on}'s; "
-        f"{scale.prompts} prompts x {scale.samples} samples x {scale.new_tokens} new tokens per step, {dtype}",
+        f"task {args.task}: rollout on cores {rollout_cores}, actor on {trainer_cores}, reference on the "
+        f"{reference_on}'s; {scale.prompts} prompts x {scale.samples} samples x "
+        f"{'up to ' if args.task == 'long_tail' else ''}{scale.new_tokens} new tokens per step, {dtype}",
         flush=True,
     )
 
@@ -118,20 +146,36 @@ def main() -> None:
     init_local_ray(num_cpus=16, env_vars={"OMP_NUM_THREADS": "1"})  # one thread per pinned rank core
     throughput = {}
     try:
-        for mode in ("sync", "async"):
+        for mode in modes:
             steps = args.warmup + args.steps - 1
-            config = roll_backend_config(model_dir, data_path, work / mode, scale, steps, 1, dtype)
-            async_generation = AsyncGenerationConfig(enabled=mode == "async", prepare_ahead=reference_on_rollout)
-            colocate_with = "actor_infer" if reference_on_rollout else None
-            reference = dataclasses.replace(config.reference, colocate_with=colocate_with)
-            config = dataclasses.replace(config, async_generation=async_generation, reference=reference)
-            tokens, seconds = timed_steps(config, args.warmup, rollout_cores, trainer_cores, reference_on_rollout)
+            settings = [
+                f"async_generation.enabled={yaml_bool(mode != 'sync')}",
+                f"async_generation.mode={'streaming' if mode == 'streaming' else 'one_step'}",
+                f"async_generation.prepare_ahead={yaml_bool(mode == 'one_step' and reference_on == 'rollout')}",
+                "async_generation.max_staleness=1",
+                "async_generation.partial_rollout=keep",
+            ]
+            if reference_on == "rollout":
+                settings.append("reference.colocate_with=actor_infer")
+            if args.task == "long_tail":  # responses end on the end token, up to the cap
+                settings.append("actor_infer.strategy.sampling.min_tokens=0")
+            config = roll_backend_config(model_dir, data_path, work / mode, scale, steps, 1, dtype, overrides=settings)
+            reference_cores = rollout_cores if reference_on == "rollout" else trainer_cores
+            tokens, seconds = timed_steps(config, args.warmup, rollout_cores, trainer_cores, reference_cores)
             throughput[mode] = tokens / seconds
             print(f"{mode}: {throughput[mode]:.0f} generated tokens/s over {args.steps} steps", flush=True)
     finally:
         ray.shutdown()
     print(f"load at the end {os.getloadavg()[0]:.1f}")
-    print(f"async one-step off-policy vs synchronous: {throughput['async'] / throughput['sync']:.2f}x")
+    if "sync" in throughput and "one_step" in throughput:
+        print(f"async one-step off-policy vs synchronous: {throughput['one_step'] / throughput['sync']:.2f}x")
+    if "streaming" in throughput and "one_step" in throughput:
+        sync = throughput.get("sync")
+        versus_sync = f"{throughput['streaming'] / sync:.2f}x" if sync else "not run"
+        print(
+            f"streaming vs one-step off-policy: {throughput['streaming'] / throughput['one_step']:.2f}x "
+            f"(vs synchronous: {versus_sync})"
+        )
 
 
 if __name__ == "__main__":

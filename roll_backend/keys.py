@@ -40,7 +40,13 @@ TEACHER_LOG_PROBS = "teacher_log_probs"  # [B, T_resp] float32, the distillation
 # (algorithms.preference.pair_loss_row_weights)
 ROW_LOSS_WEIGHTS = "row_loss_weights"
 ENV_REWARDS = "env_rewards"  # [B] float32, the environment's reward of the row's trajectory (agentic rollouts)
-POLICY_VERSION = "policy_version"  # [B] int64, trainer updates applied to the weights that generated the row
+# [B] int64, trainer updates applied to the weights that generated the row (its oldest sampled token's, when the
+# row's tokens came from several: a partial rollout in streaming mode)
+POLICY_VERSION = "policy_version"
+# [B, T_resp] int64, the version that sampled each response token; -1 where no token was sampled (padding, tokens
+# an environment or tool inserted)
+TOKEN_POLICY_VERSION = "token_policy_version"
+STREAM_POSITION = "stream_position"  # [B] int64, streaming mode: the prompt's position in the data stream
 
 # Added by dispatch when a batch does not divide by the DP size; removed again on collect.
 DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to make the split even

@@ -34,7 +34,7 @@ CHECKPOINT = "checkpoint"  # save or load a checkpoint
 DEADLINE_METHODS: dict[str, tuple[str, ...]] = {
     STARTUP: (),
     PLACEMENT: (),
-    "generate": ("generate",),
+    "generate": ("generate", "stream_run"),
     "reward": ("compute_rewards",),
     "log_probs": ("compute_log_probs", "compute_values"),
     "train": ("train_step",),

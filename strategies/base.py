@@ -139,8 +139,14 @@ class RolloutStrategy(Strategy):
         """Prompts [B] -> rollout batch [B*n] (responses, masks, sampling log-probs)."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into the engine in place; returns how many it loaded."""
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        in_flight: str | None = None,
+    ) -> int:
+        """Load HF-named tensors into the engine in place; returns how many it loaded. `version`: the trainer version
+        they are; `in_flight`: what happens to streaming requests in flight (keep | recompute | resubmit)."""
 
     @abc.abstractmethod
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:

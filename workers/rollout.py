@@ -84,17 +84,37 @@ class RolloutWorker(Worker):
             self.agentic.close()
 
     @register(Dispatch.ONE_TO_ALL)
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into every rank's engine; returns how many tensors were loaded."""
-        return self._strategy().update_weights(named_tensors)
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, in_flight: str | None = None
+    ) -> int:
+        """Load HF-named tensors into every rank's engine; returns how many tensors were loaded. `version` and
+        `in_flight` as for `load_weight_buckets`."""
+        return self._strategy().update_weights(named_tensors, version=version, in_flight=in_flight)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weight_buckets(self, bucket_refs: list) -> int:
+    def load_weight_buckets(self, bucket_refs: list, version: int | None = None, in_flight: str | None = None) -> int:
         """Load buckets the trainer published (ActorWorker.publish_hf_weights), fetching one bucket at a
-        time so a rank never holds more than one bucket beyond the engine's own weights."""
+        time so a rank never holds more than one bucket beyond the engine's own weights. `version`: the trainer
+        version they are; `in_flight` (streaming): keep | recompute | resubmit the requests in flight."""
         import ray
 
-        return self._strategy().update_weights(item for ref in bucket_refs for item in ray.get(ref))
+        named = (item for ref in bucket_refs for item in ray.get(ref))
+        return self._strategy().update_weights(named, version=version, in_flight=in_flight)
+
+    # ---- streaming (roll_backend/pipelines/streaming.py drives these; strategies/vllm/streaming.py holds the state)
+    @register(Dispatch.DP_MP_COMPUTE)
+    def stream_admit(self, prompts: DataProto) -> None:
+        """Start n samples per prompt (split over DP ranks and seeded as `generate` splits and seeds); they come
+        back from `stream_run` as their groups finish."""
+        if self.agentic is not None:
+            raise NotImplementedError("streaming generation of multi-turn trajectories is not supported yet")
+        self._strategy().stream.admit(prompts)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
+        """Up to `max_steps` engine steps: (this rank's groups that finished, in rollout layout with per-token
+        versions, or None; whether requests remain on the engine; counters since the last call)."""
+        return self._strategy().stream.run(max_steps)
 
     @register(Dispatch.DP_MP_COMPUTE)
     def probe_log_probs(self, batch: DataProto) -> DataProto:

@@ -310,15 +310,27 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class AsyncGenerationConfig:
-    """One-step off-policy: the rollout group generates step k+1's batch while the actor trains on step k
-    (pipelines.async_loop). Needs actor_infer on resources disjoint from actor_train's."""
+    """Generation overlapped with training; needs actor_infer on resources disjoint from actor_train's. one_step: the
+    rollout group generates step k+1's batch while the actor trains on step k (pipelines.async_loop). streaming:
+    prompts are admitted continuously, finished groups go to a buffer the trainer takes its batches from, and weight
+    updates land while requests are in flight (partial rollouts; pipelines.streaming)."""
 
-    enabled: bool = False  # true: generate the next batch while the actor trains (one-step off-policy)
-    max_staleness: int = 1  # the run fails if a batch's policy version lags the trainer's by more
+    enabled: bool = False  # true: generate while the actor trains (mode says how)
+    mode: str = "one_step"  # one_step (a whole batch one update behind) | streaming (groups as they finish)
+    # one_step: the run fails if a batch's policy version lags the trainer's by more. streaming: per sample, the
+    # most updates its oldest token may lag when trained on (0: exactly the synchronous run)
+    max_staleness: int = 1
     # Also score each batch and compute its reference log-probs as soon as it is generated, while the actor trains
     # on the previous one (the same numbers, earlier). Put the reference on devices the actor does not use (its
-    # own, or the rollout's: colocate_with: actor_infer), or it competes with training.
+    # own, or the rollout's: colocate_with: actor_infer), or it competes with training. one_step only.
     prepare_ahead: bool = False
+    # streaming: requests in flight at a weight update are kept (their KV cache as computed; the next tokens come
+    # from the new weights), recomputed (prompt and tokens so far prefilled again with the new weights) or
+    # resubmitted (aborted and added again with the tokens so far as prompt). Seeded requests
+    # (sampling.seed) need enable_chunked_prefill: false for recompute and resubmit on CPU.
+    partial_rollout: str = "keep"
+    on_stale: str = "drop"  # streaming: a group older than max_staleness when taken is dropped | regenerate(d)
+    steps_per_call: int = 16  # streaming: engine steps per call of the driver's pump (fewer: updates land sooner)
 
 
 @dataclass(frozen=True)
@@ -396,6 +408,7 @@ class PipelineConfig:
 
 
 RL_PIPELINES = ("grpo", "ppo", "agentic")
+ASYNC_MODES = ("one_step", "streaming")
 OFFLINE_PIPELINES = ("sft", "reward_model", "dpo")
 PAIR_PIPELINES = ("reward_model", "dpo")  # rows come in (chosen, rejected) pairs
 FULL_PRECISION_LOGPROB_GAP = 1e-3

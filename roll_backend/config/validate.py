@@ -9,6 +9,7 @@ from roll_backend import roles
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
 from roll_backend.config.run_facts import run_facts
 from roll_backend.config.schema import (
+    ASYNC_MODES,
     DISTILL_MODES,
     LOGGER_NAMES,
     OFFLINE_PIPELINES,
@@ -17,6 +18,7 @@ from roll_backend.config.schema import (
     PipelineConfig,
     RoleConfig,
 )
+from roll_backend.strategies.vllm.streaming import PARTIAL_ROLLOUT_MODES
 
 PIPELINES = RL_PIPELINES + OFFLINE_PIPELINES
 # The roles each offline pipeline starts; the others' blocks must be left out (they would hold resources unused).
@@ -196,10 +198,14 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
                 "the asynchronous loop does; set async_generation.enabled=true as well, or drop prepare_ahead"
             )
         return
-    if async_cfg.max_staleness < 1:
+    if async_cfg.mode not in ASYNC_MODES:
+        problems.append(f"async_generation.mode={async_cfg.mode!r}; choose one of {', '.join(ASYNC_MODES)}")
+    if async_cfg.mode == "streaming":
+        _check_streaming(config, problems)
+    elif async_cfg.max_staleness < 1:
         problems.append(
-            f"async_generation.max_staleness={async_cfg.max_staleness}: asynchronous generation is one step "
-            "behind at least; set it to 1 or more, or async_generation.enabled=false for synchronous training"
+            f"async_generation.max_staleness={async_cfg.max_staleness}: one-step generation is one step "
+            "behind at least; set it to 1 or more, mode=streaming (0 allowed) or async_generation.enabled=false"
         )
     infer, train = config.actor_infer, config.actor_train
     if infer is None:
@@ -220,6 +226,34 @@ def _check_async(config: PipelineConfig, problems: list[str]) -> None:
             "async_generation.prepare_ahead=true runs the reference while the actor trains, but the reference "
             "shares actor_train's devices; place it elsewhere (reference.colocate_with: actor_infer, or its "
             "own resources) or set async_generation.prepare_ahead=false"
+        )
+
+
+def _check_streaming(config: PipelineConfig, problems: list[str]) -> None:
+    async_cfg = config.async_generation
+    if async_cfg.max_staleness < 0:
+        problems.append(f"async_generation.max_staleness={async_cfg.max_staleness} must be >= 0 in streaming mode")
+    if async_cfg.partial_rollout not in PARTIAL_ROLLOUT_MODES:
+        problems.append(
+            f"async_generation.partial_rollout={async_cfg.partial_rollout!r}; choose one of "
+            f"{', '.join(PARTIAL_ROLLOUT_MODES)}"
+        )
+    if async_cfg.on_stale not in ("drop", "regenerate"):
+        problems.append(f"async_generation.on_stale={async_cfg.on_stale!r}; choose drop or regenerate")
+    if async_cfg.steps_per_call < 1:
+        problems.append(f"async_generation.steps_per_call={async_cfg.steps_per_call} must be >= 1")
+    if async_cfg.prepare_ahead:
+        problems.append(
+            "async_generation.prepare_ahead=true is for mode=one_step; streaming scores each batch as the trainer "
+            "takes it: drop prepare_ahead"
+        )
+    if config.agentic is not None:
+        problems.append("async_generation.mode=streaming with agentic rollouts is not supported yet; use mode=one_step")
+    infer = config.actor_infer
+    if infer is not None and infer.strategy.layout.tp > 1:
+        problems.append(
+            f"async_generation.mode=streaming with actor_infer.strategy.tp={infer.strategy.layout.tp}: streaming "
+            "steps each rank's engine on its own; use tp=1 rollout ranks (more of them for DP) or mode=one_step"
         )
 
 

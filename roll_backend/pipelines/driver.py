@@ -1,6 +1,7 @@
 """Run a config to max_steps once: the synchronous loop (rl_step; offline.offline_step for sft, reward_model and
-dpo) or, with `async_generation.enabled`, the one-step off-policy loop (async_loop); recovery.run_with_restarts
-wraps either with automatic restarts. With checkpoint.export_hf_dir the trained model is exported at the end."""
+dpo) or, with `async_generation.enabled`, the one-step off-policy loop (async_loop) or the streaming one
+(streaming, `async_generation.mode: streaming`); recovery.run_with_restarts wraps any of them with automatic
+restarts. With checkpoint.export_hf_dir the trained model is exported at the end."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from roll_backend.pipelines.async_loop import OneStepOffPolicyLoop
 from roll_backend.pipelines.offline import offline_step
 from roll_backend.pipelines.rl_step import rl_step
 from roll_backend.pipelines.run import PipelineRun, StepHistory
+from roll_backend.pipelines.streaming import StreamingLoop
 from roll_backend.pipelines.tracking import phase_deadline
 from roll_backend.workers.actor import ActorWorker
 
@@ -26,7 +28,8 @@ def run_pipeline(
         if validation is not None and config.eval.before_train and run.first_step == 1:
             run.log(0, validation.run(run.groups, 0))
         if config.async_generation.enabled:
-            with OneStepOffPolicyLoop(run) as loop:
+            loop_class = StreamingLoop if config.async_generation.mode == "streaming" else OneStepOffPolicyLoop
+            with loop_class(run) as loop:
                 for step in run.step_numbers():
                     run.log(step, loop.step(step))
         else:

@@ -144,9 +144,19 @@ def correct_rollout_mismatch(batch: DataProto, algo: AlgorithmConfig) -> dict[st
     return {f"rollout_correction/{name}": float(value) for name, value in metrics.items()}
 
 
-def stamp_policy_version(batch: DataProto, version: int) -> None:
-    """Every row records the trainer version (updates applied) of the weights that generated it."""
-    batch[keys.POLICY_VERSION] = torch.full((len(batch),), version, dtype=torch.int64)
+def stamp_policy_version(batch: DataProto, version: int | None = None) -> None:
+    """Every row records the trainer version (updates applied) of the weights that generated it, every sampled token
+    its own (keys.TOKEN_POLICY_VERSION, -1 where none). A streaming rollout stamped the tokens already: a row then
+    gets its oldest token's version."""
+    tensors = batch.batch
+    if keys.TOKEN_POLICY_VERSION not in tensors.keys():
+        sampled = tensors[keys.RESPONSE_MASK] > 0
+        batch[keys.TOKEN_POLICY_VERSION] = torch.where(sampled, version, -1).to(torch.int64)
+        batch[keys.POLICY_VERSION] = torch.full((len(batch),), version, dtype=torch.int64)
+        return
+    versions = tensors[keys.TOKEN_POLICY_VERSION]
+    oldest = versions.masked_fill(versions < 0, torch.iinfo(torch.int64).max).amin(-1)
+    batch[keys.POLICY_VERSION] = torch.where(versions.amax(-1) >= 0, oldest, -1 if version is None else version)
 
 
 def staleness_metrics(batch: DataProto, trainer_version: int) -> dict[str, float]:
@@ -246,11 +256,19 @@ def train(
 
 
 def sync_weights(
-    groups: RoleGroups, probe_rows: DataProto | None, bucket_bytes: int, max_gap: float
+    groups: RoleGroups,
+    probe_rows: DataProto | None,
+    bucket_bytes: int,
+    max_gap: float,
+    version: int | None = None,
+    in_flight: str | None = None,
 ) -> dict[str, float]:
-    """Trainer weights -> rollout engine, then a probe: both score the same sequences; the gap must stay small."""
+    """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
+    gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
+    resubmit them)."""
     bucket_refs = groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes)
-    loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, next(refs for refs in bucket_refs if refs))
+    refs = next(refs for refs in bucket_refs if refs)
+    loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
     if probe_rows is None:
         return {"weight_sync/tensors": float(loaded[0])}
     probe = probe_rows.select(

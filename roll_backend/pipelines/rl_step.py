@@ -100,8 +100,11 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     return metrics, batch
 
 
-def sync_rollout_weights(run: PipelineRun, trained, timer: PhaseTimer) -> dict[str, float]:
-    """Trainer -> rollout engine, probed on the first rows of the batch just trained on."""
+def sync_rollout_weights(
+    run: PipelineRun, trained, timer: PhaseTimer, in_flight: str | None = None
+) -> dict[str, float]:
+    """Trainer -> rollout engine, probed on the first rows of the batch just trained on; `in_flight`: streaming
+    requests on the engine are kept, recomputed or resubmitted."""
     config = run.config
     with timer.phase(roles.WEIGHT_SYNC):
         metrics = phases.sync_weights(
@@ -109,6 +112,8 @@ def sync_rollout_weights(run: PipelineRun, trained, timer: PhaseTimer) -> dict[s
             trained.select_idxs(list(range(min(PROBE_ROWS, len(trained))))),
             config.weight_sync_bucket_bytes,
             config.logprob_gap_limit(),
+            version=run.policy_version,
+            in_flight=in_flight,
         )
     run.rollout_version = run.policy_version
     return metrics

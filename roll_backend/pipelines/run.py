@@ -78,7 +78,11 @@ class PipelineRun:
         # Trainer updates applied so far, and the version the rollout engine holds (equal in synchronous mode).
         self.policy_version = self.rollout_version = 0
         # Asynchronous mode: the next step's batch, generated while this step trained; saved with checkpoints.
+        # Streaming mode: the buffer's finished groups (restored from a checkpoint; the loop then owns them).
         self.next_batch: DataProto | None = None
+        # Streaming mode: the loop's snapshot for a checkpoint, () -> (buffered groups or None, driver state to add).
+        self.stream_checkpoint = None
+        self.resume_state: dict = {}  # the driver state of the checkpoint resumed from
         try:
             self.perf = PhasePerf(config, self.groups)
             if config.checkpoint.resume:
@@ -123,13 +127,17 @@ class PipelineRun:
         self.groups.actor_train.call(ActorWorker.save_checkpoint, str(staged.resolve() / "actor"))
         if self.groups.critic is not None:
             self.groups.critic.call(CriticWorker.save_checkpoint, str(staged.resolve() / "critic"))
-        if self.next_batch is not None:
-            self.next_batch.save_to_disk(staged / ckpt.NEXT_BATCH)
+        pending, stream_state = self.next_batch, {}
+        if self.stream_checkpoint is not None:
+            pending, stream_state = self.stream_checkpoint()
+        if pending is not None:
+            pending.save_to_disk(staged / ckpt.NEXT_BATCH)
         state = {
             "step": step,
             "kl_coef": self.kl_ctrl.value,
             "rng": ckpt.driver_rng_state(),
             "policy_version": self.policy_version,
+            **stream_state,
         }
         return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
 
@@ -144,11 +152,16 @@ class PipelineRun:
                 self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
+        self.resume_state = state
+        self.policy_version = self.rollout_version = state.get("policy_version", state["step"])
         if self.groups.actor_infer is not None:
             phases.sync_weights(
-                self.groups, None, self.config.weight_sync_bucket_bytes, self.config.logprob_gap_limit()
+                self.groups,
+                None,
+                self.config.weight_sync_bucket_bytes,
+                self.config.logprob_gap_limit(),
+                version=self.policy_version,
             )
-        self.policy_version = self.rollout_version = state.get("policy_version", state["step"])
         if self.config.async_generation.enabled and (Path(path) / ckpt.NEXT_BATCH).is_file():
             # The batch the rollout had generated for the next step (one version behind) resumes as it was.
             self.next_batch = DataProto.load_from_disk(Path(path) / ckpt.NEXT_BATCH)

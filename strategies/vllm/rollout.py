@@ -21,6 +21,7 @@ from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
+from roll_backend.strategies.vllm.streaming import Sampled, StreamingSession, token_versions
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.layout = layout  # the role's ParallelLayout, when run by a worker
         self.tokenizer = None
         self.llm = None
+        self.stream = StreamingSession(self)  # streaming mode's requests in flight, and the weights' version
 
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
@@ -108,7 +110,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         base = self.config.validation if meta_info.get(keys.META_VALIDATE, False) else self.config.sampling
         return base.with_overrides(meta_info)
 
-    def _vllm_params(self, sampling: SamplingConfig):
+    def vllm_params(self, sampling: SamplingConfig, **extra):
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -124,6 +126,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             # Stop strings need vLLM's per-step detokenizer; without them the texts are decoded once at the end
             # (per-step detokenizing also decodes every log-prob token: ~10% of a CPU rollout).
             detokenize=bool(sampling.stop),
+            **extra,
         )
 
     def prompt_token_ids(self, batch: DataProto) -> list[list[int]]:
@@ -160,31 +163,68 @@ class VllmRolloutStrategy(RolloutStrategy):
         """
         from vllm.inputs import TokensPrompt
 
+        if self.stream.in_flight():
+            raise RuntimeError(
+                "generate() called while streaming requests are in flight on this engine; a streaming run generates "
+                "through stream_admit/stream_run only"
+            )
         sampling = self.sampling_for(batch.meta_info)
         prompt_ids = self.prompt_token_ids(batch)
+        self.check_prompt_lengths(prompt_ids, sampling)
+        start = time.perf_counter()
+        if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
+            self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
+        outputs = self.engine.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self.vllm_params(sampling), use_tqdm=False
+        )
+        elapsed = time.perf_counter() - start
+        samples = [
+            [
+                Sampled(
+                    list(c.token_ids),
+                    [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+                    c.finish_reason or "length",
+                    c.text if sampling.stop else None,
+                )
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            for out in outputs
+        ]
+        # Share of each prompt the engine found in its prefix cache (whole KV blocks only; see block_size).
+        cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
+        return self._rollout_batch(batch, prompt_ids, samples, sampling, elapsed, cached)
+
+    def check_prompt_lengths(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> None:
         too_long = [len(ids) for ids in prompt_ids if len(ids) + sampling.max_tokens > self.config.max_model_len]
         if too_long:
             raise ValueError(
                 f"{len(too_long)} prompts of up to {max(too_long)} tokens + max_tokens={sampling.max_tokens} exceed "
                 f"max_model_len={self.config.max_model_len}; raise max_model_len or shorten prompts."
             )
-        start = time.perf_counter()
-        if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
-            self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
-        outputs = self.engine.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._vllm_params(sampling), use_tqdm=False
-        )
-        elapsed = time.perf_counter() - start
-        completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
-        # Share of each prompt the engine found in its prefix cache (whole KV blocks only; see block_size).
-        cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
-        return self._rollout_batch(batch, prompt_ids, completions, sampling, elapsed, cached)
+
+    def rollout_rows(self, groups, elapsed: float) -> DataProto:
+        """Streaming: finished groups (strategies/vllm/streaming.py) in `generate`'s layout, with each token's
+        weight version in TOKEN_POLICY_VERSION."""
+        batch = DataProto.concat([group.row for group in groups])
+        samples = [
+            [
+                Sampled(s.ids, s.log_probs, s.finish_reason, s.text if group.sampling.stop else None, s.versions)
+                for s in group.samples
+            ]
+            for group in groups
+        ]
+        cached = [
+            sum(s.cached_tokens or 0 for s in group.samples) / len(group.samples) / max(len(group.prompt_ids), 1)
+            for group in groups
+        ]
+        prompt_ids = [group.prompt_ids for group in groups]
+        return self._rollout_batch(batch, prompt_ids, samples, groups[0].sampling, elapsed, cached)
 
     def _rollout_batch(
         self,
         batch: DataProto,
         prompt_ids,
-        completions,
+        samples: list[list[Sampled]],
         sampling: SamplingConfig,
         elapsed: float,
         cached_fractions: list[float],
@@ -193,28 +233,28 @@ class VllmRolloutStrategy(RolloutStrategy):
         pad_id = self.tokenizer.pad_token_id
         prompts, prompt_mask = self._prompt_tensors(batch, prompt_ids)
         prompts, prompt_mask = prompts.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
-        flat = [c for per_prompt in completions for c in per_prompt]
+        flat = [sample for per_prompt in samples for sample in per_prompt]
         responses = torch.full((len(flat), width), pad_id, dtype=torch.int64)  # [B*n, T_resp]
         response_mask = torch.zeros((len(flat), width), dtype=torch.int64)
         rollout_log_probs = torch.zeros((len(flat), width), dtype=torch.float32)
-        for row, completion in enumerate(flat):
-            token_ids = list(completion.token_ids)[:width]  # includes EOS when the sample stopped on it
+        for row, sample in enumerate(flat):
+            token_ids = sample.token_ids[:width]  # includes EOS when the sample stopped on it
             length = len(token_ids)
             responses[row, :length] = torch.as_tensor(token_ids, dtype=torch.int64)
             response_mask[row, :length] = 1
-            rollout_log_probs[row, :length] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, token_ids)], dtype=torch.float32
-            )
+            rollout_log_probs[row, :length] = torch.tensor(sample.log_probs[:width], dtype=torch.float32)
         tensors = sequence_columns(prompts, prompt_mask, responses, response_mask)  # [B*n, T] each
         tensors |= {keys.RESPONSE_MASK: response_mask, keys.ROLLOUT_LOG_PROBS: rollout_log_probs}
+        if flat and flat[0].versions is not None:
+            tensors[keys.TOKEN_POLICY_VERSION] = token_versions(flat, width)
         tensors.update(self._carried_tensors(batch, n, exclude=tensors))
         non_tensors = {name: np.repeat(column, n, axis=0) for name, column in batch.non_tensor_batch.items()}
         if keys.UID not in non_tensors:
             non_tensors[keys.UID] = np.repeat(np.array([uuid.uuid4().hex for _ in prompt_ids], dtype=object), n)
         texts = (
-            [c.text for c in flat]
+            [sample.text for sample in flat]
             if sampling.stop
-            else self.tokenizer.batch_decode([list(c.token_ids) for c in flat], skip_special_tokens=True)
+            else self.tokenizer.batch_decode([sample.token_ids for sample in flat], skip_special_tokens=True)
         )
         non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
         meta_info = dict(batch.meta_info)
@@ -272,7 +312,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         turn = dataclasses.replace(
             sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()
         )
-        params = self._vllm_params(turn)
+        params = self.vllm_params(turn)
         self.engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
 
     def step(self) -> list[FinishedRequest]:
@@ -293,16 +333,28 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.engine.llm_engine.abort_request(list(request_ids))
 
     # ---- weights ---------------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        in_flight: str | None = None,
+    ) -> int:
         """Load HF-named tensors into the engine in place, layer-aligned buckets at a time; returns the count.
 
         Each yielded tensor must stay valid after the next one is yielded (no reused gather buffer).
-        The prefix cache is reset afterwards: its cached keys/values were computed with the old weights.
+        `version`: the trainer version of these weights (stamped on the tokens sampled from now on). Streaming
+        requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/streaming.py);
+        without them the prefix cache is reset: its cached keys/values were computed with the old weights.
         """
         loaded = 0
         bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
         for bucket in layer_buckets(named_tensors, bucket_bytes):
             loaded += self.engine.collective_rpc("load_hf_weights", args=(bucket,))[0]
+        if in_flight is not None:
+            self.stream.after_load(version, in_flight)
+            return loaded
+        if version is not None:
+            self.stream.version = version
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
         return loaded
@@ -327,9 +379,13 @@ class VllmRolloutStrategy(RolloutStrategy):
         response_mask = batch.batch[keys.ATTENTION_MASK][:, -responses.shape[1] :].bool()
         response_ids = [row[row_mask].tolist() for row, row_mask in zip(responses, response_mask)]
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.engine.generate(
-            [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(prompt_ids, response_ids)], params, use_tqdm=False
-        )
+        sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
+        if self.stream.in_flight():  # LLM.generate would drain (and drop) the streaming requests
+            outputs = self.stream.probe_outputs(sequences, params)
+        else:
+            outputs = self.engine.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False
+            )
         log_probs = torch.zeros(responses.shape, dtype=torch.float32)  # [B, T_resp]
         for row, (out, prompt, response) in enumerate(zip(outputs, prompt_ids, response_ids)):
             steps = out.prompt_logprobs[len(prompt) : len(prompt) + len(response)]

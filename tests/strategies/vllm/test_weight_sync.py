@@ -7,6 +7,7 @@ in `update_weights`, the greedy check fails with 0/16 prompts matching."""
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from roll_backend import keys
@@ -167,3 +168,91 @@ def test_sampling_log_probs_agree_with_the_trained_model(rollout, synced, tokeni
         f"{int(mask.sum())} tokens"
     )
     assert gap.mean() < 1e-5 and gap.max() < 1e-4  # measured on CPU float32: mean 2e-7, max 5e-6
+
+
+# ---- partial rollouts (streaming mode): a weight update lands while requests are in flight ------------------------
+STREAM_TOKENS = 24  # every response this long (min_tokens): the update always lands mid-generation
+STEPS_BEFORE_UPDATE = 6  # one prefill step, then a token per step
+
+
+def stream_prompts(tokenizer, count: int = 3) -> DataProto:
+    prompt_ids = [tokenizer.encode(f" what is {i} + {2 * i + 1}?", add_special_tokens=False) for i in range(count)]
+    batch = prompt_batch(prompt_ids, tokenizer.pad_token_id, min_tokens=STREAM_TOKENS, max_tokens=STREAM_TOKENS)
+    batch.batch[keys.STREAM_POSITION] = torch.arange(count)
+    return batch
+
+
+def stream_until_done(rollout) -> tuple[DataProto, dict[str, float]]:
+    """Step until the engine is empty: the finished groups and the summed counters."""
+    parts, counters = [], {}
+    while True:
+        [(finished, unfinished, stats)] = rollout.call(RolloutWorker.stream_run, 8)
+        parts += [finished] if finished is not None else []
+        counters = {name: counters.get(name, 0.0) + value for name, value in stats.items()}
+        if not unfinished:
+            return DataProto.concat(parts), counters
+
+
+@pytest.mark.parametrize("in_flight", ["recompute", "resubmit", "keep"])
+def test_a_weight_update_mid_generation_gives_two_versions_in_one_sample(
+    rollout, synced, model_dir, tokenizer, in_flight
+):
+    """Requests sampled 5 tokens with the initial weights (version 0) when the trained weights (version 1) arrive.
+    Each token records the version that sampled it, and its log-prob is that version's: the first tokens match the
+    initial model in transformers, the later ones (recompute, resubmit: their KV computed again) the trained model.
+    The token-level rollout correction against the trained model then weights the later tokens 1 and the earlier
+    ones by their real ratio. A probe while requests are in flight scores with the new weights and leaves them be."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_backend.algorithms import rollout_correction
+
+    _, trained = synced
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    initial_weights = [(name, param.detach()) for name, param in initial.named_parameters()]
+    trained_weights = [(name, param.detach()) for name, param in trained.named_parameters()]
+    rollout.call(RolloutWorker.update_weights, initial_weights, version=0)
+    probe_rows = rollout.call(RolloutWorker.generate, stream_prompts(tokenizer, 2))
+
+    rollout.call(RolloutWorker.stream_admit, stream_prompts(tokenizer))
+    [(finished, unfinished, _)] = rollout.call(RolloutWorker.stream_run, STEPS_BEFORE_UPDATE)
+    assert finished is None and unfinished
+    refs = [ray.put([(name, tensor)]) for name, tensor in trained_weights]
+    rollout.call(RolloutWorker.load_weight_buckets, refs, version=1, in_flight=in_flight)
+    probed = rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
+    mask = probe_rows.batch[keys.RESPONSE_MASK].bool()
+    assert agree(probed[mask], hf_response_log_probs(trained, probe_rows)[mask])
+    batch, counters = stream_until_done(rollout)
+
+    versions, mask = batch.batch[keys.TOKEN_POLICY_VERSION], batch.batch[keys.RESPONSE_MASK].bool()
+    assert len(batch) == 3 * 4 and bool(mask.all())  # every sample STREAM_TOKENS long
+    # The prefill step samples the first token: each step before the update sampled one token per request.
+    early_count = STEPS_BEFORE_UPDATE
+    assert (versions[:, :early_count] == 0).all() and (versions[:, early_count:] == 1).all(), versions[0]
+    assert batch.batch[keys.STREAM_POSITION].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    rollout_log_probs = batch.batch[keys.ROLLOUT_LOG_PROBS]
+    early, late = versions == 0, versions == 1
+    before, after = hf_response_log_probs(initial, batch), hf_response_log_probs(trained, batch)
+    assert agree(rollout_log_probs[early], before[early])
+    assert (rollout_log_probs - after).abs()[early].mean() > 1e-2  # the two versions really differ there
+    if in_flight != "keep":  # keep: later tokens attend over keys/values the initial weights computed
+        assert agree(rollout_log_probs[late], after[late])
+    weights, _ = rollout_correction(after, rollout_log_probs, mask.float(), is_level="token", is_cap=1e9)
+    expected = torch.exp(after - rollout_log_probs)
+    assert torch.allclose(weights[mask], expected[mask], rtol=1e-5)
+    if in_flight != "keep":
+        assert (weights[late] - 1).abs().max() < 1e-3 < (weights[early] - 1).abs().mean()
+    assert counters["partial_resumed_requests"] == 12
+    assert counters["recomputed_tokens"] == (12 * early_count + 4 * sum(stream_prompt_lengths(tokenizer))) * (
+        in_flight == "recompute"
+    )
+
+
+def agree(engine: torch.Tensor, reference: torch.Tensor) -> bool:
+    """float32 log-probs of the same tokens under the same weights, on average. This module's LM head is scaled by
+    20, and so are the logits' rounding errors: measured means 3e-8 to 5e-4 (single sampled tokens of the initial
+    model up to 3e-2), while the two versions' log-probs of the same tokens differ by > 1e-2 on average."""
+    return bool((engine - reference).abs().mean() < 1e-3)
+
+
+def stream_prompt_lengths(tokenizer) -> list[int]:
+    return stream_prompts(tokenizer).batch[keys.ATTENTION_MASK].sum(-1).tolist()

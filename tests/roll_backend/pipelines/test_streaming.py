@@ -1,0 +1,103 @@
+"""Streaming asynchronous GRPO on real groups (Megatron actor, vLLM rollout at DP2, Megatron reference, rule reward):
+at max_staleness 0 it repeats the synchronous run exactly; at max_staleness 1 with partial rollouts it stays within
+the bound, and a run resumed from its checkpoint (the buffer saved, the prompts in flight generated again) goes on
+within it. The window's bookkeeping is checked without Ray in test_streaming_window.py, the partial rollout itself
+(two versions inside one sample, their log-probs, the correction weights) in
+tests/strategies/vllm/test_weight_sync.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from roll_backend import keys
+from roll_backend.config.loader import load_config
+from roll_backend.pipelines import checkpoint as ckpt
+from roll_backend.pipelines import run_pipeline, run_with_restarts
+from roll_backend.protocol import DataProto
+
+STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
+EXACT_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
+# The demo task (copy a digit: rewards differ from the first step) at a few seconds a step, with responses of up to 6
+# tokens. Three prompts over two rollout ranks: the split pads one rank with a repeated prompt, generated and dropped.
+SHAPE = (
+    "actor_infer.world_size=2",
+    "rollout_batch_size=3",
+    "num_return_sequences_in_group=4",
+    "response_length=6",
+    "algorithm.ppo_mini_batch_size=6",
+    "actor_train.strategy.micro_batch_size=3",
+    "algorithm.rollout_correction.is_level=token",
+    "logging.progress_bar=false",
+)
+STREAMING = ("async_generation.enabled=true", "async_generation.mode=streaming")
+DEMO_STEPS = 32  # the run above 0.8 from about step 27 (one update behind, as one-step: about 32)
+WINDOW = 3  # steps the demo's reward is averaged over at the end
+
+
+def demo_config(output_dir, *extra: str):
+    return load_config("configs/grpo_tiny_cpu.yaml", [f"output_dir={output_dir}", *SHAPE, *extra])
+
+
+def test_streaming_at_zero_staleness_repeats_the_synchronous_run(ray_session, tmp_path):
+    """max_staleness 0: each step's prompts are admitted when the engines hold the trainer's weights, split, seeded
+    and stepped as the synchronous generate does them, so every number of the run is the synchronous run's."""
+    common = (*SHAPE, "max_steps=2")
+    sync = run_pipeline(demo_config(tmp_path / "sync", *common))
+    streamed = run_pipeline(demo_config(tmp_path / "stream", *common, *STREAMING, "async_generation.max_staleness=0"))
+    assert [row["step"] for row in streamed] == [1, 2]
+    for sync_row, stream_row in zip(sync, streamed):
+        for key in EXACT_KEYS:
+            assert stream_row[key] == pytest.approx(sync_row[key], rel=1e-6, abs=1e-7), (sync_row["step"], key)
+        assert stream_row["async/token_staleness_max"] == 0.0 and stream_row["async/mixed_version_samples"] == 0.0
+        assert stream_row["stream/dropped_stale_groups"] == 0.0
+    assert len({row["reward/mean"] for row in sync}) > 1  # the steps differ: the comparison is not of constants
+
+
+def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_path):
+    """The demo task (configs/grpo_tiny_cpu.yaml) in streaming mode, max_staleness 1, partial rollouts recomputed:
+    it reaches the synchronous demo's reward (mean >= 0.8 over the last steps) with no trained token or sample more
+    than one update behind. An actor rank dies in step 12's update: the run restarts from the step-10 checkpoint,
+    which kept the buffer's finished groups and the stream positions in flight (generated again)."""
+    config = load_config(
+        "configs/grpo_tiny_cpu.yaml",
+        [
+            f"output_dir={tmp_path}",
+            *STREAMING,
+            "async_generation.max_staleness=1",
+            "async_generation.partial_rollout=recompute",
+            "algorithm.rollout_correction.is_level=token",
+            f"max_steps={DEMO_STEPS}",
+            "checkpoint.save_steps=10",
+            "checkpoint.keep_last=3",
+            "fault_tolerance.max_restarts=1",
+            "fault_tolerance.inject=kill:actor_train:0:train:45",  # 4 mini-batches a step: step 12's first
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+        ],
+    )
+    history = run_with_restarts(config)
+    assert [row["step"] for row in history] == list(range(1, DEMO_STEPS + 1))
+    assert [row["fault_tolerance/restarts"] for row in history] == [0.0] * 10 + [1.0] * (DEMO_STEPS - 10)
+    rewards = [row["reward/mean"] for row in history]
+    assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"
+    check_staleness(history)
+    # The checkpoint holds every admitted prompt not yet trained on: finished in the buffer, or in flight.
+    checkpoint = tmp_path / "checkpoints" / "step_10"
+    stream = json.loads((checkpoint / ckpt.DRIVER_STATE).read_text())["stream"]
+    buffered = []
+    if (checkpoint / ckpt.NEXT_BATCH).is_file():
+        buffered = DataProto.load_from_disk(checkpoint / ckpt.NEXT_BATCH).batch[keys.STREAM_POSITION].unique().tolist()
+    assert not set(buffered) & set(stream["in_flight"])
+    batch_size = config.rollout_batch_size
+    assert sorted(buffered + stream["in_flight"]) == list(range(11 * batch_size, stream["next_chunk"] * batch_size))
+    assert stream["next_chunk"] >= 12  # step 11's prompts were admitted before step 10 ended
+
+
+def check_staleness(history: list[dict]) -> None:
+    for row in history:
+        assert row["async/staleness_max"] <= 1 and row["async/token_staleness_max"] <= 1, row
+        assert row["async/token_lag_0"] + row["async/token_lag_1"] + row["async/token_lag_2+"] == pytest.approx(1.0)
+        assert row["async/sample_lag_0"] + row["async/sample_lag_1"] + row["async/sample_lag_2+"] == pytest.approx(1.0)
+        assert row["async/token_lag_2+"] == 0.0
