@@ -85,7 +85,10 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, in_flight: str | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        in_flight: str | None = None,
     ) -> int:
         """Load HF-named tensors into every rank's engine; returns how many tensors were loaded. `version` and
         `in_flight` as for `load_weight_buckets`."""
