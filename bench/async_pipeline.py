@@ -5,7 +5,7 @@ Two tasks. `long_tail` (default): responses end when the model samples its end t
 responses do, so lengths are long-tailed: a tiny char-tokenizer model over ~190 printable characters (LONG_TAIL_MODEL)
 samples its end token about once in 190 tokens, so lengths are roughly geometric up to `--max-tokens`, and the longest
 of a step's 32 samples is several times the mean. A whole-batch rollout waits for its longest sample; streaming
-(`async_generation.mode: streaming`, `--max-staleness` 2, partial rollouts kept) keeps the engine busy and hands the
+(`async_generation.mode: streaming`, `--max-staleness` 4, partial rollouts kept) keeps the engine busy and hands the
 trainer the groups that finished. `long_tail` trains without a reference (no KL loss, as DAPO). `fixed`: every
 response exactly `new_tokens` long (min_tokens), grpo_step.py's model and batch, with the reference on the rollout's
 cores (`--reference-on rollout`: colocated with actor_infer, one-step prepares each batch ahead there) or the
@@ -14,7 +14,7 @@ The rollout's ranks and the actor's are pinned to disjoint CPU cores in every mo
 cluster: the synchronous loop leaves one side idle while the other works, the asynchronous ones overlap them.
 Throughput: generated tokens of the steps trained (after warm-up) over their wall time; groups streaming drops for
 staleness do not count. In bf16 where the CPU has it natively, else float32 (bench/_machine.py; --dtype).
-Run: .venv/bin/python bench/async_pipeline.py [--task long_tail|fixed] [--steps 8] [--warmup 2]
+Run: .venv/bin/python bench/async_pipeline.py [--task long_tail|fixed] [--steps 16] [--warmup 2]
      [--modes sync,one_step,streaming] [--dtype auto|bfloat16|float32] [--reference-on rollout|trainer] [--quick]
 """
 
@@ -129,14 +129,14 @@ LONG_TAIL_ALPHABET = "".join(chr(code) for code in [*range(32, 127), *range(161,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="long_tail", choices=("long_tail", "fixed"))
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode, after the warm-up")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per mode, after the warm-up")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=2048, help="long_tail: the response cap")
     parser.add_argument("--prompts", type=int, default=4, help="long_tail: prompts per step")
     parser.add_argument(
         "--max-staleness",
         type=int,
-        default=2,
+        default=4,
         help="streaming: updates a sample's oldest token may lag (one-step is 1 by construction)",
     )
     add_dtype_option(parser)
