@@ -49,6 +49,7 @@ def make_loop(batch_size=3, max_staleness=1, on_stale="drop", policy_version=0, 
         next_batch=next_batch,
         stream_checkpoint=None,
         data=Prompts(),
+        groups=None,  # (dynamic sampling's scoring is stubbed where a test uses it)
     )
     return StreamingLoop(run)
 
@@ -146,3 +147,39 @@ def test_a_checkpoint_keeps_the_buffer_and_the_positions_in_flight():
         again = resumed._admissions()
     assert admitted_positions(again) == [[2, 4, 5]]  # generated again; the window is full with them
     assert len(split_groups(buffered)) == 1
+
+
+@pytest.mark.parametrize("rounds", [4, 1])
+def test_dynamic_sampling_drops_uniform_groups_as_taken_and_admits_more(monkeypatch, rounds):
+    """Groups whose samples all score alike are dropped as the trainer takes them; the room they leave lets the pump
+    admit more prompts, and the trainer takes more groups until the batch is full, scoring at most
+    max_generation_rounds x rollout_batch_size groups a step (then it trains on what it kept)."""
+    from roll_backend.pipelines import streaming
+
+    scores = {2: [1.0, 1.0], 3: [0.0, 1.0], 4: [0.0, 0.0], 5: [1.0, 0.0]}  # per position, one per sample
+
+    def score(groups, batch, reward):
+        rows = [scores[p][i % N] for i, p in enumerate(batch.batch[keys.STREAM_POSITION].tolist())]
+        token_scores = torch.zeros(len(batch), WIDTH)
+        token_scores[:, 0] = torch.tensor(rows)
+        batch[keys.TOKEN_LEVEL_SCORES] = token_scores
+        return {"reward/mean": float(np.mean(rows))}
+
+    monkeypatch.setattr(streaming.phases, "score", score)
+    loop = make_loop(batch_size=2, max_staleness=1)
+    algorithm = dataclasses.replace(loop.run.config.algorithm, dynamic_sampling=True, max_generation_rounds=rounds)
+    loop.run.config = dataclasses.replace(loop.run.config, algorithm=algorithm)
+    with loop.cond:
+        loop._admissions()  # positions 2..5
+    groups = finished_groups([2, 3, 4, 5], [[0]] * 8)
+    groups.non_tensor_batch[keys.UID] = np.repeat(np.array(["a", "b", "c", "d"], dtype=object), N)
+    loop._arrived([(groups, False, {})])
+    batch, metrics = loop._take()
+    kept = [3, 5] if rounds == 4 else [3]
+    assert batch.batch[keys.STREAM_POSITION].unique().tolist() == kept and loop.held == len(kept)
+    assert metrics["dynamic_sampling/groups_scored"] == (4 if rounds == 4 else 2)
+    assert metrics["dynamic_sampling/groups_kept"] == len(kept)
+    assert metrics["dynamic_sampling/dropped_responses"] == (2 * N if rounds == 4 else N)
+    if rounds == 4:
+        with loop.cond:  # two groups dropped: a step batch fits the window again
+            assert admitted_positions(loop._admissions()) == [[6, 7]]
