@@ -53,7 +53,6 @@ class StreamingLoop:
         self.cond = threading.Condition()
         self.buffer: list[DataProto] = []  # finished groups (n rows each), oldest first
         self.in_flight: set[int] = set()  # stream positions admitted and not finished
-        self.readmit: list[int] = []  # positions to generate again
         self.held = 0  # groups the trainer has taken but not yet kept or dropped
         self.consumed = run.policy_version * self.batch_size  # groups trained on (counted to the trainer version)
         self.engine_version = run.rollout_version
@@ -67,7 +66,7 @@ class StreamingLoop:
         self.regenerations = 0
         saved = run.resume_state.get("stream", {})
         self.next_chunk = saved.get("next_chunk", run.first_step)  # the data stream's batch index admitted next
-        self.readmit = list(saved.get("in_flight", []))
+        self.readmit: list[int] = list(saved.get("in_flight", []))  # positions to generate again
         if run.next_batch is not None:  # the buffer as the checkpoint saved it
             self.buffer = split_groups(run.next_batch)
             run.next_batch = None
@@ -321,7 +320,7 @@ def token_staleness_metrics(batch: DataProto, trainer_version: int, max_stalenes
         "async/token_staleness_mean": float(token_lag.float().mean()) if len(token_lag) else 0.0,
         "async/token_staleness_max": float(token_lag.max()) if len(token_lag) else 0.0,
         "async/mixed_version_samples": float(
-            ((versions.masked_fill(~sampled, -1).amax(-1)) != batch.batch[keys.POLICY_VERSION]).float().mean()
+            (versions.amax(-1) != batch.batch[keys.POLICY_VERSION]).float().mean()  # (-1 where none sampled)
         ),
     }
     for lag in range(max_staleness + 2):

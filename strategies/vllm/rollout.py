@@ -206,18 +206,12 @@ class VllmRolloutStrategy(RolloutStrategy):
         """Streaming: finished groups (strategies/vllm/streaming.py) in `generate`'s layout, with each token's
         weight version in TOKEN_POLICY_VERSION."""
         batch = DataProto.concat([group.row for group in groups])
-        samples = [
-            [
-                Sampled(s.ids, s.log_probs, s.finish_reason, s.text if group.sampling.stop else None, s.versions)
-                for s in group.samples
-            ]
-            for group in groups
-        ]
         cached = [
             sum(s.cached_tokens or 0 for s in group.samples) / len(group.samples) / max(len(group.prompt_ids), 1)
             for group in groups
         ]
         prompt_ids = [group.prompt_ids for group in groups]
+        samples = [group.samples for group in groups]
         return self._rollout_batch(batch, prompt_ids, samples, groups[0].sampling, elapsed, cached)
 
     def _rollout_batch(

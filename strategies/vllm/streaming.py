@@ -33,23 +33,22 @@ RESUBMIT_SEED_STRIDE = 1_000_003  # a resubmitted seeded request draws a fresh s
 
 @dataclass
 class Sampled:
-    """One finished sample: its token ids, their log-probs and (streaming) the weight version of each token."""
+    """One sample: its token ids, their log-probs and (streaming) the weight version of each token."""
 
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"; None while the request runs
     text: str | None = None  # vLLM's text where stop strings needed its detokenizer; else decoded later
     versions: list[int] | None = None
 
 
 @dataclass
-class _Sample:
-    seed: int | None
-    ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+class _Sample(Sampled):
+    """A streaming request's sample as it grows, with what a resubmission needs."""
+
+    seed: int | None = None
     text: str = ""
-    finish_reason: str | None = None
+    versions: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
     resubmits: int = 0
 
@@ -109,7 +108,9 @@ class StreamingSession:
         for index, ids in enumerate(prompt_ids):
             key = next(self.keys)
             seeds = [None if sampling.seed is None else sampling.seed + j for j in range(sampling.n)]
-            group = _Group(rows.select_idxs([index]), ids, sampling, bool(padding[index]), [_Sample(s) for s in seeds])
+            group = _Group(
+                rows.select_idxs([index]), ids, sampling, bool(padding[index]), [_Sample(seed=seed) for seed in seeds]
+            )
             self.groups[key] = group
             for j, sample in enumerate(group.samples):
                 self._add(f"g{key}-{j}", key, j, ids, sampling.max_tokens, sampling.min_tokens, sample.seed)
@@ -120,9 +121,9 @@ class StreamingSession:
 
         group = self.groups[key]
         params = self.strategy.vllm_params(
-            dataclasses.replace(group.sampling, n=1, max_tokens=max_tokens, min_tokens=min_tokens, seed=seed)
+            dataclasses.replace(group.sampling, n=1, max_tokens=max_tokens, min_tokens=min_tokens, seed=seed),
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens only: we keep the partial state
         )
-        params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only: we keep the partial state
         prompt = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=f"v{self.version}")
         self.engine.add_request(request_id, prompt, params)
         self.requests[request_id] = (key, j)
@@ -140,7 +141,7 @@ class StreamingSession:
             sample = self.groups[key].samples[j]
             completion = output.outputs[0]
             new_ids = list(completion.token_ids)
-            sample.ids += new_ids
+            sample.token_ids += new_ids
             sample.log_probs += [step[token].logprob for step, token in zip(completion.logprobs or [], new_ids)]
             sample.versions += [self.version] * len(new_ids)
             sample.text += completion.text or ""
@@ -173,11 +174,11 @@ class StreamingSession:
         if version is not None:
             self.version = version
         running = list(self.requests)
-        started = [rid for rid in running if self._sample(rid).ids]
+        started = [rid for rid in running if self._sample(rid).token_ids]
         self.stats["partial_resumed_requests"] += len(started)
         if running and in_flight == "recompute":
             self.stats["recomputed_tokens"] += sum(
-                len(self.groups[self.requests[rid][0]].prompt_ids) + len(self._sample(rid).ids) for rid in started
+                len(self.groups[self.requests[rid][0]].prompt_ids) + len(self._sample(rid).token_ids) for rid in started
             )
             self.strategy.engine.reset_prefix_cache(reset_running_requests=True)
             return
@@ -198,9 +199,9 @@ class StreamingSession:
         group, sample = self.groups[key], self.groups[key].samples[j]
         sample.resubmits += 1
         seed = None if sample.seed is None else sample.seed + RESUBMIT_SEED_STRIDE * sample.resubmits
-        max_tokens = group.sampling.max_tokens - len(sample.ids)
-        min_tokens = max(group.sampling.min_tokens - len(sample.ids), 0)
-        prompt = group.prompt_ids + sample.ids
+        max_tokens = group.sampling.max_tokens - len(sample.token_ids)
+        min_tokens = max(group.sampling.min_tokens - len(sample.token_ids), 0)
+        prompt = group.prompt_ids + sample.token_ids
         self._add(f"g{key}-{j}-r{sample.resubmits}", key, j, prompt, max_tokens, min_tokens, seed)
 
     def abort_all(self) -> int:
