@@ -179,3 +179,4 @@ class FinishedRequest:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "stop" (an end token) or "length" (max_tokens)
+    versions: list[int] | None = None  # each token's weight version (trainer updates applied), where known

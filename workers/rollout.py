@@ -108,15 +108,21 @@ class RolloutWorker(Worker):
     @register(Dispatch.DP_MP_COMPUTE)
     def stream_admit(self, prompts: DataProto) -> None:
         """Start n samples per prompt (split over DP ranks and seeded as `generate` splits and seeds); they come
-        back from `stream_run` as their groups finish."""
+        back from `stream_run` as their groups finish; with `agentic`, n multi-turn trajectories each."""
         if self.agentic is not None:
-            raise NotImplementedError("streaming generation of multi-turn trajectories is not supported yet")
+            sampling = self._strategy().sampling_for(prompts.meta_info)
+            self.agentic.stream_admit(prompts, sampling.n, sampling.max_tokens, sampling.temperature)
+            return
         self._strategy().stream.admit(prompts)
 
     @register(Dispatch.ONE_TO_ALL)
     def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
         """Up to `max_steps` engine steps: (this rank's groups that finished, in rollout layout with per-token
-        versions, or None; whether requests remain on the engine; counters since the last call)."""
+        versions, or None; whether requests remain on the engine; counters since the last call). With `agentic`:
+        up to `max_steps` steps of the trajectories' loop (roll_backend.agentic.rollout), groups of trajectories."""
+        if self.agentic is not None:
+            finished, unfinished = self.agentic.stream_run(max_steps)
+            return finished, unfinished, self._strategy().stream.take_stats()
         return self._strategy().stream.run(max_steps)
 
     @register(Dispatch.DP_MP_COMPUTE)

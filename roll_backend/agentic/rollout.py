@@ -5,6 +5,12 @@ The loop, single-threaded: hand each trajectory whose next prompt is ready to th
 seeded per trajectory and turn so the result does not depend on which environment answered first), step the engine,
 send each finished reply to its environment (a future), and when nothing is on the engine wait for the first
 environment to answer. Rows come out as the single-turn rollout's layout (agentic.trajectory keeps them exact).
+
+One loop per rank holds every trajectory in flight, admitted by calls: a `generate` call admits its prompts and
+advances the loop until they are done; in streaming mode (async_generation.mode: streaming) `stream_admit` admits
+and `stream_run` advances the loop a bounded number of steps and returns the groups whose trajectories all ended.
+A trajectory may then span weight updates: its turns in flight are kept, recomputed or resubmitted by the engine
+(strategies/vllm/streaming.py), and each sampled token carries the version that sampled it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -59,11 +64,31 @@ class Trajectory:
     done: bool = False
     turns: ChatTurns | None = None  # agent mode: the chat template with the tools of the agent's requests
     pending: CompletionRequest | None = None  # agent mode: the request on the engine
+    call: _Call | None = field(default=None, repr=False)  # the admission it came with
 
     def reward(self, mode: str) -> float:
         if not self.rewards:
             return 0.0
         return float(sum(self.rewards)) if mode == "sum" else float(self.rewards[-1])
+
+
+@dataclass
+class _Call:
+    """One admission: a generate call's prompt rows, or a streaming admission's, and their trajectories."""
+
+    batch: DataProto  # the prompt rows (Trajectory.row indexes them)
+    meta_info: dict  # the call's sampling settings (as for `generate`)
+    seed: int | None  # turns are seeded from it (None: not seeded)
+    max_tokens: int  # a trajectory's budget after its first prompt
+    per_turn: int  # at most this many tokens a turn
+    trajectories: list[Trajectory] = field(default_factory=list)
+    agent_sessions: list[str] = field(default_factory=list)  # agent mode: one session per worker running its share
+    started: float = field(default_factory=time.perf_counter)
+    engine_seconds: float = 0.0  # the loop's engine time when the call was admitted
+
+    @property
+    def done(self) -> bool:
+        return all(traj.done for traj in self.trajectories)
 
 
 class AgenticRollout:
@@ -93,8 +118,11 @@ class AgenticRollout:
             self.host.close(SCHEMA_SESSION)
         self.turns = ChatTurns(tokenizer, tools=schemas, on_break=config.on_template_break)
         self._ids = itertools.count()
+        self.loop = _Loop(self)
+        self.stream_calls: list[_Call] = []  # streaming admissions with trajectories not yet returned
 
     def close(self) -> None:
+        self.loop.release()
         self.host.shutdown()
         if self.server is not None:
             self.server.close()
@@ -102,25 +130,95 @@ class AgenticRollout:
     # ---- one generate call ---------------------------------------------------------------------------------
     def generate(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> DataProto:
         """Prompt rows [B] -> trajectory rows [B*n] (more with new segments), in the rollout batch layout."""
-        started = time.perf_counter()
+        call = self._admit(batch, n, max_tokens, temperature)
+        self._advance(until=lambda: call.done)
+        failed = [traj.error for traj in call.trajectories if traj.error is not None]
+        if failed:  # counted in agentic/env_errors_count; the message says why
+            logger.warning(
+                "%d of %d trajectories ended by an error; the first: %s", len(failed), len(call.trajectories), failed[0]
+            )
+        seconds = time.perf_counter() - call.started
+        metrics = trajectory_metrics(call.trajectories, self.config.env_reward)
+        metrics |= self._engine_metrics(call.engine_seconds, seconds)
+        sampled = sum(t.conv.sampled_tokens for t in call.trajectories)
+        metrics |= {"rollout/generate_s": seconds, "rollout/tokens_per_s": sampled / max(seconds, 1e-9)}
+        return self._rows(call.batch, call.trajectories, max_tokens, metrics if call.trajectories else {})
+
+    # ---- streaming (async_generation.mode: streaming) ------------------------------------------------------------
+    def stream_admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> None:
+        """Start n trajectories per prompt row; `stream_run` returns them by group once all n ended. Rows the DP
+        split repeated (keys.DISPATCH_PADDING) are not played."""
+        if batch.batch is not None and keys.DISPATCH_PADDING in batch.batch.keys():
+            real = (~batch.batch[keys.DISPATCH_PADDING].bool()).nonzero().flatten().tolist()
+            batch = batch.select_idxs(real)
+            batch.pop(batch_keys=[keys.DISPATCH_PADDING])
+        if len(batch):
+            call = self._admit(batch, n, max_tokens, temperature)
+            # Rows of several admissions go back together: theirs carry no per-call meta (steps, seeds).
+            call.batch = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info={})
+            self.stream_calls.append(call)
+
+    def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool]:
+        """Advance every trajectory up to `max_steps` loop steps (an engine step, or a wait for an environment);
+        returns (the groups whose n trajectories all ended, with each token's weight version, or None; whether any
+        trajectory is still going)."""
+        started, engine_seconds = time.perf_counter(), self.loop.engine_seconds
+        self._advance(max_steps=max_steps)
+        parts, ended = [], []
+        for call in self.stream_calls:
+            rows = sorted({traj.row for traj in call.trajectories})
+            done = [row for row in rows if all(t.done for t in call.trajectories if t.row == row)]
+            if not done:
+                continue
+            finished = [traj for traj in call.trajectories if traj.row in set(done)]
+            call.trajectories = [traj for traj in call.trajectories if traj.row not in set(done)]
+            self.loop.forget(finished)
+            parts.append(self._rows(call.batch, finished, call.max_tokens, {}, versions=True))
+            ended += finished
+        self.stream_calls = [call for call in self.stream_calls if call.trajectories]
+        batch = None
+        if parts:
+            batch = DataProto.concat(parts)
+            metrics = trajectory_metrics(ended, self.config.env_reward)
+            batch.meta_info[keys.META_METRICS] = metrics | self._engine_metrics(
+                engine_seconds, time.perf_counter() - started
+            )
+        return batch, self.loop.busy()
+
+    # ---- admissions and the loop -----------------------------------------------------------------------------
+    def _admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> _Call:
         base_seed = batch.meta_info.get(keys.META_SAMPLING_SEED)
-        call = next(self._ids)
-        trajectories = [
-            Trajectory(row * n + sample, row, f"{call}-{row}-{sample}", task, _env_seed(task, base_seed, row))
+        per_turn = min(self.config.max_tokens_per_turn or max_tokens, max_tokens)
+        seed = base_seed if temperature > 0 else None
+        call = _Call(batch, dict(batch.meta_info), seed, max_tokens, per_turn)
+        call_id = next(self._ids)
+        call.trajectories = [
+            Trajectory(
+                row * n + sample, row, f"{call_id}-{row}-{sample}", task, _env_seed(task, base_seed, row), call=call
+            )
             for row, task in enumerate(_tasks(batch))
             for sample in range(n)
         ]
-        loop = _Loop(self, trajectories, max_tokens, base_seed if temperature > 0 else None, batch.meta_info)
+        call.engine_seconds = self.loop.engine_seconds
+        self._advance(admit=call)
+        return call
+
+    def _advance(self, admit: _Call | None = None, **how) -> None:
+        """Admit a call or advance the loop; any error ends every trajectory in flight (nothing stays on the engine
+        or in the workers) before it propagates."""
         try:
-            loop.run()
-        finally:
-            loop.release()
-        failed = [traj.error for traj in trajectories if traj.error is not None]
-        if failed:  # counted in agentic/env_errors_count; the message says why
-            logger.warning(
-                "%d of %d trajectories ended by an error; the first: %s", len(failed), len(trajectories), failed[0]
-            )
-        return self._rows(batch, trajectories, max_tokens, loop.metrics(time.perf_counter() - started))
+            if admit is not None:
+                self.loop.admit(admit)
+            else:
+                self.loop.advance(**how)
+        except BaseException:
+            self.loop.release()
+            self.stream_calls = []
+            raise
+
+    def _engine_metrics(self, engine_seconds_before: float, seconds: float) -> dict[str, float]:
+        busy = self.loop.engine_seconds - engine_seconds_before
+        return {"agentic/engine_busy_fraction": busy / max(seconds, 1e-9)}
 
     def first_messages(self, traj: Trajectory, outcome: Outcome) -> list[dict]:
         messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
@@ -130,7 +228,11 @@ class AgenticRollout:
         return messages + (list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}])
 
     # ---- output rows ---------------------------------------------------------------------------------------
-    def _rows(self, batch: DataProto, trajectories: list[Trajectory], width: int, metrics: dict) -> DataProto:
+    def _rows(
+        self, batch: DataProto, trajectories: list[Trajectory], width: int, metrics: dict, versions: bool = False
+    ) -> DataProto:
+        """Each trajectory's segments as rows (the prompt row's columns repeated); `versions`: with
+        TOKEN_POLICY_VERSION, each token's weight version (-1 on inserted tokens)."""
         segments = [(traj, seg) for traj in trajectories for seg in traj.conv.segments] if trajectories else []
         pad_id = self.tokenizer.pad_token_id
         longest = max((len(seg.prompt_ids) for _, seg in segments), default=1)
@@ -148,6 +250,10 @@ class AgenticRollout:
             loss_mask[i, :length] = torch.tensor(seg.loss_mask, dtype=torch.int64)
             log_probs[i, :length] = torch.tensor(seg.log_probs, dtype=torch.float32)
         rows = [traj.row for traj, _ in segments]
+        if versions:
+            token_versions = torch.full((len(segments), width), -1, dtype=torch.int64)
+            for i, (_, seg) in enumerate(segments):
+                token_versions[i, : len(seg.versions)] = torch.tensor(seg.versions, dtype=torch.int64)
         tensors = sequence_columns(prompts, prompt_mask, responses, present)
         tensors |= {
             keys.RESPONSE_MASK: loss_mask,
@@ -156,6 +262,8 @@ class AgenticRollout:
                 [traj.reward(self.config.env_reward) for traj, _ in segments], dtype=torch.float32
             ),
         }
+        if versions:
+            tensors[keys.TOKEN_POLICY_VERSION] = token_versions
         if batch.batch is not None:
             tensors |= {k: v[rows] for k, v in batch.batch.items() if k not in tensors and k != keys.ATTENTION_MASK}
         non_tensors = {name: column[rows] for name, column in batch.non_tensor_batch.items()}
@@ -170,49 +278,61 @@ class AgenticRollout:
 
 
 class _Loop:
-    """The state of one generate call's loop (see the module docstring)."""
+    """The trajectories in flight on one rank, of every call admitted (see the module docstring)."""
 
-    def __init__(self, rollout: AgenticRollout, trajectories: list[Trajectory], max_tokens: int, seed, meta_info):
-        self.rollout, self.config, self.meta_info = rollout, rollout.config, dict(meta_info)
-        self.trajectories, self.max_tokens, self.seed = trajectories, max_tokens, seed
-        self.per_turn = min(self.config.max_tokens_per_turn or max_tokens, max_tokens)
-        self.waiting: dict[concurrent.futures.Future, tuple[Trajectory, Callable]] = {}
+    def __init__(self, rollout: AgenticRollout):
+        self.rollout, self.config, self.engine = rollout, rollout.config, rollout.engine
+        self.server = rollout.server
+        self.waiting: dict[concurrent.futures.Future, tuple[Trajectory | list[Trajectory], Callable]] = {}
         self.on_engine: dict[str, Trajectory] = {}
         self.ready: list[Trajectory] = []
         self.engine_seconds = 0.0  # inside engine.step: agentic/engine_busy_fraction
-        self.agent_sessions: list[str] = []  # agent mode: one session per worker running its share
-        self.breaks = 0
-        self.server = rollout.server
-        self.by_session = {traj.session: traj for traj in trajectories}
+        self.by_session: dict[str, Trajectory] = {}  # agent mode: where an agent's request goes
+        self.calls: list[_Call] = []
 
-    def run(self) -> None:
+    def busy(self) -> bool:
+        return bool(self.waiting or self.on_engine or self.ready)
+
+    def admit(self, call: _Call) -> None:
+        if not call.trajectories:
+            return
+        self.calls.append(call)
+        self.by_session |= {traj.session: traj for traj in call.trajectories}
         if self.server is not None:
-            self._start_agents()
-        else:
-            host = self.rollout.host
-            for traj in self.trajectories:
-                host.open(traj.session)
-                future = host.call(traj.session, "reset", traj.env_seed, traj.task, timeout_s=self._timeout())
-                self._expect(traj, future, self._reset)
-        while self.waiting or self.on_engine or self.ready:
-            for traj in self.ready:
-                self._submit(traj)
-            self.ready = []
-            if self.on_engine:
-                started = time.perf_counter()
-                finished = self.rollout.engine.step()
-                self.engine_seconds += time.perf_counter() - started
-                for request in finished:
-                    self._replied(self.on_engine.pop(request.request_id), request)
-            elif self.waiting:
-                doorbell = [self.server.ring()] if self.server is not None else []
-                pending = list(self.waiting) + doorbell
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            if self.server is not None:
-                self._take_requests()
-            for future in [f for f in self.waiting if f.done()]:
-                owner, then = self.waiting.pop(future)
-                self._answered(owner, future, then)
+            self._start_agents(call)
+            return
+        host = self.rollout.host
+        for traj in call.trajectories:
+            host.open(traj.session)
+            future = host.call(traj.session, "reset", traj.env_seed, traj.task, timeout_s=self._timeout())
+            self._expect(traj, future, self._reset)
+
+    def advance(self, until: Callable[[], bool] | None = None, max_steps: int | None = None) -> None:
+        """Run the loop until `until()` holds, `max_steps` iterations passed or nothing is left to do."""
+        steps = 0
+        while self.busy() and not (until is not None and until()) and (max_steps is None or steps < max_steps):
+            self._iterate()
+            steps += 1
+
+    def _iterate(self) -> None:
+        for traj in self.ready:
+            self._submit(traj)
+        self.ready = []
+        if self.on_engine:
+            started = time.perf_counter()
+            finished = self.engine.step()
+            self.engine_seconds += time.perf_counter() - started
+            for request in finished:
+                self._replied(self.on_engine.pop(request.request_id), request)
+        elif self.waiting:
+            doorbell = [self.server.ring()] if self.server is not None else []
+            pending = list(self.waiting) + doorbell
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        if self.server is not None:
+            self._take_requests()
+        for future in [f for f in self.waiting if f.done()]:
+            owner, then = self.waiting.pop(future)
+            self._answered(owner, future, then)
 
     def _timeout(self) -> float:
         return self.config.step_timeout_s
@@ -252,8 +372,8 @@ class _Loop:
         self.ready.append(traj)
 
     def _submit(self, traj: Trajectory, per_turn: int | None = None) -> None:
-        segment = traj.conv.current
-        room = min(per_turn or self.per_turn, self.max_tokens - len(segment.response_ids))
+        segment, call = traj.conv.current, traj.call
+        room = min(per_turn or call.per_turn, call.max_tokens - len(segment.response_ids))
         room = min(room, self.rollout.max_model_len - len(segment.context()))
         if room < 1:
             traj.truncated = True
@@ -265,14 +385,14 @@ class _Loop:
             return
         request_id = f"{traj.session}-t{traj.conv.turns}"
         seed = None
-        if self.seed is not None:
-            seed = (self.seed * 1_000_003 + traj.index * 7919 + traj.conv.turns * 104_729) % (2**31 - 1)
-        self.rollout.engine.add_request(request_id, segment.context(), room, seed, self.meta_info)
+        if call.seed is not None:
+            seed = (call.seed * 1_000_003 + traj.index * 7919 + traj.conv.turns * 104_729) % (2**31 - 1)
+        self.engine.add_request(request_id, segment.context(), room, seed, call.meta_info)
         self.on_engine[request_id] = traj
 
     def _replied(self, traj: Trajectory, request) -> None:
         if traj.pending is not None:  # agent mode: the answer goes back to the agent's HTTP request
-            text = traj.turns.add_sampled(traj.conv, request.token_ids, request.log_probs)
+            text = traj.turns.add_sampled(traj.conv, request.token_ids, request.log_probs, request.versions)
             payload = completion_payload(
                 text,
                 request.finish_reason,
@@ -282,7 +402,7 @@ class _Loop:
             traj.pending.reply.set_result((200, payload))
             traj.pending = None
             return
-        text = self.rollout.turns.add_sampled(traj.conv, request.token_ids, request.log_probs)
+        text = self.rollout.turns.add_sampled(traj.conv, request.token_ids, request.log_probs, request.versions)
         if traj.conv.turns >= self.config.max_turns:
             traj.truncated = True
             self._finish(traj)
@@ -303,13 +423,11 @@ class _Loop:
             return
         segment = traj.conv.current
         kept = len(segment.response_ids)
-        segments = len(traj.conv.segments)
         try:
             self.rollout.turns.extend(traj.conv, outcome.messages)
         except TemplateBreak as exc:
             raise TemplateBreak(f"{exc} (trajectory {traj.session})") from None
-        self.breaks += len(traj.conv.segments) - segments
-        if len(traj.conv.current.response_ids) > self.max_tokens:  # the inserted messages do not fit the budget
+        if len(traj.conv.current.response_ids) > traj.call.max_tokens:  # the inserted messages do not fit the budget
             segment.truncate(kept)
             traj.truncated = True
             self._finish(traj)
@@ -322,13 +440,26 @@ class _Loop:
             traj.conv = self.rollout.turns.empty()
         if self.server is None:
             self.rollout.host.close(traj.session)
+        call = traj.call
+        if call.done:  # its trajectories stay with the call until their rows are built
+            for session in call.agent_sessions:
+                self.rollout.host.close(session)
+            call.agent_sessions = []
+            self.forget(call.trajectories)
+            if call in self.calls:
+                self.calls.remove(call)
+
+    def forget(self, trajectories: list[Trajectory]) -> None:
+        """Ended trajectories: an agent's late request for one is refused as for an unknown trajectory."""
+        for traj in trajectories:
+            self.by_session.pop(traj.session, None)
 
     # ---- agent mode ------------------------------------------------------------------------------------------
-    def _start_agents(self) -> None:
+    def _start_agents(self, call: _Call) -> None:
         """The agent function for every trajectory, spread over the host's workers (each runs its share at once)."""
         host, workers = self.rollout.host, self.config.workers
-        for worker in range(min(workers, len(self.trajectories))):
-            share = self.trajectories[worker::workers]
+        for worker in range(min(workers, len(call.trajectories))):
+            share = call.trajectories[worker::workers]
             session = f"{share[0].session}-agents"
             host.open(session)
             jobs = [(traj.task, self.server.base_url(traj.session)) for traj in share]
@@ -336,7 +467,7 @@ class _Loop:
             timeout = self.config.agent_timeout_s * rounds + 10.0
             future = host.call(session, "run_many", jobs, self.config.agent_timeout_s, timeout_s=timeout)
             self.waiting[future] = (share, self._agents_done)
-            self.agent_sessions.append(session)
+            call.agent_sessions.append(session)
 
     def _agents_done(self, share: list[Trajectory], results: list[dict]) -> None:
         for traj, result in zip(share, results):
@@ -374,54 +505,50 @@ class _Loop:
             request.reply.set_result((200, completion_payload("", "length", len(traj.conv.current.context()), 0)))
             return
         else:
-            segments = len(traj.conv.segments)
             try:
                 traj.turns.extend(traj.conv, new_messages(traj.conv.messages, messages, traj.conv.turns))
             except TemplateBreak as exc:
                 request.reply.set_result((400, {"error": {"message": str(exc)}}))
                 raise TemplateBreak(f"{exc} (agent trajectory {traj.session})") from None
-            self.breaks += len(traj.conv.segments) - segments
         traj.pending = request
-        limit = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or self.per_turn
-        self._submit(traj, min(int(limit), self.per_turn))
+        per_turn = traj.call.per_turn
+        limit = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or per_turn
+        self._submit(traj, min(int(limit), per_turn))
 
     def release(self) -> None:
-        """After an error: nothing of this call stays on the engine or in the workers."""
+        """After an error (or at shutdown): nothing of any call stays on the engine or in the workers."""
         if self.on_engine:
-            self.rollout.engine.abort_requests(list(self.on_engine))
-        for traj in self.trajectories:
-            if traj.pending is not None:
-                traj.pending.reply.set_result((500, {"error": {"message": "the rollout stopped"}}))
-            if not traj.done and self.server is None:
-                self.rollout.host.close(traj.session)
-        for session in self.agent_sessions:
-            self.rollout.host.close(session)
+            self.engine.abort_requests(list(self.on_engine))
+        for call in self.calls:
+            for traj in call.trajectories:
+                if traj.pending is not None:
+                    traj.pending.reply.set_result((500, {"error": {"message": "the rollout stopped"}}))
+                    traj.pending = None
+                if not traj.done and self.server is None:
+                    self.rollout.host.close(traj.session)
+            for session in call.agent_sessions:
+                self.rollout.host.close(session)
+        self.waiting, self.on_engine, self.ready, self.by_session, self.calls = {}, {}, [], {}, []
 
-    def metrics(self, seconds: float) -> dict[str, Any]:
-        trajs = self.trajectories
-        if not trajs:
-            return {}
-        reward_mode = self.config.env_reward
-        successes = [
-            t.success if t.success is not None else (t.terminated and t.reward(reward_mode) > 0) for t in trajs
-        ]
-        sampled = sum(t.conv.sampled_tokens for t in trajs)
-        return {
-            "agentic/success_rate": float(np.mean(successes)),
-            "agentic/env_reward_mean": float(np.mean([t.reward(reward_mode) for t in trajs])),
-            "agentic/turns_mean": float(np.mean([t.conv.turns for t in trajs])),
-            "agentic/trajectory_tokens_mean": float(np.mean([len(t.conv.current.response_ids) for t in trajs])),
-            "agentic/sampled_tokens_mean": sampled / len(trajs),
-            "agentic/truncated_fraction": float(np.mean([t.truncated for t in trajs])),
-            "agentic/tool_calls_count": float(sum(t.tool_calls for t in trajs)),
-            "agentic/tool_errors_count": float(sum(t.tool_errors for t in trajs)),
-            "agentic/env_errors_count": float(sum(t.error is not None for t in trajs)),
-            "agentic/template_breaks_count": float(self.breaks),
-            "agentic/env_seconds": float(sum(t.env_seconds for t in trajs)),
-            "agentic/engine_busy_fraction": self.engine_seconds / max(seconds, 1e-9),
-            "rollout/generate_s": seconds,
-            "rollout/tokens_per_s": sampled / max(seconds, 1e-9),
-        }
+
+def trajectory_metrics(trajs: list[Trajectory], reward_mode: str) -> dict[str, float]:
+    """agentic/...: how the trajectories went (success, turns, tokens, tools, errors, template breaks)."""
+    if not trajs:
+        return {}
+    successes = [t.success if t.success is not None else (t.terminated and t.reward(reward_mode) > 0) for t in trajs]
+    return {
+        "agentic/success_rate": float(np.mean(successes)),
+        "agentic/env_reward_mean": float(np.mean([t.reward(reward_mode) for t in trajs])),
+        "agentic/turns_mean": float(np.mean([t.conv.turns for t in trajs])),
+        "agentic/trajectory_tokens_mean": float(np.mean([len(t.conv.current.response_ids) for t in trajs])),
+        "agentic/sampled_tokens_mean": sum(t.conv.sampled_tokens for t in trajs) / len(trajs),
+        "agentic/truncated_fraction": float(np.mean([t.truncated for t in trajs])),
+        "agentic/tool_calls_count": float(sum(t.tool_calls for t in trajs)),
+        "agentic/tool_errors_count": float(sum(t.tool_errors for t in trajs)),
+        "agentic/env_errors_count": float(sum(t.error is not None for t in trajs)),
+        "agentic/template_breaks_count": float(sum(t.conv.breaks for t in trajs)),
+        "agentic/env_seconds": float(sum(t.env_seconds for t in trajs)),
+    }
 
 
 def new_messages(recorded: list[dict], request: list[dict], turn: int) -> list[dict]:

@@ -24,12 +24,14 @@ class TemplateBreak(ValueError):
 @dataclass
 class Segment:
     """One trained row: `prompt_ids` then `response_ids`; `loss_mask` 1 on sampled tokens, `log_probs` the
-    engine's log-probs there (0 elsewhere)."""
+    engine's log-probs there (0 elsewhere), `versions` the weight version that sampled each token (-1 elsewhere or
+    where the engine did not say)."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     def context(self) -> list[int]:
         """What the engine continues from: the prompt and everything after it."""
@@ -37,12 +39,19 @@ class Segment:
 
     def truncate(self, length: int) -> None:
         """Drop response tokens past `length` (inserted messages that did not fit the budget)."""
-        del self.response_ids[length:], self.loss_mask[length:], self.log_probs[length:]
+        del self.response_ids[length:], self.loss_mask[length:], self.log_probs[length:], self.versions[length:]
 
-    def append(self, ids: Sequence[int], sampled: bool, log_probs: Sequence[float] | None = None) -> None:
+    def append(
+        self,
+        ids: Sequence[int],
+        sampled: bool,
+        log_probs: Sequence[float] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         self.response_ids.extend(ids)
         self.loss_mask.extend([1 if sampled else 0] * len(ids))
         self.log_probs.extend(list(log_probs) if log_probs is not None else [0.0] * len(ids))
+        self.versions.extend(list(versions) if versions is not None else [-1] * len(ids))
 
 
 @dataclass
@@ -89,12 +98,19 @@ class ChatTurns:
         token = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return Conversation([], "", [Segment([token])])
 
-    def add_sampled(self, conv: Conversation, token_ids: Sequence[int], log_probs: Sequence[float]) -> str:
-        """Record one sampled turn (ids and the engine's log-probs); returns its text (the assistant message)."""
+    def add_sampled(
+        self,
+        conv: Conversation,
+        token_ids: Sequence[int],
+        log_probs: Sequence[float],
+        versions: Sequence[int] | None = None,
+    ) -> str:
+        """Record one sampled turn (ids, the engine's log-probs and, where known, each token's weight version);
+        returns its text (the assistant message)."""
         ids = list(token_ids)
         stopped = bool(ids) and ids[-1] in self.eos_ids
         text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-        conv.current.append(ids, sampled=True, log_probs=log_probs)
+        conv.current.append(ids, sampled=True, log_probs=log_probs, versions=versions)
         conv.messages.append({"role": "assistant", "content": text})
         conv.rendered += text
         conv.turns += 1

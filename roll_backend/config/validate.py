@@ -247,8 +247,6 @@ def _check_streaming(config: PipelineConfig, problems: list[str]) -> None:
             "async_generation.prepare_ahead=true is for mode=one_step; streaming scores each batch as the trainer "
             "takes it: drop prepare_ahead"
         )
-    if config.agentic is not None:
-        problems.append("async_generation.mode=streaming with agentic rollouts is not supported yet; use mode=one_step")
     infer = config.actor_infer
     if infer is not None and infer.strategy.layout.tp > 1:
         problems.append(
@@ -361,11 +359,6 @@ def _check_eval(config: PipelineConfig, problems: list[str], recipe_check: bool 
         problems.append(f"eval.n={ev.n} with eval.temperature=0: greedy samples are all the same; set a temperature")
     if ev.prompts_per_call < 1:
         problems.append(f"eval.prompts_per_call={ev.prompts_per_call} must be >= 1")
-    if config.data.has_validation() and config.async_generation.enabled:
-        problems.append(
-            "data.val_path with async_generation.enabled: validation runs in synchronous runs only so far; "
-            "drop data.val_path or async_generation"
-        )
     if not config.data.has_validation() and (ev.every_steps or ev.pass_k or ev.maj_k):
         problems.append(
             "eval: every_steps, pass_k and maj_k need validation prompts; set data.val_path or data.val_reasoning_gym"

@@ -31,7 +31,12 @@ def run_pipeline(
             loop_class = StreamingLoop if config.async_generation.mode == "streaming" else OneStepOffPolicyLoop
             with loop_class(run) as loop:
                 for step in run.step_numbers():
-                    run.log(step, loop.step(step))
+                    metrics = loop.step(step)
+                    # Between steps, on the weights just synced: the rollout ranks take the validation calls
+                    # between their generation calls (streaming: beside the requests in flight).
+                    if validation is not None and validation.due(step):
+                        metrics |= validation.run(run.groups, step)
+                    run.log(step, metrics)
         else:
             step_fn = offline_step if config.offline else rl_step
             for step in run.step_numbers():

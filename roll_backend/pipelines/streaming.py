@@ -63,6 +63,8 @@ class StreamingLoop:
             ("dropped_stale_groups", "regenerated_groups", "partial_resumed_requests", "recomputed_tokens"), 0.0
         )
         self.engine_idle_s = self.engine_busy_s = 0.0
+        # Stream position -> (its rows, the rows that arrived with it, the rank's metrics of that arrival).
+        self.group_metrics: dict[int, tuple[int, int, dict]] = {}
         self.regenerations = 0
         saved = run.resume_state.get("stream", {})
         self.next_chunk = saved.get("next_chunk", run.first_step)  # the data stream's batch index admitted next
@@ -83,6 +85,7 @@ class StreamingLoop:
             generating, self.engine_busy_s = self.engine_busy_s, 0.0
             idle, self.engine_idle_s = self.engine_idle_s, 0.0
             depth = len(self.buffer)
+            shares = [self.group_metrics.pop(p) for p in positions(batch) if p in self.group_metrics]
         generated = SequenceLengths.of(batch)
         metrics, trained = train_on_batch(run, batch, step, timer, generating)
         with self.cond:
@@ -97,6 +100,7 @@ class StreamingLoop:
             self.cond.notify_all()
         timer.seconds[roles.GENERATE] = generating  # engine time since the last step, overlapped with training
         metrics |= take_metrics | token_staleness_metrics(trained, run.policy_version - 1, self.cfg.max_staleness)
+        metrics |= rollout_metrics_of(shares)
         metrics |= {
             "async/trainer_wait_s": trainer_waited,
             "async/rollout_idle_s": idle,
@@ -135,6 +139,7 @@ class StreamingLoop:
                 fresh = split_groups(informative) if len(informative) else []
                 with self.cond:  # dropped groups leave room in the window: the pump admits more
                     self.held -= uniform - len(fresh)
+                    self._forget_metrics(set(positions(batch)) - set(positions(informative)))
                     self.cond.notify_all()
             kept += fresh
         kept.sort(key=lambda group: int(group.batch[keys.STREAM_POSITION][0]))
@@ -169,12 +174,17 @@ class StreamingLoop:
         if stale:
             with self.cond:
                 self.held -= len(stale)
+                self._forget_metrics({int(g.batch[keys.STREAM_POSITION][0]) for g in stale})
                 self.counters["dropped_stale_groups"] += len(stale)
                 if self.cfg.on_stale == "regenerate":
                     self.readmit += [int(g.batch[keys.STREAM_POSITION][0]) for g in stale]
                     self.counters["regenerated_groups"] += len(stale)
                 self.cond.notify_all()
         return fresh
+
+    def _forget_metrics(self, dropped: set[int]) -> None:
+        for position in dropped:
+            self.group_metrics.pop(position, None)
 
     def _wait_until_engines_idle(self) -> None:
         with self.cond:
@@ -265,13 +275,14 @@ class StreamingLoop:
                 self.counters[name] += stats.get(name, 0.0)
             if finished is None:
                 continue
-            finished.meta_info.pop(keys.META_METRICS, None)
+            metrics = finished.meta_info.pop(keys.META_METRICS, None) or {}
             phases.stamp_policy_version(finished)
             for group in split_groups(finished):
                 position = int(group.batch[keys.STREAM_POSITION][0])
                 if position in self.in_flight:  # (a position generated twice, e.g. regenerated, counts once)
                     self.in_flight.discard(position)
                     self.buffer.append(group)
+                    self.group_metrics[position] = (len(group), len(finished), metrics)
         self.ranks_busy = busy
 
     # ---- checkpoints and shutdown --------------------------------------------------------------------------
@@ -293,6 +304,31 @@ class StreamingLoop:
         if self.pump.is_alive():
             self.pump.join(timeout=60)  # its current call returns within steps_per_call engine steps
         self.run.stream_checkpoint = None
+
+
+# A call's own timings: the step's throughput is step_perf's (perf/...), over the whole step.
+CALL_TIMINGS = ("rollout/generate_s", "rollout/tokens_per_s")
+
+
+def rollout_metrics_of(shares: list[tuple[int, int, dict]]) -> dict[str, float]:
+    """The rollout ranks' metrics (rollout/..., agentic/...) of the trained groups, from each group's share of the
+    rank's call it finished in: (its rows, that call's rows, the call's metrics). Counts (`*_count`) in proportion to
+    the rows, the rest averaged weighted by rows."""
+    values: dict[str, list[tuple[int, int, float]]] = {}
+    for rows, arrived, metrics in shares:
+        for name, value in metrics.items():
+            if name not in CALL_TIMINGS:
+                values.setdefault(name, []).append((rows, arrived, float(value)))
+    return {
+        name: float(sum(v * rows / arrived for rows, arrived, v in parts))
+        if name.endswith("_count")
+        else float(np.average([v for _, _, v in parts], weights=[rows for rows, _, _ in parts]))
+        for name, parts in values.items()
+    }
+
+
+def positions(batch: DataProto) -> list[int]:
+    return sorted(set(batch.batch[keys.STREAM_POSITION].tolist())) if len(batch) else []
 
 
 def split_groups(batch: DataProto) -> list[DataProto]:

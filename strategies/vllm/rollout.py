@@ -163,20 +163,18 @@ class VllmRolloutStrategy(RolloutStrategy):
         """
         from vllm.inputs import TokensPrompt
 
-        if self.stream.in_flight():
-            raise RuntimeError(
-                "generate() called while streaming requests are in flight on this engine; a streaming run generates "
-                "through stream_admit/stream_run only"
-            )
         sampling = self.sampling_for(batch.meta_info)
         prompt_ids = self.prompt_token_ids(batch)
         self.check_prompt_lengths(prompt_ids, sampling)
         start = time.perf_counter()
         if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
             self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
-        outputs = self.engine.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self.vllm_params(sampling), use_tqdm=False
-        )
+        if self.stream.in_flight():  # (validation during a streaming run) LLM.generate would drain the others
+            outputs = self.stream.side_outputs(prompt_ids, self.vllm_params(sampling))
+        else:
+            outputs = self.engine.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self.vllm_params(sampling), use_tqdm=False
+            )
         elapsed = time.perf_counter() - start
         samples = [
             [
@@ -299,32 +297,27 @@ class VllmRolloutStrategy(RolloutStrategy):
     def add_request(
         self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None, meta_info=None
     ) -> None:
-        """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`."""
-        from vllm.inputs import TokensPrompt
-
+        """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`. It goes
+        through the streaming session: a weight update while it runs treats it as streaming requests are treated, and
+        each of its tokens records its version."""
         sampling = self.sampling_for(meta_info or {})
         turn = dataclasses.replace(
             sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()
         )
-        params = self.vllm_params(turn)
-        self.engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        self.stream.add_turn(request_id, prompt_ids, turn)
 
     def step(self) -> list[FinishedRequest]:
-        finished = []
-        for output in self.engine.llm_engine.step():
-            if not output.finished:
-                continue
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            log_probs = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-            finished.append(FinishedRequest(output.request_id, ids, log_probs, completion.finish_reason or "length"))
-        return finished
+        self.stream.step()
+        return [
+            FinishedRequest(request_id, s.token_ids, s.log_probs, s.finish_reason, s.versions)
+            for request_id, s in self.stream.take_finished_turns()
+        ]
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.llm_engine.has_unfinished_requests()
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.engine.llm_engine.abort_request(list(request_ids))
+        self.stream.abort_turns(request_ids)
 
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights(
@@ -375,7 +368,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
         if self.stream.in_flight():  # LLM.generate would drain (and drop) the streaming requests
-            outputs = self.stream.probe_outputs(sequences, params)
+            outputs = self.stream.side_outputs(sequences, params)
         else:
             outputs = self.engine.generate(
                 [TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False

@@ -9,9 +9,13 @@ are aborted and added again with the tokens so far appended to the prompt and a 
 records the weight version that sampled it (keys.TOKEN_POLICY_VERSION), and its log-prob is the one that version
 gave it: nothing is rescored, which is what the per-token rollout correction needs.
 
+The single requests of multi-turn rollouts (`add_turn`, one per assistant turn: roll_backend.agentic drives them)
+live here too, so a turn in flight at an update is kept, recomputed or resubmitted like a group's sample and its
+tokens carry their versions.
+
 The engine runs in this process and only advances inside `step()`: between two calls nothing runs, so no pause
 is needed. `LLM.generate` drains every request on the engine, so while requests are in flight the log-prob probe
-goes through `add_request` + `step()` here instead.
+and a validation `generate` go through `add_request` + `step()` here instead (`side_outputs`).
 """
 
 from __future__ import annotations
@@ -66,15 +70,28 @@ class _Group:
         return all(sample.finish_reason is not None for sample in self.samples)
 
 
+@dataclass
+class _Request:
+    """A request on the engine: where its tokens go, and what a resubmission needs."""
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig  # one sample's settings (max_tokens: the whole budget, before any resubmission)
+    sample: _Sample
+    origin: str  # the caller's id: a group's sample "g{key}-{j}", or a turn's request id
+    group: int | None = None  # the streaming group's key; None for a turn (`add_turn`)
+
+
 class StreamingSession:
-    """The partial state of every request a rollout rank has admitted in streaming mode. Owned by the rank's
-    VllmRolloutStrategy, which builds the finished groups' rows with the same code as `generate`."""
+    """The partial state of every request a rollout rank has on its engine outside `LLM.generate`: streaming groups
+    and multi-turn turns. Owned by the rank's VllmRolloutStrategy, which builds the finished groups' rows with the
+    same code as `generate`."""
 
     def __init__(self, strategy):
         self.strategy = strategy
         self.groups: dict[int, _Group] = {}
-        self.requests: dict[str, tuple[int, int]] = {}  # engine request id -> (group key, sample index)
-        self.probes: dict[str, object | None] = {}  # probe request id -> its final output
+        self.requests: dict[str, _Request] = {}  # engine request id -> its request
+        self.finished_turns: list[tuple[str, _Sample]] = []  # (turn id, sample) finished since the last take
+        self.side: dict[str, object | None] = {}  # probe / validation request id -> its final output
         self.keys = itertools.count()
         self.version = 0  # the trainer version of the weights the engine holds
         self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0}
@@ -105,6 +122,7 @@ class StreamingSession:
         rows = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info={})
         if tensors is not None and keys.DISPATCH_PADDING in tensors.keys():
             rows = rows.select(batch_keys=[k for k in tensors.keys() if k != keys.DISPATCH_PADDING])
+        one = dataclasses.replace(sampling, n=1)
         for index, ids in enumerate(prompt_ids):
             key = next(self.keys)
             seeds = [None if sampling.seed is None else sampling.seed + j for j in range(sampling.n)]
@@ -113,32 +131,50 @@ class StreamingSession:
             )
             self.groups[key] = group
             for j, sample in enumerate(group.samples):
-                self._add(f"g{key}-{j}", key, j, ids, sampling.max_tokens, sampling.min_tokens, sample.seed)
+                request = _Request(ids, dataclasses.replace(one, seed=sample.seed), sample, f"g{key}-{j}", key)
+                self._add(request.origin, request)
 
-    def _add(self, request_id: str, key: int, j: int, prompt: list[int], max_tokens: int, min_tokens: int, seed):
+    def add_turn(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        """One sample (`sampling.n` must be 1) continuing `prompt_ids`; `take_finished_turns` returns it."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already on the engine")
+        self._add(request_id, _Request(list(prompt_ids), sampling, _Sample(seed=sampling.seed), request_id))
+
+    def _add(self, engine_id: str, request: _Request) -> None:
+        """Put `request` on the engine from where its sample stands (a resubmission continues after its tokens)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        group = self.groups[key]
+        sample, sampling = request.sample, request.sampling
+        done = len(sample.token_ids)
         params = self.strategy.vllm_params(
-            dataclasses.replace(group.sampling, n=1, max_tokens=max_tokens, min_tokens=min_tokens, seed=seed),
+            dataclasses.replace(
+                sampling,
+                max_tokens=sampling.max_tokens - done,
+                min_tokens=max(sampling.min_tokens - done, 0),
+                seed=None if sample.seed is None else sample.seed + RESUBMIT_SEED_STRIDE * sample.resubmits,
+            ),
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens only: we keep the partial state
         )
-        prompt = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=f"v{self.version}")
-        self.engine.add_request(request_id, prompt, params)
-        self.requests[request_id] = (key, j)
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_ids + sample.token_ids, cache_salt=self.salt())
+        self.engine.add_request(engine_id, prompt, params)
+        self.requests[engine_id] = request
+
+    def salt(self) -> str:
+        """The prefix-cache salt of requests added now: blocks computed by other weights are never reused."""
+        return f"v{self.version}"
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self) -> None:
         """One engine step; every output's new tokens go to their sample, stamped with the current version."""
         self.stats["engine_steps"] += 1
         for output in self.engine.step():
-            if output.request_id in self.probes:
+            if output.request_id in self.side:
                 if output.finished:
-                    self.probes[output.request_id] = output
+                    self.side[output.request_id] = output
                 continue
-            key, j = self.requests[output.request_id]
-            sample = self.groups[key].samples[j]
+            request = self.requests[output.request_id]
+            sample = request.sample
             completion = output.outputs[0]
             new_ids = list(completion.token_ids)
             sample.token_ids += new_ids
@@ -150,6 +186,23 @@ class StreamingSession:
             if output.finished:
                 sample.finish_reason = completion.finish_reason or "length"
                 del self.requests[output.request_id]
+                if request.group is None:
+                    self.finished_turns.append((request.origin, sample))
+
+    def take_finished_turns(self) -> list[tuple[str, Sampled]]:
+        finished, self.finished_turns = self.finished_turns, []
+        return finished
+
+    def abort_turns(self, request_ids: list[str]) -> None:
+        wanted = set(request_ids)
+        engine_ids = [
+            rid for rid, request in self.requests.items() if request.group is None and request.origin in wanted
+        ]
+        if engine_ids:
+            self.engine.abort_request(engine_ids)
+        for rid in engine_ids:
+            del self.requests[rid]
+        self.finished_turns = [(origin, sample) for origin, sample in self.finished_turns if origin not in wanted]
 
     def run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
         """Step up to `max_steps` times while anything is on the engine; returns (the groups that finished, in
@@ -163,10 +216,14 @@ class StreamingSession:
         finished = [self.groups.pop(key) for key in done]
         real = [group for group in finished if not group.padding]
         batch = self.strategy.rollout_rows(real, time.perf_counter() - start) if real else None
-        stats, self.stats = self.stats, dict.fromkeys(self.stats, 0)
-        return batch, self.engine.has_unfinished_requests(), {k: float(v) for k, v in stats.items()}
+        return batch, self.engine.has_unfinished_requests(), self.take_stats()
 
-    # ---- weights -----------------------------------------------------------------------------------------
+    def take_stats(self) -> dict[str, float]:
+        """The counters since the last take."""
+        stats, self.stats = self.stats, dict.fromkeys(self.stats, 0)
+        return {k: float(v) for k, v in stats.items()}
+
+    # ---- weights ---------------------------------------------------------------------------------------------
     def after_load(self, version: int | None, in_flight: str) -> None:
         """Weights were just loaded (between two steps): adopt `version` and treat the requests in flight by mode."""
         if in_flight not in PARTIAL_ROLLOUT_MODES:
@@ -174,35 +231,21 @@ class StreamingSession:
         if version is not None:
             self.version = version
         running = list(self.requests)
-        started = [rid for rid in running if self._sample(rid).token_ids]
+        started = [self.requests[rid] for rid in running if self.requests[rid].sample.token_ids]
         self.stats["partial_resumed_requests"] += len(started)
         if running and in_flight == "recompute":
-            self.stats["recomputed_tokens"] += sum(
-                len(self.groups[self.requests[rid][0]].prompt_ids) + len(self._sample(rid).token_ids) for rid in started
-            )
+            self.stats["recomputed_tokens"] += sum(len(r.prompt_ids) + len(r.sample.token_ids) for r in started)
             self.strategy.engine.reset_prefix_cache(reset_running_requests=True)
             return
         if running and in_flight == "resubmit":
             self.engine.abort_request(running)
             for rid in running:
-                self._resubmit(rid)
+                request = self.requests.pop(rid)
+                request.sample.resubmits += 1
+                self._add(f"{request.origin}-r{request.sample.resubmits}", request)
         # Nothing running (or kept as it is): old-weight prefix blocks go where the engine allows; the new
         # version's cache_salt keeps new requests off any that stay.
         self.strategy.engine.reset_prefix_cache()
-
-    def _sample(self, request_id: str) -> _Sample:
-        key, j = self.requests[request_id]
-        return self.groups[key].samples[j]
-
-    def _resubmit(self, request_id: str) -> None:
-        key, j = self.requests.pop(request_id)
-        group, sample = self.groups[key], self.groups[key].samples[j]
-        sample.resubmits += 1
-        seed = None if sample.seed is None else sample.seed + RESUBMIT_SEED_STRIDE * sample.resubmits
-        max_tokens = group.sampling.max_tokens - len(sample.token_ids)
-        min_tokens = max(group.sampling.min_tokens - len(sample.token_ids), 0)
-        prompt = group.prompt_ids + sample.token_ids
-        self._add(f"g{key}-{j}-r{sample.resubmits}", key, j, prompt, max_tokens, min_tokens, seed)
 
     def abort_all(self) -> int:
         """Drop every request and group (shutdown, or a driver that starts over); returns how many groups went."""
@@ -211,21 +254,26 @@ class StreamingSession:
         dropped = len(self.groups)
         self.groups.clear()
         self.requests.clear()
+        self.finished_turns.clear()
         return dropped
 
-    # ---- probe -------------------------------------------------------------------------------------------
-    def probe_outputs(self, prompts: list[list[int]], params) -> list:
-        """Score fixed sequences (prompt_logprobs) while other requests are in flight: the probe requests join the
-        running batch; the steps they take also advance the others (their tokens are kept, stamped as usual)."""
+    # ---- requests beside the stream ----------------------------------------------------------------------
+    def side_outputs(self, prompts: list[list[int]], params) -> list:
+        """Final outputs of requests added beside the ones in flight (a log-prob probe, a validation generate): they
+        join the running batch; the steps they take also advance the others (their tokens are kept, stamped as
+        usual)."""
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        ids = [f"probe-{next(self.keys)}" for _ in prompts]
+        params = params.clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # n > 1: one output with every child
+        ids = [f"side-{next(self.keys)}" for _ in prompts]
         for request_id, prompt in zip(ids, prompts):
-            self.probes[request_id] = None
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-        while any(self.probes[request_id] is None for request_id in ids):
+            self.side[request_id] = None
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=self.salt()), params)
+        while any(self.side[request_id] is None for request_id in ids):
             self.step()
-        return [self.probes.pop(request_id) for request_id in ids]
+        return [self.side.pop(request_id) for request_id in ids]
 
 
 def token_versions(samples: list[Sampled], width: int) -> torch.Tensor:

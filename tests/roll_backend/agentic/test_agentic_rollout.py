@@ -106,12 +106,20 @@ def lake_batch(rollout):
 
 
 def test_frozen_lake_from_yaml_gives_token_exact_multi_turn_rows(lake_batch, tokenizer):
+    batch = lake_batch
+    assert len(batch) == 3 * N
+    turns_seen = replay_lake_rows(batch, tokenizer)
+    assert max(turns_seen) >= 2  # multi-turn, not a single reply
+    assert metric(batch, "agentic/turns_mean") == pytest.approx(np.mean(turns_seen))
+
+
+def replay_lake_rows(batch: DataProto, tokenizer) -> list[int]:
+    """Replay each row's game with its sampled replies: the inserted tokens must be the template's tokens of exactly
+    the boards the game gives. Returns each row's sampled turns."""
     import gymnasium
 
     from roll_backend.agentic.environments import GymTextEnv
 
-    batch = lake_batch
-    assert len(batch) == 3 * N
     width = batch.batch[keys.RESPONSES].shape[1]
     present = batch.batch[keys.ATTENTION_MASK][:, -width:]
     sampled = batch.batch[keys.RESPONSE_MASK]
@@ -122,8 +130,6 @@ def test_frozen_lake_from_yaml_gives_token_exact_multi_turn_rows(lake_batch, tok
         ids = batch.batch[keys.RESPONSES][row][present[row].bool()].tolist()
         pieces = runs(sampled[row][: len(ids)].tolist())
         turns_seen.append(sum(value for value, _, _ in pieces))
-        # Replay the game with the sampled replies: the inserted tokens must be the template's tokens of exactly
-        # the boards the game gives.
         env = GymTextEnv(gymnasium.make("FrozenLake-v1", is_slippery=False))
         env.reset()
         for (value, start, end), following in zip(pieces, pieces[1:] + [None]):
@@ -136,8 +142,7 @@ def test_frozen_lake_from_yaml_gives_token_exact_multi_turn_rows(lake_batch, tok
             expected = ("" if stopped else "<|im_end|>") + "\n<|im_start|>user\n" + observation
             expected += "<|im_end|>\n<|im_start|>assistant\n"
             assert ids[following[1] : following[2]] == tokenizer.encode(expected, add_special_tokens=False), row
-    assert max(turns_seen) >= 2  # multi-turn, not a single reply
-    assert metric(batch, "agentic/turns_mean") == pytest.approx(np.mean(turns_seen))
+    return turns_seen
 
 
 def test_a_gem_game_runs_from_yaml_by_id(rollout):
@@ -231,3 +236,68 @@ def test_an_agent_function_talks_to_the_engine_and_its_tokens_are_trained(rollou
         assert ids[c:d] == tokenizer.encode(expected + "<|im_start|>assistant\n", add_special_tokens=False)
         assert batch.batch[keys.PROMPTS][row].tolist()[-1] == tokenizer.encode("\n", add_special_tokens=False)[-1]
     assert metric(batch, "agentic/turns_mean") == 2.0
+
+
+STEPS_BEFORE_UPDATE = 6  # loop steps (the first waits for the resets): every trajectory is inside its first turn
+
+
+def test_streaming_trajectories_span_a_weight_update(rollout, model_dir, tokenizer):
+    """Streaming mode: FrozenLake trajectories are admitted and the loop stepped a few steps; other weights
+    (version 1) arrive with the first turns in flight, recomputed. Trajectories come back by group, token-exact as in
+    a generate call, each sampled token stamped with the version that sampled it (inserted boards -1): rows hold both
+    versions, and each token's log-prob is its own version's, as the engine's probe under either weights gives it."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(0)
+    initial_weights = [(name, param.detach().clone()) for name, param in initial.named_parameters()]
+    other_weights = [
+        (name, value + 0.5 * value.std() * torch.randn(value.shape, generator=noise))
+        if value.dim() > 1
+        else (name, value)
+        for name, value in initial_weights
+    ]
+    rollout.call(RolloutWorker.set_agentic, build(AgenticConfig, yaml.safe_load(LAKE_YAML)))
+    admitted = prompts([{}, {}, {}], seed=11)
+    admitted = DataProto.from_dict(
+        tensors={keys.STREAM_POSITION: torch.tensor([4, 5, 6])},
+        non_tensors=admitted.non_tensor_batch,
+        meta_info=admitted.meta_info,
+    )
+    parts, counters = [], {}
+
+    def stream(steps: int) -> bool:
+        [(finished, unfinished, stats)] = rollout.call(RolloutWorker.stream_run, steps)
+        parts.extend([finished] if finished is not None else [])
+        counters.update({name: counters.get(name, 0.0) + value for name, value in stats.items()})
+        return unfinished
+
+    try:
+        rollout.call(RolloutWorker.stream_admit, admitted)
+        for _ in range(STEPS_BEFORE_UPDATE):
+            assert stream(1)
+        rollout.call(RolloutWorker.update_weights, other_weights, version=1, in_flight="recompute")
+        while stream(8):
+            pass
+        batch = DataProto.concat(parts)
+        other_probe = rollout.call(RolloutWorker.probe_log_probs, batch).batch[keys.LOG_PROBS]
+    finally:
+        rollout.call(RolloutWorker.set_agentic, build(AgenticConfig, yaml.safe_load(LAKE_YAML)))  # drops any left
+        rollout.call(RolloutWorker.update_weights, initial_weights, version=0)
+    initial_probe = rollout.call(RolloutWorker.probe_log_probs, batch).batch[keys.LOG_PROBS]
+
+    assert sorted(batch.batch[keys.STREAM_POSITION].tolist()) == [4] * N + [5] * N + [6] * N
+    replay_lake_rows(batch, tokenizer)
+    versions, sampled = batch.batch[keys.TOKEN_POLICY_VERSION], batch.batch[keys.RESPONSE_MASK].bool()
+    assert torch.equal(versions >= 0, sampled)
+    for row in range(len(batch)):
+        row_versions = versions[row][sampled[row]].tolist()
+        assert row_versions == sorted(row_versions), row  # the update came once, between two steps
+    both = [row for row in range(len(batch)) if {0, 1} <= set(versions[row].tolist())]
+    assert both, versions
+    assert counters["partial_resumed_requests"] > 0 and counters["recomputed_tokens"] > 0
+    rollout_log_probs = batch.batch[keys.ROLLOUT_LOG_PROBS]
+    early, late = versions == 0, versions == 1
+    assert (rollout_log_probs - initial_probe)[early].abs().mean() < 1e-3
+    assert (rollout_log_probs - other_probe)[late].abs().mean() < 1e-3
+    assert (initial_probe - other_probe)[sampled].abs().mean() > 1e-2  # the versions really differ

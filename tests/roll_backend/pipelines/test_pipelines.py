@@ -142,11 +142,14 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
     trains, the reference on the rollout's resources) give the same steps. In the second, the reference rank dies
     while preparing step 4's batch on the driver thread (its 4th call, during step 3's training): the failure
     reaches the trainer, the run restarts from its step-2 checkpoint, which kept the prepared batch for step 3,
-    and still ends like the first run."""
+    and still ends like the first run. The first run also validates every 2 steps (queued after the generation in
+    flight): its training is the second's all the same."""
     async_keys = ("async_generation.enabled=true", "algorithm.rollout_correction.is_level=sequence", "max_steps=4")
-    inline = load_config(base_config, overrides(prompt_file, model_dir, tmp_path / "inline", *async_keys))
+    validated = (f"data.val_path={prompt_file}", "eval.every_steps=2", "eval.before_train=false")
+    inline = load_config(base_config, overrides(prompt_file, model_dir, tmp_path / "inline", *async_keys, *validated))
     history = run_pipeline(inline)
     assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert ["val/all/mean@1" in h for h in history] == [False, True, False, True]
     assert [h["async/staleness_max"] for h in history] == [0.0, 1.0, 1.0, 1.0]
     # Step 1 trains on the batch of the weights it holds; later batches are one update old: the mismatch is real.
     assert history[0]["rollout_correction/kl_k3"] < 1e-6 < history[2]["rollout_correction/kl_k3"]

@@ -14,7 +14,7 @@ import torch
 from roll_backend import keys
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines.phases import step_seed
-from roll_backend.pipelines.streaming import StreamingLoop, split_groups, token_staleness_metrics
+from roll_backend.pipelines.streaming import StreamingLoop, rollout_metrics_of, split_groups, token_staleness_metrics
 from roll_backend.protocol import DataProto
 
 N = 2  # samples per prompt
@@ -183,3 +183,14 @@ def test_dynamic_sampling_drops_uniform_groups_as_taken_and_admits_more(monkeypa
     if rounds == 4:
         with loop.cond:  # two groups dropped: a step batch fits the window again
             assert admitted_positions(loop._admissions()) == [[6, 7]]
+
+
+def test_a_steps_rollout_metrics_are_those_of_its_groups():
+    """Two trained groups: one of 2 rows out of a call that returned 4 (success 0.5, 3 tool calls), one of 2 rows that
+    came back alone (success 1.0, 1 tool call). Means weigh rows; counts go in proportion; a call's timings stay out."""
+    shares = [
+        (2, 4, {"agentic/success_rate": 0.5, "agentic/tool_calls_count": 3.0, "rollout/generate_s": 9.0}),
+        (2, 2, {"agentic/success_rate": 1.0, "agentic/tool_calls_count": 1.0}),
+    ]
+    assert rollout_metrics_of(shares) == {"agentic/success_rate": 0.75, "agentic/tool_calls_count": 2.5}
+    assert rollout_metrics_of([]) == {}

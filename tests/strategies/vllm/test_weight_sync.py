@@ -195,13 +195,14 @@ def stream_until_done(rollout) -> tuple[DataProto, dict[str, float]]:
 
 @pytest.mark.parametrize("in_flight", ["recompute", "resubmit", "keep"])
 def test_a_weight_update_mid_generation_gives_two_versions_in_one_sample(
-    rollout, synced, model_dir, tokenizer, in_flight
+    rollout, synced, model_dir, tokenizer, shared_prefix_prompts, in_flight
 ):
     """Requests sampled 5 tokens with the initial weights (version 0) when the trained weights (version 1) arrive.
     Each token records the version that sampled it, and its log-prob is that version's: the first tokens match the
     initial model in transformers, the later ones (recompute, resubmit: their KV computed again) the trained model.
     The token-level rollout correction against the trained model then weights the later tokens 1 and the earlier
-    ones by their real ratio. A probe while requests are in flight scores with the new weights and leaves them be."""
+    ones by their real ratio. A probe and a validation generate (greedy, 2 samples a prompt) while requests are in
+    flight use the new weights and leave them be."""
     from transformers import AutoModelForCausalLM
 
     from roll_backend.algorithms import rollout_correction
@@ -221,6 +222,15 @@ def test_a_weight_update_mid_generation_gives_two_versions_in_one_sample(
     probed = rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
     mask = probe_rows.batch[keys.RESPONSE_MASK].bool()
     assert agree(probed[mask], hf_response_log_probs(trained, probe_rows)[mask])
+    validated = rollout.call(
+        RolloutWorker.generate,
+        # (top_k 1: greedy, with the 2 samples a prompt that temperature 0 would refuse)
+        prompt_batch(
+            shared_prefix_prompts[:3], tokenizer.pad_token_id, n=2, temperature=1.0, top_k=1, **{META_VALIDATE: True}
+        ),
+    )
+    expected = [hf_greedy(trained, ids, GREEDY_TOKENS, tokenizer.eos_token_id) for ids in shared_prefix_prompts[:3]]
+    assert vllm_greedy_rows(validated) == [ids for ids in expected for _ in range(2)]
     batch, counters = stream_until_done(rollout)
 
     versions, mask = batch.batch[keys.TOKEN_POLICY_VERSION], batch.batch[keys.RESPONSE_MASK].bool()
