@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import warnings
 from dataclasses import dataclass
 
@@ -92,14 +91,17 @@ def pick_device(use_gpu: bool) -> str:
     return "cuda" if use_gpu else "cpu"
 
 
-def local_address() -> tuple[str, int]:
-    """This node's address and a free TCP port, for rank 0 to publish as the rendezvous point."""
+def rendezvous_store(timeout_s: float = 600.0) -> tuple[dist.TCPStore, str, int]:
+    """Rank 0's store, where its group's ranks meet: (the store, this node's address, its port). The port is the one
+    the OS gave the store's own socket, held from then on (a free port found first and bound later can be taken in
+    between by any other process on the node: EADDRINUSE at start-up)."""
     import ray
 
     address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return address, sock.getsockname()[1]
+    store = dist.TCPStore(
+        address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return store, address, store.port
 
 
 def init_distributed(
@@ -110,8 +112,10 @@ def init_distributed(
     layout: ParallelLayout,
     device: str,
     timeout_s: float = 600.0,
+    store: dist.Store | None = None,
 ) -> RankCoords:
-    """Join the role's process group (NCCL on cuda, gloo on cpu) and start Megatron's parallel state."""
+    """Join the role's process group (NCCL on cuda, gloo on cpu) and start Megatron's parallel state. Rank 0 passes
+    the store it serves (`rendezvous_store`); the others reach it at master_addr:master_port."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -130,9 +134,17 @@ def init_distributed(
         gloo_shared_device.apply()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if store is None:  # (every rank brings a store: a tcp:// client would wait for a count rank 0's store never adds)
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -69,12 +69,19 @@ class Worker:
 
     # ---- set-up, called by the WorkerGroup -----------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 publishes where the process group meets."""
-        return parallel.local_address()
+        """Rank 0 publishes where the process group meets: a store it serves for the group's life."""
+        self._rendezvous_store, address, port = parallel.rendezvous_store()
+        return address, port
 
     def init_distributed(self, master_addr: str, master_port: int) -> RankCoords:
         self.coords = parallel.init_distributed(
-            self.rank, self.world_size, master_addr, master_port, self.layout, self.device
+            self.rank,
+            self.world_size,
+            master_addr,
+            master_port,
+            self.layout,
+            self.device,
+            store=getattr(self, "_rendezvous_store", None),
         )
         return self.coords
 
