@@ -21,20 +21,16 @@ import itertools
 import logging
 import queue
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
-import torch
 
 from roll_backend import keys
 from roll_backend.agentic.agent_server import AgentRunner, CompletionRequest, CompletionServer, completion_payload
 from roll_backend.agentic.config import AgenticConfig
 from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.agentic.episode import Episode, EpisodeSpec, Outcome
+from roll_backend.agentic.rows import env_seed, tasks_of, trajectory_metrics, trajectory_rows
 from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBreak
-from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
 
@@ -194,9 +190,9 @@ class AgenticRollout:
         call_id = next(self._ids)
         call.trajectories = [
             Trajectory(
-                row * n + sample, row, f"{call_id}-{row}-{sample}", task, _env_seed(task, base_seed, row), call=call
+                row * n + sample, row, f"{call_id}-{row}-{sample}", task, env_seed(task, base_seed, row), call=call
             )
-            for row, task in enumerate(_tasks(batch))
+            for row, task in enumerate(tasks_of(batch))
             for sample in range(n)
         ]
         call.engine_seconds = self.loop.engine_seconds
@@ -228,53 +224,10 @@ class AgenticRollout:
         return messages + (list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}])
 
     # ---- output rows ---------------------------------------------------------------------------------------
-    def _rows(
-        self, batch: DataProto, trajectories: list[Trajectory], width: int, metrics: dict, versions: bool = False
-    ) -> DataProto:
-        """Each trajectory's segments as rows (the prompt row's columns repeated); `versions`: with
-        TOKEN_POLICY_VERSION, each token's weight version (-1 on inserted tokens)."""
-        segments = [(traj, seg) for traj in trajectories for seg in traj.conv.segments] if trajectories else []
-        pad_id = self.tokenizer.pad_token_id
-        longest = max((len(seg.prompt_ids) for _, seg in segments), default=1)
-        prompts, prompt_mask = left_pad(
-            [seg.prompt_ids for _, seg in segments], pad_id, max(longest, self.prompt_width or 0)
+    def _rows(self, batch, trajectories, width: int, metrics: dict, versions: bool = False) -> DataProto:
+        return trajectory_rows(
+            batch, trajectories, width, self.tokenizer, self.prompt_width, self.config.env_reward, metrics, versions
         )
-        responses = torch.full((len(segments), width), pad_id, dtype=torch.int64)
-        present = torch.zeros((len(segments), width), dtype=torch.int64)
-        loss_mask = torch.zeros((len(segments), width), dtype=torch.int64)
-        log_probs = torch.zeros((len(segments), width), dtype=torch.float32)
-        for i, (_, seg) in enumerate(segments):
-            length = len(seg.response_ids)
-            responses[i, :length] = torch.tensor(seg.response_ids, dtype=torch.int64)
-            present[i, :length] = 1
-            loss_mask[i, :length] = torch.tensor(seg.loss_mask, dtype=torch.int64)
-            log_probs[i, :length] = torch.tensor(seg.log_probs, dtype=torch.float32)
-        rows = [traj.row for traj, _ in segments]
-        if versions:
-            token_versions = torch.full((len(segments), width), -1, dtype=torch.int64)
-            for i, (_, seg) in enumerate(segments):
-                token_versions[i, : len(seg.versions)] = torch.tensor(seg.versions, dtype=torch.int64)
-        tensors = sequence_columns(prompts, prompt_mask, responses, present)
-        tensors |= {
-            keys.RESPONSE_MASK: loss_mask,
-            keys.ROLLOUT_LOG_PROBS: log_probs,
-            keys.ENV_REWARDS: torch.tensor(
-                [traj.reward(self.config.env_reward) for traj, _ in segments], dtype=torch.float32
-            ),
-        }
-        if versions:
-            tensors[keys.TOKEN_POLICY_VERSION] = token_versions
-        if batch.batch is not None:
-            tensors |= {k: v[rows] for k, v in batch.batch.items() if k not in tensors and k != keys.ATTENTION_MASK}
-        non_tensors = {name: column[rows] for name, column in batch.non_tensor_batch.items()}
-        if keys.UID not in non_tensors:
-            uids = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
-            non_tensors[keys.UID] = uids[rows]
-        texts = self.tokenizer.batch_decode([seg.response_ids for _, seg in segments], skip_special_tokens=True)
-        non_tensors[keys.RESPONSE_TEXT] = np.array(texts, dtype=object)
-        meta_info = dict(batch.meta_info)
-        meta_info[keys.META_METRICS] = metrics
-        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
 
 
 class _Loop:
@@ -531,26 +484,6 @@ class _Loop:
         self.waiting, self.on_engine, self.ready, self.by_session, self.calls = {}, {}, [], {}, []
 
 
-def trajectory_metrics(trajs: list[Trajectory], reward_mode: str) -> dict[str, float]:
-    """agentic/...: how the trajectories went (success, turns, tokens, tools, errors, template breaks)."""
-    if not trajs:
-        return {}
-    successes = [t.success if t.success is not None else (t.terminated and t.reward(reward_mode) > 0) for t in trajs]
-    return {
-        "agentic/success_rate": float(np.mean(successes)),
-        "agentic/env_reward_mean": float(np.mean([t.reward(reward_mode) for t in trajs])),
-        "agentic/turns_mean": float(np.mean([t.conv.turns for t in trajs])),
-        "agentic/trajectory_tokens_mean": float(np.mean([len(t.conv.current.response_ids) for t in trajs])),
-        "agentic/sampled_tokens_mean": sum(t.conv.sampled_tokens for t in trajs) / len(trajs),
-        "agentic/truncated_fraction": float(np.mean([t.truncated for t in trajs])),
-        "agentic/tool_calls_count": float(sum(t.tool_calls for t in trajs)),
-        "agentic/tool_errors_count": float(sum(t.tool_errors for t in trajs)),
-        "agentic/env_errors_count": float(sum(t.error is not None for t in trajs)),
-        "agentic/template_breaks_count": float(sum(t.conv.breaks for t in trajs)),
-        "agentic/env_seconds": float(sum(t.env_seconds for t in trajs)),
-    }
-
-
 def new_messages(recorded: list[dict], request: list[dict], turn: int) -> list[dict]:
     """The messages of an agent's request after those already recorded. Earlier messages must be the recorded ones
     (an assistant message may be the agent's own rendering of the reply: the recorded text stands for it)."""
@@ -567,32 +500,6 @@ def new_messages(recorded: list[dict], request: list[dict], turn: int) -> list[d
     if len(request) <= len(recorded):
         raise TemplateBreak(f"turn {turn + 1}: the request adds no message after the recorded conversation")
     return [dict(m) for m in request[len(recorded) :]]
-
-
-def _tasks(batch: DataProto) -> list[dict]:
-    """Each prompt row as the task an environment or agent sees: prompt, answer, extra_info."""
-    columns = batch.non_tensor_batch
-    rows = len(batch)
-    pick = lambda name, default: list(columns[name]) if name in columns else [default] * rows  # noqa: E731
-    prompts, answers, extras = pick(keys.PROMPT_TEXT, ""), pick(keys.ANSWER, ""), pick(keys.EXTRA_INFO, None)
-    return [
-        {"prompt": _plain_prompt(p), "answer": str(a), "extra_info": dict(e) if isinstance(e, dict) else {}}
-        for p, a, e in zip(prompts, answers, extras)
-    ]
-
-
-def _plain_prompt(prompt):
-    if isinstance(prompt, (list, tuple, np.ndarray)):
-        return [dict(message) for message in prompt]
-    return str(prompt)
-
-
-def _env_seed(task: dict, base_seed: int | None, row: int) -> int | None:
-    """A row's `extra_info.seed`, else one derived from the call's seed and the row (the n samples share it)."""
-    seed = task["extra_info"].get("seed")
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return int(seed)
-    return None if base_seed is None else (int(base_seed) * 31 + row) % (2**31 - 1)
 
 
 def _label(config: AgenticConfig) -> str:
