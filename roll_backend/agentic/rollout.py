@@ -160,18 +160,22 @@ class AgenticRollout:
         trajectory is still going)."""
         started, engine_seconds = time.perf_counter(), self.loop.engine_seconds
         self._advance(max_steps=max_steps)
-        parts, ended = [], []
+        by_call = []
         for call in self.stream_calls:
             rows = sorted({traj.row for traj in call.trajectories})
-            done = [row for row in rows if all(t.done for t in call.trajectories if t.row == row)]
-            if not done:
-                continue
-            finished = [traj for traj in call.trajectories if traj.row in set(done)]
-            call.trajectories = [traj for traj in call.trajectories if traj.row not in set(done)]
-            self.loop.forget(finished)
-            parts.append(self._rows(call.batch, finished, call.max_tokens, {}, versions=True))
-            ended += finished
+            done = {row for row in rows if all(t.done for t in call.trajectories if t.row == row)}
+            if done:
+                by_call.append((call, [traj for traj in call.trajectories if traj.row in done]))
+                call.trajectories = [traj for traj in call.trajectories if traj.row not in done]
         self.stream_calls = [call for call in self.stream_calls if call.trajectories]
+        ended = [traj for _, finished in by_call for traj in finished]
+        self.loop.forget(ended)
+        # One prompt width for the admissions' rows (without max_prompt_length each call's longest would differ).
+        width = max((len(seg.prompt_ids) for traj in ended for seg in traj.conv.segments), default=0)
+        parts = [
+            self._rows(call.batch, finished, call.max_tokens, {}, versions=True, prompt_width=width)
+            for call, finished in by_call
+        ]
         batch = None
         if parts:
             batch = DataProto.concat(parts)
@@ -224,9 +228,12 @@ class AgenticRollout:
         return messages + (list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}])
 
     # ---- output rows ---------------------------------------------------------------------------------------
-    def _rows(self, batch, trajectories, width: int, metrics: dict, versions: bool = False) -> DataProto:
+    def _rows(
+        self, batch, trajectories, width: int, metrics: dict, versions: bool = False, prompt_width: int = 0
+    ) -> DataProto:
+        prompt_width = max(self.prompt_width or 0, prompt_width)
         return trajectory_rows(
-            batch, trajectories, width, self.tokenizer, self.prompt_width, self.config.env_reward, metrics, versions
+            batch, trajectories, width, self.tokenizer, prompt_width, self.config.env_reward, metrics, versions
         )
 
 
@@ -279,8 +286,10 @@ class _Loop:
                 self._replied(self.on_engine.pop(request.request_id), request)
         elif self.waiting:
             doorbell = [self.server.ring()] if self.server is not None else []
-            pending = list(self.waiting) + doorbell
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            # A request queued before this doorbell rang the previous one: look at the inbox after taking the bell
+            # (requests are queued, then ring), or wait for a call that never answers without that reply.
+            if self.server is None or self.server.inbox.empty():
+                concurrent.futures.wait(list(self.waiting) + doorbell, return_when=concurrent.futures.FIRST_COMPLETED)
         if self.server is not None:
             self._take_requests()
         for future in [f for f in self.waiting if f.done()]:

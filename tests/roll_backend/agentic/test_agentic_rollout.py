@@ -301,3 +301,41 @@ def test_streaming_trajectories_span_a_weight_update(rollout, model_dir, tokeniz
     assert (rollout_log_probs - initial_probe)[early].abs().mean() < 1e-3
     assert (rollout_log_probs - other_probe)[late].abs().mean() < 1e-3
     assert (initial_probe - other_probe)[sampled].abs().mean() > 1e-2  # the versions really differ
+
+
+def test_agent_functions_stream_too(rollout, tokenizer):
+    """Agent mode in streaming: two admissions (the second while the first runs) of a user agent function speaking
+    the OpenAI API; each group comes back once its n agents returned, with the agent's turns as in a generate call
+    (sampled, inserted, sampled) and every sampled token stamped with the engine's version."""
+    config = build(AgenticConfig, {"agent": {"path": "agentic_fixtures", "name": "two_turn_agent"}, "max_turns": 3})
+    rollout.call(RolloutWorker.set_agentic, config)
+    parts = []
+    try:
+        for position, prompt in ((0, "what is 1 + 2?"), (1, "count to 3")):
+            admitted = prompts([{"prompt": prompt}], seed=position)
+            rollout.call(
+                RolloutWorker.stream_admit,
+                DataProto.from_dict(
+                    tensors={keys.STREAM_POSITION: torch.tensor([position])},
+                    non_tensors=admitted.non_tensor_batch,
+                    meta_info=admitted.meta_info,
+                ),
+            )
+            [(finished, unfinished, _)] = rollout.call(RolloutWorker.stream_run, 2)
+            parts += [finished] if finished is not None else []
+        while unfinished:
+            [(finished, unfinished, _)] = rollout.call(RolloutWorker.stream_run, 8)
+            parts += [finished] if finished is not None else []
+    finally:
+        rollout.call(RolloutWorker.set_agentic, build(AgenticConfig, yaml.safe_load(LAKE_YAML)))
+    # (Parts of separate calls differ in prompt width here: this rollout has no max_prompt_length; a pipeline's has.)
+    positions = sorted(p for part in parts for p in part.batch[keys.STREAM_POSITION].tolist())
+    assert positions == [0] * N + [1] * N
+    for batch in parts:
+        sampled = batch.batch[keys.RESPONSE_MASK]
+        width = sampled.shape[1]
+        for row in range(len(batch)):
+            present = int(batch.batch[keys.ATTENTION_MASK][row, -width:].sum())
+            assert [value for value, _, _ in runs(sampled[row][:present].tolist())] == [1, 0, 1]
+        versions = batch.batch[keys.TOKEN_POLICY_VERSION]
+        assert torch.equal(versions, torch.where(sampled.bool(), 0, -1))
