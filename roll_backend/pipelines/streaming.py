@@ -311,9 +311,10 @@ CALL_TIMINGS = ("rollout/generate_s", "rollout/tokens_per_s")
 
 
 def rollout_metrics_of(shares: list[tuple[int, int, dict]]) -> dict[str, float]:
-    """The rollout ranks' metrics (rollout/..., agentic/...) of the trained groups, from each group's share of the
-    rank's call it finished in: (its rows, that call's rows, the call's metrics). Counts (`*_count`) in proportion to
-    the rows, the rest averaged weighted by rows."""
+    """The rollout ranks' metrics (rollout/..., agentic/...) of the rank calls the trained groups finished in, each
+    call's metrics weighted by the rows of its groups trained now: (those rows, the call's rows, the call's metrics).
+    Counts (`*_count`) in proportion to the rows, the rest averaged. A call's metrics cover all its groups, so this
+    approximates the trained groups' own values (exact when every call returned only trained groups)."""
     values: dict[str, list[tuple[int, int, float]]] = {}
     for rows, arrived, metrics in shares:
         for name, value in metrics.items():
