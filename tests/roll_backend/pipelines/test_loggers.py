@@ -61,6 +61,12 @@ def wandb_records(run_file: Path):
 
 
 def wandb_offline_runs(run_dir: Path) -> list[Path]:
+    """The offline run files, once complete: `run.finish()` returns before W&B's service has closed the run's
+    stream, which writes the file's last records (a loaded CI machine read it without its history); teardown
+    waits for the service to exit."""
+    import wandb
+
+    wandb.teardown()
     return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
