@@ -324,6 +324,7 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
         "actor_train.strategy.micro_batch_size=4",
         "reference.strategy.micro_batch_size=8",
         "logging.progress_bar=false",
+        "perf.measure_peak=false",
         "logging.tensorboard=false",
         cwd=job_dir,
         timeout=400,

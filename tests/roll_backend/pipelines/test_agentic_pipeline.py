@@ -16,6 +16,7 @@ from roll_backend.config.loader import load_config
 from roll_backend.pipelines.driver import run_pipeline
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "agentic_frozenlake_cpu.yaml"
+NO_PEAK_PROBE = "perf.measure_peak=false"  # the start-up GEMM probe costs every run seconds; test_recovery checks it
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def lake_run(ray_session, tmp_path_factory):
     output = tmp_path_factory.mktemp("frozen_lake")
     max_steps = load_config(CONFIG, []).max_steps
     # A checkpoint one step before the end, for the resume check.
-    config = load_config(CONFIG, [f"output_dir={output}", f"checkpoint.save_steps={max_steps - 1}"])
+    config = load_config(CONFIG, [f"output_dir={output}", f"checkpoint.save_steps={max_steps - 1}", NO_PEAK_PROBE])
     return config, run_pipeline(config), output
 
 
@@ -47,7 +48,10 @@ def test_a_resumed_agentic_run_repeats_the_next_step(lake_run, tmp_path):
     checkpoint = output / "checkpoints" / f"step_{saved}"
     assert checkpoint.is_dir(), sorted(p.name for p in (output / "checkpoints").iterdir())
     resumed = run_pipeline(
-        load_config(CONFIG, [f"output_dir={tmp_path}", f"checkpoint.resume={checkpoint}", "eval.before_train=false"])
+        load_config(
+            CONFIG,
+            [f"output_dir={tmp_path}", f"checkpoint.resume={checkpoint}", "eval.before_train=false", NO_PEAK_PROBE],
+        )
     )
     theirs = next(row for row in history if row["step"] == config.max_steps)
     (ours,) = [row for row in resumed if row["step"] == config.max_steps]
@@ -74,7 +78,7 @@ def test_a_streaming_agentic_run_trains_within_the_bound_and_validates(ray_sessi
     update after they were sampled and none later, the rollout's agentic metrics of the trained groups reach each
     step, and validation runs between steps. (A trajectory whose turns span an update, token by token:
     test_agentic_rollout.py; a streaming run's checkpoint and restart: test_streaming.py.)"""
-    history = run_pipeline(load_config(CONFIG, [f"output_dir={tmp_path}", *STREAMING]))
+    history = run_pipeline(load_config(CONFIG, [f"output_dir={tmp_path}", *STREAMING, NO_PEAK_PROBE]))
     assert [row["step"] for row in history] == [1, 2, 3]
     check_staleness(history)
     assert max(row["async/sample_lag_1"] for row in history) > 0  # the window let a step's groups run ahead

@@ -30,6 +30,7 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
             "reference.strategy.cp=2",
             "reference.world_size=2",
             "logging.progress_bar=false",
+            "perf.measure_peak=false",
         ],
     )
     history = run_pipeline(config)

@@ -29,6 +29,7 @@ def test_grpo_with_a_qwen3_moe_actor_at_ep2(ray_session, tmp_path):
             "reference.strategy.micro_batch_size=16",
             "data.synthetic.num_prompts=8",
             "logging.progress_bar=false",
+            "perf.measure_peak=false",
             "actor_infer.strategy.weight_sync_bucket_mb=0.001",
         ],
     )

@@ -178,7 +178,7 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
             "async/trainer_wait_s",
             "async/rollout_idle_s",
             "timing/reference",
-            "perf/reference_mfu",
+            "perf/reference_tflops",
             "weight_sync/logprob_gap",
         ):
             assert math.isfinite(ahead_record[key]), (key, ahead_record)

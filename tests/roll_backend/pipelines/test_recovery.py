@@ -71,7 +71,9 @@ def same_numbers(row: dict) -> dict:
 def uninterrupted_run(ray_session, base_config, prompt_file, model_dir, tmp_path_factory):
     """(history, output folder) of the run without faults."""
     output_dir = tmp_path_factory.mktemp("full")
-    history = run_with_restarts(six_step_config(base_config, prompt_file, model_dir, output_dir))
+    history = run_with_restarts(
+        six_step_config(base_config, prompt_file, model_dir, output_dir, "perf.measure_peak=true")
+    )
     assert [row["step"] for row in history] == list(range(1, STEPS + 1))
     assert {row[RESTARTS] for row in history} == {0.0} and {row[SECONDS_LOST] for row in history} == {0.0}
     return history, output_dir

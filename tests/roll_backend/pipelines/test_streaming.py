@@ -33,6 +33,7 @@ SHAPE = (
     "actor_train.strategy.micro_batch_size=3",
     "algorithm.rollout_correction.is_level=token",
     "logging.progress_bar=false",
+    "perf.measure_peak=false",
 )
 STREAMING = ("async_generation.enabled=true", "async_generation.mode=streaming")
 DEMO_STEPS = 30  # the run is above 0.8 from about step 27 (one update behind, as one-step: about 32)
@@ -80,6 +81,7 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
             "fault_tolerance.max_restarts=1",
             "fault_tolerance.inject=kill:actor_train:0:train:45",  # 4 mini-batches a step: step 12's first
             "logging.progress_bar=false",
+            "perf.measure_peak=false",
             "logging.tensorboard=false",
         ],
     )

@@ -85,6 +85,7 @@ def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
         "reference=null",
         "algorithm.use_kl_loss=false",
         "logging.progress_bar=false",
+        "perf.measure_peak=false",
         "logging.tensorboard=false",
         *extra,
     ]
