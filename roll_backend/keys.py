@@ -16,6 +16,10 @@ EXTRA_INFO = "extra_info"  # [B] object, dict: the row's other columns (and its 
 INPUT_IDS = "input_ids"  # [B, T] int64
 ATTENTION_MASK = "attention_mask"  # [B, T] int64, 1 = real token
 POSITION_IDS = "position_ids"  # [B, T] int64
+# MoE routes, whole sequence: the experts each token was routed to at each decoder layer, -1 where none was
+# recorded (padding, a rollout's last sampled token, which the engine never forwards).
+ROUTED_EXPERTS = "routed_experts"  # [B, T, L, top_k] int16, the rollout engine's (R3; router_replay)
+RECORDED_ROUTES = "recorded_routes"  # [B, T, L, top_k] int16, the actor's old-log-prob forward's (R2)
 
 # Response side (T_resp columns).
 RESPONSES = "responses"  # [B, T_resp] int64, right-padded response ids
@@ -64,3 +68,4 @@ META_BALANCE_DP = "balance_dp"  # bool, default True: the balanced DP modes orde
 META_VALIDATE = "validate"  # bool: the rollout samples with its validation settings (greedy by default)
 META_MAX_TOKENS_PER_MICROBATCH = "max_tokens_per_microbatch"  # int, or None for fixed-size micro-batches
 META_SEQUENCE_PACKING = "use_sequence_packing"  # bool: micro-batches pack sequences without padding
+META_LIVE_ROUTES = "live_routes"  # bool: a MoE forward routes live whatever router_replay says (weight-sync probe)

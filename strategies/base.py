@@ -51,6 +51,7 @@ class RunFacts:
     score_head: bool = False  # the model folder is a trained reward model: the value head loads its score head
     model_config: Mapping[str, Any] | None = None  # the model's Hugging Face config fields; None: unknown
     multi_turn: bool = False  # the rollout runs multi-turn trajectories (agentic): requests arrive one turn at a time
+    routed_experts: bool = False  # the rollout returns each token's routed experts (the actor replays them: R3)
 
 
 class StrategyConfig(Protocol):

@@ -97,4 +97,12 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         score_head=name == roles.REWARD_MODEL,
         model_config=model_fields(config, role.model_path),
         multi_turn=config.agentic is not None,
+        routed_experts=name == roles.ACTOR_INFER and replays_rollout_routes(config),
     )
+
+
+def replays_rollout_routes(config: PipelineConfig) -> bool:
+    """The training actor replays the rollout's routes (router_replay R3 on a Megatron strategy)."""
+    actor = getattr(config, roles.ACTOR_TRAIN, None)
+    strategy = getattr(getattr(actor, "strategy", None), "config", None)
+    return getattr(strategy, "router_replay", None) == "R3"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from roll_backend import roles
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
-from roll_backend.config.run_facts import run_facts
+from roll_backend.config.run_facts import replays_rollout_routes, run_facts
 from roll_backend.config.schema import (
     ASYNC_MODES,
     DISTILL_MODES,
@@ -252,6 +252,13 @@ def _check_streaming(config: PipelineConfig, problems: list[str]) -> None:
         problems.append(
             f"async_generation.mode=streaming with actor_infer.strategy.tp={infer.strategy.layout.tp}: streaming "
             "steps each rank's engine on its own; use tp=1 rollout ranks (more of them for DP) or mode=one_step"
+        )
+    routed = infer is not None and getattr(infer.strategy.config, "return_routed_experts", False)
+    if replays_rollout_routes(config) or routed:
+        problems.append(
+            "async_generation.mode=streaming with the rollout's routed experts (actor_train.strategy.router_replay=R3 "
+            "or actor_infer.strategy.return_routed_experts): streamed requests' routes are not collected yet; use "
+            "router_replay=R2 or mode=one_step"
         )
 
 

@@ -16,7 +16,14 @@ from tensordict import TensorDict
 from roll_backend.protocol import DataProto
 
 # gloo cannot broadcast bool tensors; they travel as uint8 and are viewed back.
-_WIRE_DTYPE = {torch.bool: torch.uint8}
+# Dtypes gloo and NCCL cannot send travel as bytes (int16: MoE routes).
+_WIRE_DTYPE = {torch.bool: torch.uint8, torch.int16: torch.uint8}
+
+
+def _wire_shape(shape: tuple, dtype: torch.dtype, wire_dtype: torch.dtype) -> tuple:
+    """A tensor viewed as `wire_dtype`: a wider dtype's last dimension grows by the itemsize ratio."""
+    ratio = dtype.itemsize // wire_dtype.itemsize
+    return (*shape[:-1], shape[-1] * ratio) if ratio > 1 and shape else shape
 
 
 class MissingColumnError(KeyError):
@@ -104,7 +111,7 @@ def broadcast_dataproto(
             buffer = buffer.view(wire_dtype) if wire_dtype != dtype else buffer
             buffer = buffer.contiguous()
         else:
-            buffer = torch.empty(shape, dtype=wire_dtype, device=device)
+            buffer = torch.empty(_wire_shape(shape, dtype, wire_dtype), dtype=wire_dtype, device=device)
         dist.broadcast(buffer, src=src, group=group)
         received[key] = buffer.view(dtype) if wire_dtype != dtype else buffer
     # Every rank (the source too) returns tensors on its own device, in the same layout.

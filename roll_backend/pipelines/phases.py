@@ -170,9 +170,20 @@ def reference_log_probs(groups: RoleGroups, batch: DataProto) -> None:
     batch[keys.REF_LOG_PROBS] = groups.reference.call(ReferenceWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
 
 
-def old_log_probs(groups: RoleGroups, batch: DataProto) -> None:
-    """batch[OLD_LOG_PROBS] = the trained policy's log-probs before this step's updates."""
-    batch[keys.OLD_LOG_PROBS] = groups.actor_train.call(ActorWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
+def old_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
+    """batch[OLD_LOG_PROBS] = the trained policy's log-probs before this step's updates (and, with router_replay
+    R2, batch[RECORDED_ROUTES] = the experts this forward chose). Metrics: the MoE route agreement with the
+    rollout's routes (actor/moe/log_probs_route_agreement...), and the mean |log-prob| gap to the rollout's."""
+    out = groups.actor_train.call(ActorWorker.compute_log_probs, batch)
+    batch[keys.OLD_LOG_PROBS] = out.batch[keys.LOG_PROBS]
+    if keys.RECORDED_ROUTES in out.batch.keys():
+        batch[keys.RECORDED_ROUTES] = out.batch[keys.RECORDED_ROUTES]
+    metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="actor/")
+    if keys.ROLLOUT_LOG_PROBS in batch.batch.keys():
+        mask = batch.batch[keys.RESPONSE_MASK].float()
+        gap = (batch.batch[keys.OLD_LOG_PROBS] - batch.batch[keys.ROLLOUT_LOG_PROBS]).abs() * mask
+        metrics["actor/rollout_logprob_gap"] = float(gap.sum() / mask.sum().clamp(min=1))
+    return metrics
 
 
 def teacher_log_probs(groups: RoleGroups, batch: DataProto) -> None:
@@ -282,6 +293,7 @@ def sync_weights(
         ]
     )
     probe.meta_info[keys.META_TEMPERATURE] = 1.0
+    probe.meta_info[keys.META_LIVE_ROUTES] = True  # the engine's probe routes live: so does the trainer's
     engine = groups.actor_infer.call(RolloutWorker.probe_log_probs, probe).batch[keys.LOG_PROBS]
     trainer = groups.actor_train.call(ActorWorker.compute_log_probs, probe).batch[keys.LOG_PROBS]
     mask = probe.batch[keys.RESPONSE_MASK].float()

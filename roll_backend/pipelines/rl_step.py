@@ -83,7 +83,7 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     metrics |= phases.staleness_metrics(batch, run.policy_version)
     if phases.needs_old_log_probs(algo, len(batch)):
         with timer.phase(roles.OLD_LOG_PROBS):
-            phases.old_log_probs(groups, batch)
+            metrics |= phases.old_log_probs(groups, batch)
     if algo.rollout_correction.enabled:
         metrics |= phases.correct_rollout_mismatch(batch, algo)
     if groups.critic is not None:

@@ -26,6 +26,7 @@ PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 VALUE_HEAD_INITS = ("fresh", "score_head")
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+ROUTER_REPLAY_MODES = (None, "R2", "R3")
 
 
 # ---- pipeline stage splits ---------------------------------------------------------------------------------
@@ -204,6 +205,11 @@ def _settings_problems(cfg) -> list[str]:
         )
     if cfg.value_head_init not in VALUE_HEAD_INITS:
         problems.append(f"value_head_init={cfg.value_head_init!r}; choose one of {', '.join(VALUE_HEAD_INITS)}")
+    if cfg.router_replay not in ROUTER_REPLAY_MODES:
+        problems.append(
+            f"router_replay={cfg.router_replay!r}; choose R2 (replay the old-log-prob forward's routes in the "
+            "updates), R3 (replay the rollout's routes) or null"
+        )
     return problems
 
 
@@ -239,6 +245,9 @@ class MegatronInferConfig:
     # split where pp (x vpp) divides the layers, else default_stage_split's choice.
     first_stage_layers: int | None = None  # decoder layers of the first pipeline stage (None: Megatron's even split)
     last_stage_layers: int | None = None  # decoder layers of the last pipeline stage (None: Megatron's even split)
+    # MoE routing replay (R2: the old-log-prob forward's routes replayed in the updates; R3: the rollout's routes
+    # replayed in every forward); null: routers choose live. See strategies/megatron/router_replay.py.
+    router_replay: str | None = None
     # Testing only: load gate and up swapped, a deliberately wrong mapping that parity tests must catch.
     test_swap_gate_up: bool = False
 
@@ -307,6 +316,7 @@ class MegatronTrainConfig:
     use_torch_compile: bool = False  # see MegatronInferConfig
     first_stage_layers: int | None = None  # see MegatronInferConfig
     last_stage_layers: int | None = None  # see MegatronInferConfig
+    router_replay: str | None = None  # see MegatronInferConfig
 
     def __post_init__(self):
         _raise("megatron_train config", _settings_problems(self) + _training_settings_problems(self))
@@ -442,6 +452,10 @@ def _model_problems(cfg, run: RunFacts, fields: Mapping[str, Any]) -> list[str]:
     value_problem = value_head_problem(cfg.value_head, moe, 0, layout.tp)
     if value_problem:
         problems.append(f"{where}: {value_problem}")
+    if cfg.router_replay is not None and not moe:
+        problems.append(
+            f"{where}.router_replay={cfg.router_replay}: the model ({model_type}) has no routed experts; set it to null"
+        )
     moe_mtp_problem = mtp_problem(moe, cfg.mtp_num_layers)
     if moe_mtp_problem:
         problems.append(f"{where}: {moe_mtp_problem}")

@@ -36,6 +36,7 @@ class MegatronInferStrategy(MegatronCallContext, InferStrategy):
             self.config, self.layout, self.device, self.config.test_swap_gate_up
         )
         schedule.attach_head(self)
+        self.route_replayer = schedule.route_replayer(self, self.model)
 
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         return schedule.strategy_forward(self, batch, value_head=False, what="compute_log_probs")

@@ -93,6 +93,11 @@ class MicroBatch:
     gather: OutputGather | None = None
     index: torch.Tensor | None = None
     packed_seq_params: Any = None
+    # Where each position's token comes from: row * T + column in the batch's [B, T] tokens, -1 where the cut added
+    # padding (CPU int64 [b, T]). Per-token columns over the whole sequence (MoE routes) are cut through it, and
+    # what a forward records per position goes back through it.
+    source: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [b, T, L, k] the routes replayed at each position (router_replay), or None
 
     @property
     def has_rows(self) -> bool:
@@ -152,6 +157,7 @@ def split_micro_batches(
     pad = count * micro_batch_size - num_rows
     tensors = {k: _pad_rows(v, pad) for k, v in batch.batch.items()}
     non_tensors = {k: _pad_rows(np.asarray(v, dtype=object), pad) for k, v in batch.non_tensor_batch.items()}
+    sources = _pad_sources(_token_positions(batch, torch.arange(num_rows)), pad)
     micro_batches = []
     for start in range(0, num_rows + pad, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -160,8 +166,20 @@ def split_micro_batches(
             non_tensors={k: v[rows] for k, v in non_tensors.items()},
             meta_info=dict(batch.meta_info),
         )
-        micro_batches.append(model_inputs(proto, device, width))
+        micro = model_inputs(proto, device, width)
+        micro.source = _left_fit(sources[rows], width, -1)
+        micro_batches.append(micro)
     return micro_batches, num_rows
+
+
+def _token_positions(batch: DataProto, rows: torch.Tensor) -> torch.Tensor:
+    """[len(rows), T] the flat positions (row * T + column) of the rows' tokens in the batch."""
+    total = batch.batch[keys.INPUT_IDS].shape[1]
+    return rows.long()[:, None] * total + torch.arange(total)[None]
+
+
+def _pad_sources(sources: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([sources, sources.new_full((rows, sources.shape[1]), -1)]) if rows else sources
 
 
 def agreed_shapes(shapes: list[tuple[int, int]], device: str) -> list[tuple[int, int]]:
@@ -325,8 +343,32 @@ def pack_by_token_budget(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def split(batch: DataProto, plan: BatchingPlan, device: str, what: str) -> tuple[list[MicroBatch], int]:
-    """(micro-batches, real rows) by the plan; budget and packed micro-batches carry their input row indices."""
+def split(
+    batch: DataProto, plan: BatchingPlan, device: str, what: str, routes: torch.Tensor | None = None
+) -> tuple[list[MicroBatch], int]:
+    """(micro-batches, real rows) by the plan; budget and packed micro-batches carry their input row indices.
+    `routes` ([B, T, L, k], per token of the batch): each micro-batch gets its own positions' (`MicroBatch.routes`,
+    -1 at positions the cut added)."""
+    micro_batches, num_rows = _split(batch, plan, device, what)
+    if routes is not None:
+        flat = routes.reshape(-1, *routes.shape[2:])
+        for micro in micro_batches:
+            picked = flat[micro.source.clamp(min=0)]
+            micro.routes = picked.masked_fill((micro.source < 0)[..., None, None], -1).to(device)
+    return micro_batches, num_rows
+
+
+def place_per_token(micro_batches: list[MicroBatch], values: list[torch.Tensor], shape: tuple, fill) -> torch.Tensor:
+    """The inverse of the cut for per-position values ([b, T, ...] per micro-batch, CPU): a [B, T, ...] tensor of
+    `shape` with each value at its token's place in the batch, `fill` where no micro-batch position maps."""
+    out = torch.full((shape[0] * shape[1], *shape[2:]), fill, dtype=values[0].dtype)
+    for micro, value in zip(micro_batches, values):
+        kept = micro.source >= 0
+        out[micro.source[kept]] = value[kept]
+    return out.view(shape)
+
+
+def _split(batch: DataProto, plan: BatchingPlan, device: str, what: str) -> tuple[list[MicroBatch], int]:
     if plan.max_tokens is None:
         return split_micro_batches(batch, plan.micro_batch_size, device, what)
     require_columns(batch, (keys.INPUT_IDS, keys.ATTENTION_MASK, keys.RESPONSES), what)
@@ -377,6 +419,8 @@ def _trimmed(
     inputs = {name: _pad_rows(value, shape[0] - len(rows)) for name, value in inputs.items()}
     width = shape[1]
     micro = model_inputs(DataProto.from_dict(tensors=inputs), device, width)
+    sources = _token_positions(batch, torch.tensor(rows, dtype=torch.long))[:, columns]
+    micro.source = _left_fit(_pad_sources(sources, shape[0] - len(rows)), width, -1)
     n = len(rows)
     j = torch.arange(full, device=device)
     micro.proto = proto
@@ -409,13 +453,15 @@ def _packed(
     response_mask = (
         proto.batch[keys.RESPONSE_MASK] if keys.RESPONSE_MASK in proto.batch.keys() else attention[:, prompt_end:]
     )
-    pieces, segments, positions, loss_mask, real = [], [], [], [], []
+    pieces, segments, positions, loss_mask, real, sources = [], [], [], [], [], []
+    total = input_ids.shape[1]
     cols = torch.zeros(len(rows), full, dtype=torch.long)
     valid = torch.zeros(len(rows), full, dtype=torch.bool)
     offset = 0
     for i, (prompt, response) in enumerate(zip(prompt_used, response_used)):
         length = prompt + response
         pieces.append(input_ids[i, prompt_end - prompt : prompt_end + response])
+        sources.append(rows[i] * total + torch.arange(prompt_end - prompt, prompt_end + response))
         real.append(attention[i, prompt_end - prompt : prompt_end + response])  # a row of padding keeps one token
         segments.append(torch.full((length,), i))
         positions.append(torch.arange(length))
@@ -427,6 +473,7 @@ def _packed(
         offset += length
     tail = width - offset  # padding at the end: a segment of its own, never gathered
     pieces.append(torch.zeros(tail, dtype=input_ids.dtype))
+    sources.append(torch.full((tail,), -1, dtype=torch.long))
     segments.append(torch.full((tail,), len(rows)))
     positions.append(torch.arange(tail))
     loss_mask.append(torch.zeros(tail))
@@ -447,6 +494,7 @@ def _packed(
     )
     micro.gather = OutputGather(rows=torch.zeros_like(cols).to(device), cols=cols.to(device), valid=valid.to(device))
     micro.index = torch.tensor(rows, dtype=torch.long)
+    micro.source = torch.cat(sources)[None]
     if plan.thd:
         micro.packed_seq_params = _thd_params([p + r for p, r in zip(prompt_used, response_used)] + [tail], device)
     return micro

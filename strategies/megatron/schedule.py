@@ -19,6 +19,7 @@ from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.model_setup import set_train_mode
 from roll_backend.strategies.megatron.moe import router_padding_mask
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
+from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
 
 
 class HeadCapture:
@@ -53,6 +54,12 @@ class HeadCapture:
         return output
 
 
+def route_replayer(strategy, chunks: list) -> RouteReplayer | None:
+    """A MoE model's RouteReplayer (route metrics always, replay as configured); None for a dense model."""
+    moe = strategy.arch.moe
+    return None if moe is None else RouteReplayer(chunks, strategy.arch.num_layers, moe.topk, strategy.device)
+
+
 def attach_head(strategy) -> None:
     """Give a Megatron strategy its HeadCapture and, with MTP, its MtpLoss (both hook into the head's chunk)."""
     depths = strategy.config.mtp_num_layers
@@ -67,10 +74,12 @@ def run_pipeline(
     forward_only: bool,
     mtp: MtpLoss | None,
     loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
+    routes: RouteCall | None = None,
 ) -> list[dict]:
     """Run Megatron's schedule (interleaved with several model chunks) over the micro-batches; returns the
     loss_func dicts (last PP stage only, else []). Under CP each rank feeds the model its chunks of the sequence.
-    `mtp`: the model's MTP loss (labels and mask go to every chunk; the head's chunk computes it), None without."""
+    `mtp`: the model's MTP loss (labels and mask go to every chunk; the head's chunk computes it), None without.
+    `routes`: a MoE model's routes plan (replayed, compared and recorded per micro-batch and chunk), None without."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
@@ -84,17 +93,27 @@ def run_pipeline(
             inputs.update(mtp.inputs(micro))
         if routed:
             inputs["padding_mask"] = ~micro.token_mask
+        if micro.routes is not None:
+            inputs["routes"] = micro.routes
         inputs = slice_for_this_cp_rank(inputs)
+        micro_routes = inputs.pop("routes", None)
         if routed:
             inputs["padding_mask"] = router_padding_mask(unwrap(chunk), inputs["padding_mask"])
         extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
+        key = (chunk_index[id(chunk)], micro_index[id(micro)])
+        if routes is not None:
+            routes.replayer.before_chunk(*key, micro_routes)
         output = chunk(**inputs, **extra)
         if capture.applies_to(chunk):
             output = capture.pop()
+        if routes is not None:
+            output = routes.replayer.after_chunk(*key, output)
         return output, functools.partial(loss_func, micro)
 
     # MoE routers leave padding out of their load-balancing loss, z-loss and token counts.
     routed = bool(unwrap(chunks[0]).config.num_moe_experts)
+    chunk_index = {id(chunk): i for i, chunk in enumerate(chunks)}
+    micro_index = {id(micro): i for i, micro in enumerate(micro_batches)}
     first = micro_batches[0]
     iterators = [iter(micro_batches) for _ in chunks]  # the interleaved schedule reads one per model chunk
     if len({tuple(m.input_ids.shape) for m in micro_batches}) > 1:
@@ -103,7 +122,12 @@ def run_pipeline(
         for chunk in chunks:
             unwrap(chunk).config.variable_seq_lengths = True
     training_mtp = mtp is not None and not forward_only
-    with mtp.training(micro_batches) if training_mtp else contextlib.nullcontext():
+    if routes is not None:
+        routes.replayer.begin(replay=routes.replay, record=routes.record)
+    with (
+        mtp.training(micro_batches) if training_mtp else contextlib.nullcontext(),
+        routes.replayer.active() if routes is not None else contextlib.nullcontext(),
+    ):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -133,10 +157,12 @@ def forward_per_token(
     with_entropy: bool,
     mtp: MtpLoss | None,
     what: str,
+    routes: RouteCall | None = None,
 ) -> DataProto | None:
     """Forward-only per-token outputs of the batch's responses, in its row order; a DataProto on the last PP
-    stage, else None. `plan`: a micro_batches.BatchingPlan (fixed rows, token budget or packing)."""
-    micro_batches, num_rows = mb.split(batch, plan, device, what)
+    stage, else None. `plan`: a micro_batches.BatchingPlan (fixed rows, token budget or packing). `routes`: a MoE
+    model's routes plan; recorded routes come back as keys.RECORDED_ROUTES, route metrics in meta_info."""
+    micro_batches, num_rows = mb.split(batch, plan, device, what, routes.routes if routes is not None else None)
     temperature = float(batch.meta_info.get(keys.META_TEMPERATURE, temperature))
 
     def collect(micro: MicroBatch, head_output: torch.Tensor):
@@ -145,10 +171,30 @@ def forward_per_token(
 
     set_train_mode(model, False)
     with torch.no_grad():
-        stored = run_pipeline(model, capture, micro_batches, forward_only=True, mtp=mtp, loss_func=collect)
+        stored = run_pipeline(model, capture, micro_batches, True, mtp, collect, routes)
+        recorded = recorded_routes(routes, micro_batches, batch, device) if routes is not None else None
+    metrics = routes.replayer.pop_metrics("moe/log_probs_") if routes is not None else {}
     if not is_last_stage():
         return None
-    return DataProto.from_dict(tensors=mb.collect_rows(micro_batches, stored, num_rows))
+    tensors = mb.collect_rows(micro_batches, stored, num_rows)
+    if recorded is not None:
+        tensors[keys.RECORDED_ROUTES] = recorded
+    return DataProto.from_dict(tensors=tensors, meta_info={keys.META_METRICS: metrics} if metrics else None)
+
+
+def recorded_routes(routes: RouteCall, micro_batches: list[MicroBatch], batch: DataProto, device: str):
+    """[B, T, L, k] the live routes of a recording forward at each token of the batch (-1 at padding), every
+    stage's layers joined; None when the call did not record."""
+    if not routes.record:
+        return None
+    per_micro = [
+        routes.replayer.recorded_micro_routes(i, tuple(micro.input_ids.shape)) for i, micro in enumerate(micro_batches)
+    ]
+    attention = batch.batch[keys.ATTENTION_MASK]
+    shape = (*attention.shape, routes.replayer.num_layers, routes.replayer.topk)
+    placed = mb.place_per_token(micro_batches, per_micro, shape, -1)
+    placed = join_stages(placed, device)
+    return placed.masked_fill(~attention.bool()[..., None, None], -1)
 
 
 def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
@@ -171,4 +217,5 @@ def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) ->
         config.compute_entropy,
         strategy.mtp_loss,
         what,
+        route_call(strategy, batch, training=False),
     )

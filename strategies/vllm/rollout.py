@@ -21,6 +21,7 @@ from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
+from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.streaming import Sampled, StreamingSession, token_versions
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
 
@@ -97,6 +98,9 @@ class VllmRolloutStrategy(RolloutStrategy):
         logger.info(
             "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
         )
+        self.route_shape = None  # (layers, top_k) of the routes the engine returns (return_routed_experts)
+        if config.return_routed_experts:
+            self.route_shape = tuple(self.llm.collective_rpc("start_route_capture")[0])
 
     @property
     def engine(self):
@@ -169,12 +173,16 @@ class VllmRolloutStrategy(RolloutStrategy):
         start = time.perf_counter()
         if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
             self.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
+        routed = self.route_shape is not None and not self.stream.in_flight()
+        if routed:
+            self.engine.collective_rpc("take_routes")  # drop what other calls (probes, validation) left
         if self.stream.in_flight():  # (validation during a streaming run) LLM.generate would drain the others
             outputs = self.stream.side_outputs(prompt_ids, self.vllm_params(sampling))
         else:
-            outputs = self.engine.generate(
-                [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self.vllm_params(sampling), use_tqdm=False
-            )
+            # Routed: this call's own cache salt, so no prompt block computed earlier (unrouted here) is reused.
+            salt = {"cache_salt": f"routes-{uuid.uuid4().hex}"} if routed else {}
+            prompts = [TokensPrompt(prompt_token_ids=ids, **salt) for ids in prompt_ids]
+            outputs = self.engine.generate(prompts, self.vllm_params(sampling), use_tqdm=False)
         elapsed = time.perf_counter() - start
         samples = [
             [
@@ -190,7 +198,22 @@ class VllmRolloutStrategy(RolloutStrategy):
         ]
         # Share of each prompt the engine found in its prefix cache (whole KV blocks only; see block_size).
         cached = [(out.num_cached_tokens or 0) / max(len(ids), 1) for out, ids in zip(outputs, prompt_ids)]
-        return self._rollout_batch(batch, prompt_ids, samples, sampling, elapsed, cached)
+        rollout = self._rollout_batch(batch, prompt_ids, samples, sampling, elapsed, cached)
+        if routed:
+            rollout[keys.ROUTED_EXPERTS] = self._routes(outputs, prompt_ids, samples, sampling, rollout)
+        return rollout
+
+    def _routes(self, outputs, prompt_ids, samples, sampling: SamplingConfig, rollout: DataProto) -> torch.Tensor:
+        """keys.ROUTED_EXPERTS of a call's samples, from the engine's route capture (strategies/vllm/routes.py)."""
+        captured = self.engine.collective_rpc("take_routes")[0]  # TP ranks route alike: rank 0's
+        sample_routes = [
+            captured.get(request_id) for out in outputs for request_id in sample_request_ids(out.request_id, sampling.n)
+        ]
+        flat = [sample.token_ids[: sampling.max_tokens] for per_prompt in samples for sample in per_prompt]
+        prompt_width = rollout.batch[keys.PROMPTS].shape[1]
+        return routes_column(
+            prompt_ids, flat, sample_routes, sampling.n, prompt_width, sampling.max_tokens, *self.route_shape
+        )
 
     def check_prompt_lengths(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> None:
         too_long = [len(ids) for ids in prompt_ids if len(ids) + sampling.max_tokens > self.config.max_model_len]

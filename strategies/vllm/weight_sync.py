@@ -63,7 +63,20 @@ class VllmWeightSyncExtension:
             self.reload_weights(weights_iterator=iter(named_tensors))
         if any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):  # once per sync, not per bucket
             _refresh_tied_output_layer(self.model_runner.get_model())
+        if getattr(self, "route_capture", None) is not None:  # a reload may rebuild a MoE layer's router
+            self.route_capture.bind(self.model_runner.get_model())
         return len(named_tensors)
+
+    def start_route_capture(self) -> tuple[int, int]:
+        """Capture every MoE layer's routes from now on (strategies/vllm/routes.py); (layers, top_k)."""
+        from roll_backend.strategies.vllm.routes import RouteCapture
+
+        self.route_capture = RouteCapture(self.model_runner, self.model_runner.get_model())
+        return self.route_capture.num_layers, self.route_capture.topk
+
+    def take_routes(self) -> dict:
+        """{request id: [positions forwarded, layers, top_k] int16} captured since the last take."""
+        return self.route_capture.take()
 
     def reseed_sampler(self, seed: int) -> None:
         # Requests without their own seed sample from the worker's global torch generator. Reseeding it makes

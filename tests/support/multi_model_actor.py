@@ -3,12 +3,14 @@ layout serves every model family a test checks; `use_model` picks the one the Ac
 
 from __future__ import annotations
 
+from router_tools import RouterTools
+
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.strategies.registry import create_strategy
 from roll_backend.workers.actor import ActorWorker
 
 
-class MultiModelActorWorker(ActorWorker):
+class MultiModelActorWorker(RouterTools, ActorWorker):
     @register(Dispatch.ONE_TO_ALL)
     def init_models(self, configs: dict) -> None:
         """{name: MegatronTrainConfig}: build and load every model on this rank."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import re
 
+from router_tools import RouterTools
+
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorConfig, ActorWorker
@@ -30,7 +32,7 @@ def reset_peak_rss() -> bool:
     return _status_bytes("VmHWM") <= _status_bytes("VmRSS") + (1 << 20)
 
 
-class ReconfigurableActor(ActorWorker):
+class ReconfigurableActor(RouterTools, ActorWorker):
     """An ActorWorker whose model and strategy config can be replaced after the group started; with a CriticConfig
     it is a critic (compute_values, critic_train_step)."""
 

@@ -7,6 +7,7 @@ import pytest
 from test_config_errors import CONFIG, base, problems_of  # noqa: F401  (base: a fixture)
 
 from roll_backend.config.loader import load_config
+from roll_backend.config.run_facts import run_facts
 
 
 def test_a_zero_response_length_is_refused_before_any_rank_starts(base):
@@ -66,3 +67,23 @@ def test_estimators_without_a_group_baseline_take_one_response_per_prompt(base):
         ],
     )
     assert config.num_return_sequences_in_group == 1
+
+
+def test_router_replay_rules(base):
+    """router_replay takes R2, R3 or null, on a MoE model only; the rollout's routes (R3, return_routed_experts)
+    are not collected in streaming mode; R3 turns the rollout's route capture on by itself."""
+    problems = problems_of(base + ["actor_train.strategy.router_replay=R4"])
+    assert any("router_replay='R4'; choose R2" in p for p in problems), problems
+    problems = problems_of(base + ["actor_train.strategy.router_replay=R2"])
+    assert any(
+        p.startswith("actor_train.strategy.router_replay=R2: the model (qwen2) has no routed experts") for p in problems
+    ), problems
+    moe = ["build_tiny_model.family=qwen3_moe", "build_tiny_model.num_experts=4", "actor_train.strategy.tp=1"]
+    moe += ["actor_train.strategy.micro_batch_size=32"]
+    config = load_config(CONFIG, base + moe + ["actor_train.strategy.router_replay=R3"])
+    rollout = config.actor_infer.strategy.config
+    assert not rollout.return_routed_experts and rollout.for_run(run_facts(config, "actor_infer")).return_routed_experts
+    streaming = ["async_generation.enabled=true", "async_generation.mode=streaming"]
+    problems = problems_of(base + moe + streaming + ["actor_train.strategy.router_replay=R3"])
+    assert any("streamed requests' routes are not collected yet; use router_replay=R2" in p for p in problems)
+    load_config(CONFIG, base + moe + streaming + ["actor_train.strategy.router_replay=R2"])

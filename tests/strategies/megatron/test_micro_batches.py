@@ -127,6 +127,32 @@ def test_fixed_micro_batches_are_as_few_as_the_size_allows_and_equal(
     assert not ids[rows:].any() and not torch.cat([m.loss_mask for m in micro_batches])[rows:].any()
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [mb.BatchingPlan(4), mb.BatchingPlan(2, 32), mb.BatchingPlan(2, 40, packing=True)],
+    ids=["fixed", "budget", "packing"],
+)
+def test_per_token_columns_follow_the_tokens_through_every_cut_and_back(monkeypatch, plan):
+    """A whole-sequence per-token column ([B, T, L, k]: MoE routes) is cut with the tokens: each micro-batch
+    position holds its own token's values (packing padding and trimmed columns shift nothing), -1 where the cut
+    added padding; what a forward records per position goes back to its token's place in the batch."""
+    from roll_backend.strategies.megatron import cp
+
+    monkeypatch.setattr(mb, "micro_batch_count_multiple", lambda: 1)
+    monkeypatch.setattr(cp, "cp_group_and_size", lambda: (None, 1))
+    batch = _batch()
+    ids = batch.batch[keys.INPUT_IDS]
+    per_token = torch.stack([ids, ids * 7 % 5], dim=-1)[:, :, None, :].expand(-1, -1, 3, -1).to(torch.int16)
+    micro_batches, _ = mb.split(batch, plan, "cpu", "test", routes=per_token)
+    for micro in micro_batches:
+        real = micro.token_mask
+        assert torch.equal(micro.routes[real][..., 0, 0].long(), micro.input_ids[real])  # each token's own values
+        assert (micro.routes[micro.source < 0] == -1).all()
+    back = mb.place_per_token(micro_batches, [m.routes.cpu() for m in micro_batches], tuple(per_token.shape), -1)
+    real = batch.batch[keys.ATTENTION_MASK].bool()
+    assert torch.equal(back[real], per_token[real])
+
+
 def test_budget_and_packing_need_valid_config():
     with pytest.raises(ValueError, match="use_sequence_packing=True packs sequences"):
         MegatronTrainConfig(model_path="m", use_sequence_packing=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
 from multi_model_actor import MultiModelActorWorker
+from router_checks import hf_routes, replay_step, same_routes
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
@@ -34,6 +35,7 @@ LAYOUTS = {
     "tp2ep2_etp2": (4, ParallelLayout(tp=2, ep=2, etp=2)),
     "pp2ep2": (4, ParallelLayout(pp=2, ep=2)),
 }
+REPLAYED = "qwen3_moe_r2"  # an untrained Qwen3-MoE copy with router_replay R2, for the replay test
 # Trained in test_train_step_is_the_same_at_ep1_and_tp2ep2: family -> the TP2xEP2 layout it is compared at.
 TRAINED = {"qwen3_moe": "tp2ep2_etp1", "qwen2_moe": "tp2ep2_etp2"}
 
@@ -86,10 +88,18 @@ def group(make_group, model_dirs):
             built.call(
                 MultiModelActorWorker.init_models,
                 {
-                    family: MegatronTrainConfig(
-                        model_path=path, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)
-                    )
-                    for family, path in model_dirs.items()
+                    **{
+                        family: MegatronTrainConfig(
+                            model_path=path, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2)
+                        )
+                        for family, path in model_dirs.items()
+                    },
+                    REPLAYED: MegatronTrainConfig(
+                        model_path=model_dirs["qwen3_moe"],
+                        micro_batch_size=2,
+                        optimizer=OptimizerSettings(lr=1e-2),
+                        router_replay="R2",
+                    ),
                 },
             )
             built.initialised = True
@@ -235,3 +245,28 @@ def test_hf_export_round_trips_bit_for_bit(group, model_dirs, batch, results, tm
     expected = _log_probs(source, "qwen3_moe", batch)
     got, _ = hf_response_log_probs(str(tmp_path / "qwen3_moe"), batch)
     assert max_masked_diff(got, expected, batch[keys.RESPONSE_MASK]) < TOL
+
+
+def test_r2_replay_at_ep1_tp2ep2_and_pp2ep2(group, model_dirs, batch):
+    """Routing replay R2 on experts split over EP ranks (and TP / PP): the old-log-prob forward records
+    transformers' own top-k, the perturbed routers replay it exactly, and loss, grad norm and router gradients are
+    EP1's (test_layouts_router_replay.py: TP, PP, CP, vpp, packing)."""
+    tensors = dict(batch)
+    meta = {META_BALANCE_DP: False}  # DP2's micro-batches are DP1's: the aux loss is a per-micro-batch objective
+    runs = {}
+    for name in ("ep1", "tp2ep2_etp1", "pp2ep2"):
+        built = group(name)
+        built.call(MultiModelActorWorker.use_model, REPLAYED)
+        runs[name] = replay_step(built, tensors, perturbation=0.01, meta=meta)
+    reference = runs["ep1"]
+    assert same_routes(reference["recorded"], hf_routes(model_dirs["qwen3_moe"], tensors), tensors[keys.ATTENTION_MASK])
+    assert reference["metrics"]["moe/route_agreement"] < 1.0
+    for name, run in runs.items():
+        assert same_routes(run["recorded"], reference["recorded"], tensors[keys.ATTENTION_MASK]), name
+        assert run["metrics"]["moe/replay_mismatched_tokens"] == 0, name
+        agreement = reference["metrics"]["moe/route_agreement"]  # (live choices may flip at a near-tie: a token)
+        assert run["metrics"]["moe/route_agreement"] == pytest.approx(agreement, abs=0.05), name
+        for key in ("loss", "moe/aux_loss", "grad_norm"):
+            assert run["metrics"][key] == pytest.approx(reference["metrics"][key], abs=TOL), (name, key)
+        for layer, grad in reference["router_grads"].items():
+            assert torch.allclose(run["router_grads"][layer], grad, atol=TOL), (name, layer)
