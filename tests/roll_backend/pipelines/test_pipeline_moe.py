@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline
 
