@@ -272,7 +272,8 @@ class PhaseTimeouts:
 class FaultToleranceConfig:
     """Automatic restart and deadlines. A dead rank, a missed phase deadline or a lost node restarts the run from
     the latest complete checkpoint, at most `max_restarts` times; config, data and user-code errors never do.
-    `inject`: fault injection for tests, `action:role:rank:phase:step` (see distributed/faults.py)."""
+    `inject`: fault injection for tests, `action:role:rank:phase:step`, several separated by `;` for successive
+    attempts (see distributed/faults.py)."""
 
     # automatic restarts from the newest complete checkpoint before the run stops (needs checkpoint.save_steps)
     max_restarts: int = 0

@@ -265,7 +265,7 @@ def _check_streaming(config: PipelineConfig, problems: list[str]) -> None:
 def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
     from dataclasses import fields
 
-    from roll_backend.distributed.faults import FAULTS_OFF, FaultSpec
+    from roll_backend.distributed.faults import FAULTS_OFF, parse_faults
 
     ft = config.fault_tolerance
     if ft.max_restarts < 0:
@@ -281,20 +281,23 @@ def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
             problems.append(f"fault_tolerance.timeouts.{phase.name}={seconds} must be > 0 seconds")
     if ft.inject not in (None, FAULTS_OFF):
         try:
-            fault = FaultSpec.parse(ft.inject)
+            faults = parse_faults(ft.inject)
         except ValueError as exc:
             problems.append(f"fault_tolerance.inject: {exc}")
             return
         model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         sizes = {name: role.world_size for name, role in model_roles.items() if role is not None}
         sizes[roles.REWARD] = config.reward.world_size
-        if fault.role not in sizes:
-            problems.append(
-                f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of "
-                f"{', '.join(sizes)}"
-            )
-        elif fault.rank >= sizes[fault.role]:
-            problems.append(f"fault_tolerance.inject={ft.inject!r}: {fault.role} has ranks 0..{sizes[fault.role] - 1}")
+        for fault in faults:
+            if fault.role not in sizes:
+                problems.append(
+                    f"fault_tolerance.inject={ft.inject!r}: role {fault.role!r} is not in this run; one of "
+                    f"{', '.join(sizes)}"
+                )
+            elif fault.rank >= sizes[fault.role]:
+                problems.append(
+                    f"fault_tolerance.inject={ft.inject!r}: {fault.role} has ranks 0..{sizes[fault.role] - 1}"
+                )
 
 
 def _check_reward(config: PipelineConfig, problems: list[str]) -> None:

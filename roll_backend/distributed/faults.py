@@ -1,6 +1,8 @@
 """Fault injection for recovery tests, off by default: kill, hang or raise in one rank of one role at the k-th
 call of a phase's method. Given as `fault_tolerance.inject` in the run config or in the ROLL_BACKEND_INJECT_FAULT
-environment variable, both as `action:role:rank:phase:step`, e.g. `kill:actor_train:1:train:3`."""
+environment variable, both as `action:role:rank:phase:step`, e.g. `kill:actor_train:1:train:3`. Several faults
+separated by `;` are one per attempt of a run: the first in the run, the next in the run its first automatic restart
+builds, and so on (`remaining_faults`)."""
 
 from __future__ import annotations
 
@@ -48,12 +50,25 @@ class FaultSpec:
         return cls(action, role, int(rank), phase, int(step))
 
 
+def parse_faults(text: str) -> list[FaultSpec]:
+    """The `;`-separated faults of a setting, one per attempt; raises ValueError naming the wrong one."""
+    return [FaultSpec.parse(part.strip()) for part in text.split(";")]
+
+
+def remaining_faults(setting: str | None) -> str:
+    """The setting a restarted run gets: the faults after this attempt's, or FAULTS_OFF when none is left (a fault
+    that fired does not fire again)."""
+    rest = [part.strip() for part in (setting or "").split(";")[1:] if part.strip()]
+    return ";".join(rest) if rest and setting != FAULTS_OFF else FAULTS_OFF
+
+
 def fault_for_rank(setting: str | None, role: str, rank: int) -> FaultSpec | None:
-    """The fault this rank must inject: from `setting` (FAULTS_OFF disables), else from the environment."""
+    """The fault this rank must inject in this attempt: the first of `setting` (FAULTS_OFF disables), else of the
+    environment."""
     text = os.environ.get(FAULT_ENV) if setting is None else setting
     if not text or text == FAULTS_OFF:
         return None
-    spec = FaultSpec.parse(text)
+    spec = parse_faults(text)[0]
     return spec if (spec.role, spec.rank) == (role, rank) else None
 
 

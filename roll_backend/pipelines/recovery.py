@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.distributed.faults import FAULTS_OFF
+from roll_backend.distributed.faults import remaining_faults
 from roll_backend.distributed.worker_group import GroupBrokenError, GroupTimeoutError, RankDiedError, RankRaisedError
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines import checkpoint as ckpt
@@ -137,11 +137,13 @@ def run_with_restarts(config: PipelineConfig) -> list[dict]:
                 SECONDS_LOST,
             )
             # Later attempts resume from the latest complete checkpoint (dropping the rows of the steps they redo)
-            # and inject no fault (it already fired).
+            # and inject the next attempt's fault, if any (the one that fired does not fire again).
             attempt_config = dataclasses.replace(
                 config,
                 checkpoint=dataclasses.replace(config.checkpoint, resume="auto"),
-                fault_tolerance=dataclasses.replace(config.fault_tolerance, inject=FAULTS_OFF),
+                fault_tolerance=dataclasses.replace(
+                    config.fault_tolerance, inject=remaining_faults(attempt_config.fault_tolerance.inject)
+                ),
             )
 
 

@@ -12,6 +12,8 @@ from roll_backend.distributed.faults import (
     FaultTrigger,
     InjectedFault,
     fault_for_rank,
+    parse_faults,
+    remaining_faults,
 )
 
 
@@ -44,6 +46,15 @@ def test_fault_specs_parse_or_say_what_is_wrong(monkeypatch):
     assert fault_for_rank(None, "reward", 1) is None  # another rank
     assert fault_for_rank(FAULTS_OFF, "reward", 0) is None  # a restarted run turns the variable off
     assert fault_for_rank("hang:reward:1:reward:1", "reward", 1).action == "hang"  # config wins
+    # One fault per attempt: the run's first, then the restarted run's.
+    both = "hang:actor_infer:0:generate:3; kill:actor_train:1:train:3"
+    assert fault_for_rank(both, "actor_infer", 0) == FaultSpec("hang", "actor_infer", 0, "generate", 3)
+    assert fault_for_rank(both, "actor_train", 1) is None
+    assert remaining_faults(both) == "kill:actor_train:1:train:3"
+    assert fault_for_rank(remaining_faults(both), "actor_train", 1).action == "kill"
+    assert remaining_faults(remaining_faults(both)) == remaining_faults(None) == FAULTS_OFF
+    with pytest.raises(ValueError, match="'kill:actor_train:1' needs 5 parts"):
+        parse_faults("hang:actor_infer:0:generate:3;kill:actor_train:1")
 
 
 def test_the_trigger_fires_at_the_kth_call_of_the_phase_methods_only():
