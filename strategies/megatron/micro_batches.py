@@ -453,31 +453,21 @@ def _packed(
     response_mask = (
         proto.batch[keys.RESPONSE_MASK] if keys.RESPONSE_MASK in proto.batch.keys() else attention[:, prompt_end:]
     )
-    pieces, segments, positions, loss_mask, real, sources = [], [], [], [], [], []
-    total = input_ids.shape[1]
-    cols = torch.zeros(len(rows), full, dtype=torch.long)
-    valid = torch.zeros(len(rows), full, dtype=torch.bool)
-    offset = 0
-    for i, (prompt, response) in enumerate(zip(prompt_used, response_used)):
-        length = prompt + response
-        pieces.append(input_ids[i, prompt_end - prompt : prompt_end + response])
-        sources.append(rows[i] * total + torch.arange(prompt_end - prompt, prompt_end + response))
-        real.append(attention[i, prompt_end - prompt : prompt_end + response])  # a row of padding keeps one token
-        segments.append(torch.full((length,), i))
-        positions.append(torch.arange(length))
-        predicts = torch.zeros(length)  # 1 where the next token is a response token in the loss
-        predicts[prompt - 1 : prompt - 1 + response] = response_mask[i, :response].float()
-        loss_mask.append(predicts)
-        cols[i] = offset + prompt - 1 + torch.arange(full).clamp(max=max(response - 1, 0))
-        valid[i, :response] = True
-        offset += length
+    parts, cols, valid, offset = _pack_rows(
+        input_ids, attention, response_mask, rows, prompt_used, response_used, prompt_end, full
+    )
     tail = width - offset  # padding at the end: a segment of its own, never gathered
-    pieces.append(torch.zeros(tail, dtype=input_ids.dtype))
-    sources.append(torch.full((tail,), -1, dtype=torch.long))
-    segments.append(torch.full((tail,), len(rows)))
-    positions.append(torch.arange(tail))
-    loss_mask.append(torch.zeros(tail))
-    real.append(torch.zeros(tail, dtype=torch.bool))
+    for name, value, dtype in (
+        ("tokens", 0, input_ids.dtype),
+        ("sources", -1, torch.long),
+        ("segments", len(rows), torch.long),
+        ("loss_mask", 0, torch.float32),
+        ("real", False, torch.bool),
+    ):
+        parts[name].append(torch.full((tail,), value, dtype=dtype))
+    parts["positions"].append(torch.arange(tail))
+    pieces, segments, positions = parts["tokens"], parts["segments"], parts["positions"]
+    loss_mask, real, sources = parts["loss_mask"], parts["real"], parts["sources"]
     tokens = torch.cat(pieces)[None].to(device)
     segment = torch.cat(segments).to(device)
     labels = torch.roll(tokens, shifts=-1, dims=1)
@@ -498,6 +488,33 @@ def _packed(
     if plan.thd:
         micro.packed_seq_params = _thd_params([p + r for p, r in zip(prompt_used, response_used)] + [tail], device)
     return micro
+
+
+def _pack_rows(input_ids, attention, response_mask, rows, prompt_used, response_used, prompt_end: int, full: int):
+    """The rows' used tokens end to end: per position its token, batch position (`sources`), realness, segment,
+    position and loss mask (lists of per-row pieces); where each response token's prediction sits (cols, valid);
+    the packed length."""
+    names = ("tokens", "sources", "real", "segments", "positions", "loss_mask")
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    total = input_ids.shape[1]
+    cols = torch.zeros(len(rows), full, dtype=torch.long)
+    valid = torch.zeros(len(rows), full, dtype=torch.bool)
+    offset = 0
+    for i, (prompt, response) in enumerate(zip(prompt_used, response_used)):
+        used = slice(prompt_end - prompt, prompt_end + response)
+        length = prompt + response
+        parts["tokens"].append(input_ids[i, used])
+        parts["sources"].append(rows[i] * total + torch.arange(used.start, used.stop))
+        parts["real"].append(attention[i, used])  # a row of padding keeps one token
+        parts["segments"].append(torch.full((length,), i))
+        parts["positions"].append(torch.arange(length))
+        predicts = torch.zeros(length)  # 1 where the next token is a response token in the loss
+        predicts[prompt - 1 : prompt - 1 + response] = response_mask[i, :response].float()
+        parts["loss_mask"].append(predicts)
+        cols[i] = offset + prompt - 1 + torch.arange(full).clamp(max=max(response - 1, 0))
+        valid[i, :response] = True
+        offset += length
+    return parts, cols, valid, offset
 
 
 def _block_causal_mask(segment: torch.Tensor) -> torch.Tensor:

@@ -84,26 +84,11 @@ def run_pipeline(
 
     def forward_step(data_iterator, chunk):
         micro = next(data_iterator)
-        inputs = {
-            "input_ids": micro.input_ids,
-            "position_ids": micro.position_ids,
-            "attention_mask": micro.attention_mask,
-        }
-        if mtp is not None:
-            inputs.update(mtp.inputs(micro))
-        if routed:
-            inputs["padding_mask"] = ~micro.token_mask
-        if micro.routes is not None:
-            inputs["routes"] = micro.routes
-        inputs = slice_for_this_cp_rank(inputs)
-        micro_routes = inputs.pop("routes", None)
-        if routed:
-            inputs["padding_mask"] = router_padding_mask(unwrap(chunk), inputs["padding_mask"])
-        extra = {"packed_seq_params": micro.packed_seq_params} if micro.packed_seq_params is not None else {}
+        inputs, micro_routes = _chunk_inputs(micro, chunk, mtp, routed)
         key = (chunk_index[id(chunk)], micro_index[id(micro)])
         if routes is not None:
             routes.replayer.before_chunk(*key, micro_routes)
-        output = chunk(**inputs, **extra)
+        output = chunk(**inputs)
         if capture.applies_to(chunk):
             output = capture.pop()
         if routes is not None:
@@ -137,6 +122,29 @@ def run_pipeline(
             micro_batch_size=first.input_ids.shape[0],
             forward_only=forward_only,
         )
+
+
+def _chunk_inputs(micro: MicroBatch, chunk, mtp: MtpLoss | None, routed: bool):
+    """(GPTModel.forward's keyword arguments for this rank's part of the micro-batch, its [b, T_cp, L, k] routes or
+    None): CP-sliced, with MTP's labels and masks and, for MoE routers, the padding mask cut like their input."""
+    inputs = {
+        "input_ids": micro.input_ids,
+        "position_ids": micro.position_ids,
+        "attention_mask": micro.attention_mask,
+    }
+    if mtp is not None:
+        inputs.update(mtp.inputs(micro))
+    if routed:
+        inputs["padding_mask"] = ~micro.token_mask
+    if micro.routes is not None:
+        inputs["routes"] = micro.routes
+    inputs = slice_for_this_cp_rank(inputs)
+    micro_routes = inputs.pop("routes", None)
+    if routed:
+        inputs["padding_mask"] = router_padding_mask(unwrap(chunk), inputs["padding_mask"])
+    if micro.packed_seq_params is not None:
+        inputs["packed_seq_params"] = micro.packed_seq_params
+    return inputs, micro_routes
 
 
 def is_last_stage() -> bool:
