@@ -68,4 +68,5 @@ META_BALANCE_DP = "balance_dp"  # bool, default True: the balanced DP modes orde
 META_VALIDATE = "validate"  # bool: the rollout samples with its validation settings (greedy by default)
 META_MAX_TOKENS_PER_MICROBATCH = "max_tokens_per_microbatch"  # int, or None for fixed-size micro-batches
 META_SEQUENCE_PACKING = "use_sequence_packing"  # bool: micro-batches pack sequences without padding
+META_BASE_MODEL = "base_model"  # bool: a LoRA strategy's forward runs the frozen base, adapters off (the reference)
 META_LIVE_ROUTES = "live_routes"  # bool: a MoE forward routes live whatever router_replay says (weight-sync probe)

@@ -288,6 +288,21 @@ class LRSchedule:
     decay_style: str = "constant"  # constant, linear or cosine
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's names
+LORA_INITS = ("kaiming", "gaussian")
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """LoRA adapters on the base's projections (strategies/megatron/lora.py); the base is frozen."""
+
+    rank: int = 16  # r
+    alpha: float = 32.0  # the update is (alpha / r) B A
+    dropout: float = 0.0  # (only 0 yet)
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # PEFT's module names (all by default)
+    init: str = "kaiming"  # A's start (B starts at 0): kaiming (PEFT's default, uniform) or gaussian (N(0, 1/r))
+
+
 @dataclass(frozen=True)
 class MegatronTrainConfig:
     """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
@@ -317,9 +332,13 @@ class MegatronTrainConfig:
     first_stage_layers: int | None = None  # see MegatronInferConfig
     last_stage_layers: int | None = None  # see MegatronInferConfig
     router_replay: str | None = None  # see MegatronInferConfig
+    lora: LoRASettings | None = None  # train LoRA adapters on a frozen base (None: every parameter trains)
 
     def __post_init__(self):
-        _raise("megatron_train config", _settings_problems(self) + _training_settings_problems(self))
+        _raise(
+            "megatron_train config",
+            _settings_problems(self) + _training_settings_problems(self) + _lora_problems(self),
+        )
 
     def for_run(self, run: RunFacts) -> MegatronTrainConfig:
         """This config with the run's optimizer steps as the decay horizon, and a value head where the role
@@ -342,6 +361,40 @@ def _value_head_updates(cfg, run: RunFacts) -> dict[str, Any]:
     if run.score_head and cfg.value_head_init != "score_head":
         updates["value_head_init"] = "score_head"
     return updates
+
+
+def lora_settings_problems(lora) -> list[str]:
+    """What is wrong with a `lora:` section on its own ([] when nothing)."""
+    problems = []
+    if lora.rank < 1:
+        problems.append(f"rank={lora.rank} must be >= 1")
+    if lora.alpha <= 0:
+        problems.append(f"alpha={lora.alpha} must be > 0")
+    unknown = [name for name in lora.target_modules if name not in LORA_TARGET_MODULES]
+    if unknown or not lora.target_modules:
+        problems.append(
+            f"target_modules={list(lora.target_modules)}: choose from {', '.join(LORA_TARGET_MODULES)} (PEFT's names)"
+        )
+    if lora.init not in LORA_INITS:
+        problems.append(f"init={lora.init!r}; choose one of {', '.join(LORA_INITS)}")
+    if lora.dropout != 0.0:
+        problems.append(f"dropout={lora.dropout}: adapter dropout is not supported yet; set 0")
+    return problems
+
+
+def _lora_problems(cfg) -> list[str]:
+    """What LoRA cannot do yet with these settings."""
+    if cfg.lora is None:
+        return []
+    problems = [f"lora.{problem}" for problem in lora_settings_problems(cfg.lora)]
+    for refused, why in (
+        (cfg.value_head, "value_head=True (a critic): its value head would need to train beside the adapters"),
+        (cfg.mtp_num_layers, "mtp_num_layers > 0: the MTP layers would need adapters too"),
+        (cfg.transformer_impl == "te", "transformer_impl=te: TE fuses the norms into the projections; use local"),
+    ):
+        if refused:
+            problems.append(f"lora with {why} (not supported yet)")
+    return problems
 
 
 def _training_settings_problems(cfg: MegatronTrainConfig) -> list[str]:
@@ -489,6 +542,13 @@ def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]
                 f"the mini-batch (algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of "
                 f"{dp * micro} or change micro_batch_size to one of {choices}"
             )
+    if cfg.lora is not None and run.saves_checkpoints:
+        problems.append(
+            f"{run.role}.strategy.lora with checkpoint.save_steps > 0: LoRA checkpoints (the adapters and their "
+            "optimizer state) are not supported yet; set checkpoint.save_steps=0"
+        )
+    if cfg.lora is not None and (run.model_config or {}).get("model_type") in MOE_MODEL_TYPES:
+        problems.append(f"{run.role}.strategy.lora on a MoE model: adapters on experts are not supported yet")
     if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":
         problems.append(
             "checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot "

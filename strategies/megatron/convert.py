@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from roll_backend.strategies.megatron import moe_convert, mtp
+from roll_backend.strategies.megatron import lora, moe_convert, mtp
 from roll_backend.strategies.megatron.builder import HFArch
 from roll_backend.strategies.megatron.hf_files import SCORE_HEAD, SafetensorsReader, score_head_problem
 from roll_backend.strategies.megatron.layers import ValueHead
@@ -301,7 +301,8 @@ def iter_stage_hf_tensors(
     only with `include_mtp`, a value head only with `include_value_head` (see export_mappings)."""
     params = dict(model.named_parameters())
     for mapping in export_mappings(model, arch, include_mtp, include_value_head):
-        shard = params[mapping.megatron_name].detach()
+        # (with LoRA adapters, the base weight merged with their update; the base itself is left as it is)
+        shard = lora.merged_shard(model, mapping.megatron_name, params[mapping.megatron_name].detach())
         if mapping.expert:
             full = hf_from_shards(mapping.kind, all_gather_etp(shard), arch)
             yield from moe_convert.gather_expert_tensors(

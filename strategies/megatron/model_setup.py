@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from roll_backend.distributed.parallel import ParallelLayout
-from roll_backend.strategies.megatron import convert
+from roll_backend.strategies.megatron import convert, lora
 from roll_backend.strategies.megatron.builder import (
     DTYPES,
     HFArch,
@@ -93,6 +93,8 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
             etp_rank=mpu.get_expert_tensor_parallel_rank(),
             etp_size=mpu.get_expert_tensor_parallel_world_size(),
         )
+        if getattr(cfg, "lora", None) is not None:  # the base frozen, adapters on its projections
+            lora.inject(model, cfg.lora, arch, cfg.seed)
         chunks.append(model)
     return chunks, arch, hf_config
 

@@ -11,6 +11,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.protocol import DataProto
+from roll_backend.strategies.megatron import lora
 from roll_backend.strategies.megatron import micro_batches as mb
 from roll_backend.strategies.megatron.builder import HFArch, unwrap
 from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
@@ -213,6 +214,20 @@ def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) ->
     if value_head != config.value_head:
         kind = "a value head" if value_head else "an LM head"
         raise ValueError(f"{what} needs {kind}; this strategy has value_head={config.value_head}")
+    base = contextlib.nullcontext()
+    if batch.meta_info.get(keys.META_BASE_MODEL):
+        if getattr(config, "lora", None) is None:
+            raise ValueError(
+                f"{what}: meta_info[{keys.META_BASE_MODEL!r}] asks for the base model of LoRA adapters, "
+                "and this strategy has no lora"
+            )
+        base = lora.adapters_disabled(strategy.model)
+    with base:
+        return _forward(strategy, batch, value_head, what)
+
+
+def _forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
+    config = strategy.config
     return forward_per_token(
         strategy.model,
         strategy.capture,

@@ -125,6 +125,10 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             wd_incr_style="constant",
         )
 
+    def _refuse_lora(self, what: str) -> None:
+        if self.config.lora is not None:
+            raise ValueError(f"{what}: LoRA checkpoints (the adapters and their optimizer state) are not supported yet")
+
     def _check_ready(self, what: str) -> None:
         if self.model is None:
             raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
@@ -323,6 +327,10 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler and RNG state, in dist_checkpointing's torch_dist format."""
+        if self.config.lora is not None:
+            raise ValueError(
+                "save_checkpoint: LoRA checkpoints (adapters and their optimizer state) are not supported yet"
+            )
         from megatron.core import dist_checkpointing
 
         self._check_ready("save_checkpoint")
@@ -369,6 +377,10 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
 
         RNG states are restored only when the layout matches the saver's (they are per model-parallel rank).
         """
+        if self.config.lora is not None:
+            raise ValueError(
+                "load_checkpoint: LoRA checkpoints (adapters and their optimizer state) are not supported yet"
+            )
         from megatron.core import dist_checkpointing
 
         self._check_ready("load_checkpoint")

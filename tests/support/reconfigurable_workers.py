@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 
+from lora_tools import LoraTools
 from router_tools import RouterTools
 
 from roll_backend.distributed.dispatch import Dispatch, register
@@ -32,7 +33,7 @@ def reset_peak_rss() -> bool:
     return _status_bytes("VmHWM") <= _status_bytes("VmRSS") + (1 << 20)
 
 
-class ReconfigurableActor(RouterTools, ActorWorker):
+class ReconfigurableActor(LoraTools, RouterTools, ActorWorker):
     """An ActorWorker whose model and strategy config can be replaced after the group started; with a CriticConfig
     it is a critic (compute_values, critic_train_step)."""
 

@@ -87,3 +87,17 @@ def test_router_replay_rules(base):
     problems = problems_of(base + moe + streaming + ["actor_train.strategy.router_replay=R3"])
     assert any("streamed requests' routes are not collected yet; use router_replay=R2" in p for p in problems)
     load_config(CONFIG, base + moe + streaming + ["actor_train.strategy.router_replay=R2"])
+
+
+def test_lora_rules(base):
+    """LoRA settings are checked, and what it cannot do yet (checkpoints, MoE models, critics) is refused."""
+    problems = problems_of(base + ["actor_train.strategy.lora={rank: 0, target_modules: [q_proj, qkv]}"])
+    assert any("lora.rank=0 must be >= 1" in p for p in problems), problems
+    assert any("lora.target_modules=['q_proj', 'qkv']: choose from q_proj" in p for p in problems), problems
+    problems = problems_of(base + ["actor_train.strategy.lora={rank: 8}", "checkpoint.save_steps=5"])
+    assert any("LoRA checkpoints (the adapters and their optimizer state) are not supported yet" in p for p in problems)
+    moe = ["build_tiny_model.family=qwen3_moe", "build_tiny_model.num_experts=4", "actor_train.strategy.tp=1"]
+    moe += ["actor_train.strategy.micro_batch_size=32", "actor_train.strategy.lora={rank: 8}"]
+    assert any("lora on a MoE model" in p for p in problems_of(base + moe))
+    config = load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8, alpha: 16}"])
+    assert config.actor_train.strategy.config.lora.alpha == 16.0

@@ -1,0 +1,223 @@
+"""LoRA on megatron-core's own parallel linears (`strategy.lora`): low-rank adapters beside the attention and MLP
+projections of a frozen base, correct at every TP / PP / vpp / CP layout.
+
+One adapter per Hugging Face module the user targets (PEFT's names: q_proj, k_proj, v_proj, o_proj, gate_proj,
+up_proj, down_proj), with PEFT's math: y = W x + (alpha / r) * B A x. It sits on the Megatron linear that holds the
+module (q/k/v on the fused `linear_qkv`, gate/up on `linear_fc1`) as a forward hook that adds the low-rank branch
+to the linear's output, and as child parameters of the linear (`<linear>.lora.<module>.A|B`), so they follow it
+through PP stages and vpp chunks. Tensor parallelism, as the base layer splits:
+
+- column-parallel bases (linear_qkv, linear_fc1): A [r, in] whole on every TP rank, B [out/TP, r] split like the
+  base's rows (q/k/v per key-value group, gate and up each split). The branch's r-wide activation is summed over TP
+  in backward (`copy_to_tensor_model_parallel_region`), so A's gradient is whole and the same on every TP rank;
+- row-parallel bases (linear_proj, linear_fc2): A [r, in/TP] split like the base's columns, its partial products
+  summed over TP in forward (`reduce_from_tensor_model_parallel_region`), B [out, r] whole.
+
+Every base parameter is frozen (no gradient, no optimizer state, not in the gradient norm); only adapters train.
+Adapters start as PEFT starts them (B = 0, so the model is the base; A Kaiming-uniform or Gaussian), drawn on their
+full Hugging Face shapes from a seed and the module's name, so every layout starts from the same adapters.
+`merged_shard` gives a base weight's shard with its adapters' update added (float32 math), which the HF export and
+the weight sync read: the base itself is never changed. `adapters_disabled` runs the frozen base (the reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+
+# The Megatron linear that holds each PEFT target module, and how the base splits it over TP.
+TARGETS = {
+    "q_proj": "self_attention.linear_qkv",
+    "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv",
+    "o_proj": "self_attention.linear_proj",
+    "gate_proj": "mlp.linear_fc1",
+    "up_proj": "mlp.linear_fc1",
+    "down_proj": "mlp.linear_fc2",
+}
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+
+
+class LowRank(torch.nn.Module):
+    """One target module's A [r, in(/TP)] and B [out(/TP), r]."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.A = torch.nn.Parameter(a)
+        self.B = torch.nn.Parameter(b)
+
+
+class LinearAdapters(torch.nn.Module):
+    """The adapters of one Megatron linear (its `lora` child) and the branch its forward hook adds.
+
+    `pieces`: a column-parallel base's output columns on this rank, in order, as (module, width) repeated `groups`
+    times (q/k/v per local key-value group; gate then up once); None for a row-parallel base."""
+
+    def __init__(self, modules: dict[str, LowRank], scaling: float, pieces=None, groups: int = 1):
+        super().__init__()
+        self.parts = torch.nn.ModuleDict(modules)
+        self.scaling, self.pieces, self.groups = scaling, pieces, groups
+        self.enabled = True
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.pieces is None
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """(alpha / r) B A x for this rank's output columns, in the base layer's output layout."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        names = list(self.parts)
+        rank = self.parts[names[0]].A.shape[0]
+        h = x @ torch.cat([self.parts[n].A for n in names]).to(x.dtype).t()  # [..., modules * r]
+        if self.row_parallel:
+            h = reduce_from_tensor_model_parallel_region(h)  # the partial sums over this rank's input columns
+        else:
+            h = copy_to_tensor_model_parallel_region(h)  # backward: every rank's output columns' share
+        outputs = {n: part @ self.parts[n].B.to(x.dtype).t() for n, part in zip(names, h.split(rank, -1))}
+        return self.scaling * self._assemble(outputs)
+
+    def delta(self) -> torch.Tensor:
+        """This rank's shard of the update (alpha / r) B A, in the base weight's layout, float32."""
+        updates = {n: (part.B.float() @ part.A.float()).t() for n, part in self.parts.items()}  # [in, out_n]
+        return self.scaling * self._assemble(updates).t()
+
+    def _assemble(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-module outputs [..., out_n] -> the base layer's output columns (untargeted modules: zeros)."""
+        if self.row_parallel:
+            (only,) = outputs.values()
+            return only
+        like = next(iter(outputs.values()))
+        columns = []
+        for name, width in self.pieces:
+            out = outputs.get(name)
+            if out is None:
+                out = like.new_zeros(*like.shape[:-1], self.groups * width)
+            columns.append(out.reshape(*out.shape[:-1], self.groups, width))
+        return torch.cat(columns, -1).reshape(*like.shape[:-1], -1)
+
+
+def _full_a(lora, name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """A on its full HF shape [r, in], the same draw at every layout (seeded by the seed and the module's name)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if lora.init == "gaussian":
+        return torch.randn(shape, generator=generator) / lora.rank
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), PEFT's default
+    return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+def inject(model, lora, arch, seed: int) -> int:
+    """Freeze every parameter of this stage `model` (an unwrapped GPTModel) and give its targeted linears adapters;
+    returns how many adapter parameters (elements) this rank holds."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    if arch.moe is not None:
+        raise ValueError("lora on a MoE model: adapters on the experts are not supported yet")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    q_width = arch.num_heads // arch.num_kv_heads * arch.head_dim
+    full_out = {
+        "q_proj": arch.num_heads * arch.head_dim,
+        "k_proj": arch.num_kv_heads * arch.head_dim,
+        "v_proj": arch.num_kv_heads * arch.head_dim,
+        "o_proj": arch.hidden_size,
+        "gate_proj": arch.ffn_hidden_size,
+        "up_proj": arch.ffn_hidden_size,
+        "down_proj": arch.hidden_size,
+    }
+    full_in = {name: arch.hidden_size for name in full_out} | {
+        "o_proj": arch.num_heads * arch.head_dim,
+        "down_proj": arch.ffn_hidden_size,
+    }
+    groups = arch.num_kv_heads // tp
+    pieces = {
+        "self_attention.linear_qkv": (
+            [("q_proj", q_width), ("k_proj", arch.head_dim), ("v_proj", arch.head_dim)],
+            groups,
+        ),
+        "mlp.linear_fc1": ([("gate_proj", arch.ffn_hidden_size // tp), ("up_proj", arch.ffn_hidden_size // tp)], 1),
+    }
+    count = 0
+    for index, layer in enumerate(model.decoder.layers):
+        for linear_path in dict.fromkeys(TARGETS[name] for name in lora.target_modules):
+            linear = layer.get_submodule(linear_path)
+            row = linear_path in ROW_PARALLEL
+            parts = {}
+            for name in (n for n in TARGETS if TARGETS[n] == linear_path and n in lora.target_modules):
+                block = "self_attn" if "attention" in linear_path else "mlp"
+                a = _full_a(lora, f"model.layers.{offset + index}.{block}.{name}", (lora.rank, full_in[name]), seed)
+                if row:
+                    a = a.chunk(tp, dim=1)[tp_rank]
+                b = torch.zeros(full_out[name] // (1 if row else tp), lora.rank)
+                dtype = linear.weight.dtype
+                part = LowRank(a.to(linear.weight.device, dtype), b.to(linear.weight.device, dtype))
+                # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
+                set_tensor_model_parallel_attributes(part.A if row else part.B, True, 1 if row else 0, 1)
+                parts[name] = part
+                count += part.A.numel() + part.B.numel()
+            layout, layout_groups = (None, 1) if row else pieces[linear_path]
+            linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, layout, layout_groups)
+            linear.register_forward_hook(_add_branch)
+    if model.pre_process:
+        # With a frozen embedding the first layer's input needs no gradient, and a recomputed (checkpointed) layer
+        # would then give its adapters none: make the embedding's output ask for one.
+        model.embedding.register_forward_hook(_needs_grad)
+    return count
+
+
+def _add_branch(linear, args, output):
+    adapters = linear.lora
+    if not adapters.enabled:
+        return output
+    out, bias = output
+    return out + adapters.branch(args[0]).to(out.dtype), bias
+
+
+def _needs_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.detach().requires_grad_(True)
+    return output
+
+
+def adapted_linears(chunks) -> list[LinearAdapters]:
+    from roll_backend.strategies.megatron.builder import unwrap
+
+    return [m for chunk in chunks for m in unwrap(chunk).modules() if isinstance(m, LinearAdapters)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """The frozen base inside the block (every rank of the model must enter it alike)."""
+    adapters = adapted_linears(chunks)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+
+
+def merged_shard(model, megatron_name: str, shard: torch.Tensor) -> torch.Tensor:
+    """A base weight's shard plus its adapters' update (float32 math, cast back); the shard itself otherwise."""
+    if not megatron_name.endswith(".weight"):
+        return shard
+    module = model.get_submodule(megatron_name[: -len(".weight")])
+    adapters = getattr(module, "lora", None)
+    if not isinstance(adapters, LinearAdapters) or not adapters.enabled:
+        return shard
+    return (shard.float() + adapters.delta().to(shard.device)).to(shard.dtype)
+
+
+def trainable_parameters(chunks) -> int:
+    """Adapter elements on this rank."""
+    return sum(p.numel() for a in adapted_linears(chunks) for p in a.parameters())
