@@ -216,8 +216,3 @@ def merged_shard(model, megatron_name: str, shard: torch.Tensor) -> torch.Tensor
     if not isinstance(adapters, LinearAdapters) or not adapters.enabled:
         return shard
     return (shard.float() + adapters.delta().to(shard.device)).to(shard.dtype)
-
-
-def trainable_parameters(chunks) -> int:
-    """Adapter elements on this rank."""
-    return sum(p.numel() for a in adapted_linears(chunks) for p in a.parameters())

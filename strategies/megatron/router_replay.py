@@ -98,8 +98,8 @@ def _replay_class():
 
 class RouteReplayer:
     """The routers of a model's chunks, by global layer number; replays, records and measures per (micro-batch,
-    chunk). `begin` before Megatron's schedule, `before_chunk` / `after_chunk` around each chunk forward, `end`
-    after it."""
+    chunk). `begin` before Megatron's schedule, `before_chunk` / `after_chunk` around each chunk forward, all of it
+    inside `active()`."""
 
     def __init__(self, chunks: list, num_layers: int, topk: int, device: str):
         from megatron.core.transformer.moe.router import TopKRouter
@@ -122,7 +122,7 @@ class RouteReplayer:
             self.routers.append(found)
         self.agreement = torch.zeros(2, num_layers, dtype=torch.float64, device=device)  # [agreeing, real] tokens
         self.replay_mismatches = torch.zeros(2, dtype=torch.float64, device=device)  # [mismatched, replayed] tokens
-        self._reset_call(replay=False, record=False)
+        self.begin(replay=False, record=False)
 
     def _check_replayed(self, router, args, output):
         """Replay on: the experts the router dispatched to are the replayed ones (a fused or sinkhorn path, or token
@@ -135,16 +135,14 @@ class RouteReplayer:
         self.replay_mismatches[0] += (routing_map != expected).any(-1).sum()
         self.replay_mismatches[1] += routing_map.shape[0]
 
-    def _reset_call(self, replay: bool, record: bool) -> None:
+    def begin(self, replay: bool, record: bool) -> None:
+        """A new call: what it does, and none of the last call's routes."""
         self.replay, self.record = replay, record
         self.targets: dict[tuple[int, int], torch.Tensor] = {}
         self.compare: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.recorded: dict[int, dict[int, torch.Tensor]] = {}
 
     # ---- per call ------------------------------------------------------------------------------------------
-    def begin(self, replay: bool, record: bool) -> None:
-        self._reset_call(replay, record)
-
     def before_chunk(self, chunk_index: int, micro_index: int, routes) -> None:
         """routes: this micro-batch's [b, T_cp, L, k] after the CP cut, -1 where none is known (None: nothing to
         replay or compare)."""
