@@ -165,9 +165,15 @@ def staleness_metrics(batch: DataProto, trainer_version: int) -> dict[str, float
     return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
 
 
-def reference_log_probs(groups: RoleGroups, batch: DataProto) -> None:
-    """batch[REF_LOG_PROBS] = the reference's log-probs of the responses (at the batch's sampling temperature)."""
-    batch[keys.REF_LOG_PROBS] = groups.reference.call(ReferenceWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
+def reference_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
+    """batch[REF_LOG_PROBS] = the reference's log-probs of the responses (at the batch's sampling temperature).
+    Metrics: for a MoE reference, its live routes' agreement with the rollout's (reference/moe/route_agreement...),
+    and the mean |log-prob| gap to the rollout's (on the first step, the reference holds the weights that sampled:
+    the gap a trainer without routing replay starts from)."""
+    out = groups.reference.call(ReferenceWorker.compute_log_probs, batch)
+    batch[keys.REF_LOG_PROBS] = out.batch[keys.LOG_PROBS]
+    metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="reference/")
+    return metrics | _rollout_gap(batch, keys.REF_LOG_PROBS, "reference/rollout_logprob_gap")
 
 
 def old_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
@@ -179,11 +185,16 @@ def old_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
     if keys.RECORDED_ROUTES in out.batch.keys():
         batch[keys.RECORDED_ROUTES] = out.batch[keys.RECORDED_ROUTES]
     metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="actor/")
-    if keys.ROLLOUT_LOG_PROBS in batch.batch.keys():
-        mask = batch.batch[keys.RESPONSE_MASK].float()
-        gap = (batch.batch[keys.OLD_LOG_PROBS] - batch.batch[keys.ROLLOUT_LOG_PROBS]).abs() * mask
-        metrics["actor/rollout_logprob_gap"] = float(gap.sum() / mask.sum().clamp(min=1))
-    return metrics
+    return metrics | _rollout_gap(batch, keys.OLD_LOG_PROBS, "actor/rollout_logprob_gap")
+
+
+def _rollout_gap(batch: DataProto, column: str, name: str) -> dict[str, float]:
+    """{name: mean |batch[column] - rollout log-prob| over response tokens}, or {} without rollout log-probs."""
+    if keys.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+        return {}
+    mask = batch.batch[keys.RESPONSE_MASK].float()
+    gap = (batch.batch[column] - batch.batch[keys.ROLLOUT_LOG_PROBS]).abs() * mask
+    return {name: float(gap.sum() / mask.sum().clamp(min=1))}
 
 
 def teacher_log_probs(groups: RoleGroups, batch: DataProto) -> None:

@@ -55,7 +55,7 @@ def prepare_batch(
         metrics["dynamic_sampling/dropped_responses"] = dropped
     if groups.reference is not None and len(batch):
         with timer.phase(roles.REFERENCE_LOG_PROBS):
-            phases.reference_log_probs(groups, batch)
+            metrics |= phases.reference_log_probs(groups, batch)
     if groups.teacher is not None and len(batch):
         with timer.phase(roles.TEACHER_LOG_PROBS):
             phases.teacher_log_probs(groups, batch)

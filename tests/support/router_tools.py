@@ -38,3 +38,19 @@ class RouterTools:
             for module in unwrap(chunk).modules():
                 if isinstance(module, TopKRouter):
                     yield module.layer_number, module
+
+
+def tie_routers(model_dir, spread: float) -> None:
+    """Rewrite a saved HF MoE model's routers so every expert's logit is the first expert's plus `spread` times its
+    own difference: top-k margins shrink to the order of float32 rounding, so two implementations of the same
+    float32 model (vLLM, Megatron) choose different experts for some tokens, as bf16 numerics do at scale."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    for path in Path(model_dir).glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, weight in tensors.items():
+            if name.endswith(".mlp.gate.weight"):
+                tensors[name] = (weight[:1] + spread * (weight - weight[:1])).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})

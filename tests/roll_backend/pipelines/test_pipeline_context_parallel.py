@@ -1,16 +1,21 @@
 """GRPO through the pipeline with the actor (Megatron train) at PP2 x CP2 and the reference (Megatron infer) at CP2:
 the demo's prompts are 25 tokens with the chat template, so each of a sequence's 4 CP chunks holds 8 tokens. The
-model is a Qwen3-MoE and the actor runs routing replay R3 (issue #33): it replays the routes vLLM recorded, cut for
-both stages and both CP chunks, in the old-log-prob forward and the update; its log-probs stay the rollout's to
-float32 rounding, which another token's routes would break. (That replay brings a trainer closer to a rollout of
-other numerics: test_layouts_router_replay.py, against transformers in bf16.)"""
+model is a Qwen3-MoE whose routers are nearly tied (tests/support/router_tools.tie_routers): vLLM and Megatron, both
+float32, choose different experts for some tokens, as a bf16 rollout does for a large model. The actor runs routing
+replay R3 (issue #33): it replays the routes vLLM recorded, cut for both stages and both CP chunks, in the
+old-log-prob forward and the update, and its log-probs stay the rollout's to float32 rounding; the reference routes
+live, and on step 1 (the weights that sampled) its log-probs are as far from the rollout's as the flipped routes make
+them: the gap without replay, measured in the same run on the same tokens."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+from router_tools import tie_routers
+
 from roll_backend.config.loader import load_config
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.pipelines import run_pipeline
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
@@ -41,20 +46,28 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
             "reference.world_size=2",
             "logging.progress_bar=false",
             "perf.measure_peak=false",
+            # The post-sync probe routes live on both sides: the tied routers flip there too (its gap is a gap
+            # without replay, at the updated weights), so its limit is the flips', not float32 rounding's.
+            "weight_sync_max_logprob_gap=0.5",
         ],
     )
+    build_tiny_model(config.model_path, TinyModelSpec(**{"seed": config.seed, **config.build_tiny_model}))
+    tie_routers(config.model_path, spread=1e-6)
     history = run_pipeline(config)
     assert [h["step"] for h in history] == [1, 2]
     for record in history:
-        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "weight_sync/logprob_gap"):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl"):
             assert math.isfinite(record[key]), (key, record)
-        # vLLM scores the synced weights like the CP2 actor does: the actor's CP log-probs are the model's.
-        assert record["weight_sync/logprob_gap"] < 1e-4
-        # The trainer's routers took exactly the experts vLLM recorded (old-log-prob forward and update), which
-        # are the ones they would choose themselves at the weights that sampled (float32 on both sides).
+        # The trainer's routers took exactly the experts vLLM recorded (old-log-prob forward and update), and its
+        # CP2 x PP2 log-probs are the rollout's: R3 removes the train/inference gap the routes cause.
         assert record["actor/moe/log_probs_replay_mismatched_tokens"] == 0, record
         assert record["actor/moe/replay_mismatched_tokens"] == 0, record
-        assert record["actor/moe/log_probs_route_agreement"] == 1.0, record
         assert record["actor/rollout_logprob_gap"] < 1e-5, record
-    # Step 1: the reference (CP2, Megatron infer) holds the actor's initial weights, so the KL starts at ~0.
-    assert abs(history[0]["actor/reference_kl"]) < 1e-5
+    first = history[0]
+    # Step 1, the weights that sampled on both sides: left to themselves, the trainer's routers and the reference's
+    # choose other experts than vLLM for some tokens, and those flips alone put the reference's log-probs far from
+    # the rollout's (the gap without replay), while the actor replaying the rollout's routes matches it.
+    assert first["actor/moe/log_probs_route_agreement"] < 0.99, first
+    assert first["reference/moe/log_probs_route_agreement"] < 0.99, first
+    assert first["reference/rollout_logprob_gap"] > 100 * first["actor/rollout_logprob_gap"], first
+    assert first["reference/rollout_logprob_gap"] > 1e-3, first
