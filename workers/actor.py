@@ -185,6 +185,11 @@ class ActorWorker(Worker):
         return self.strategy.export_hf(out_dir, max_shard_bytes=max_shard_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
+    def export_peft(self, out_dir: str) -> list[str] | None:
+        """The LoRA adapters in `out_dir` as a PEFT adapter folder; the tensor names written (None on other ranks)."""
+        return self.strategy.export_peft(out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
     def param_grad_norms(self, prefix: str = "") -> dict[str, float]:
         """Per-parameter gradient norms of the last train step on this rank (diagnostics)."""
         return self.strategy.param_grad_norms(prefix)

@@ -88,7 +88,7 @@ def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
     """Type errors and unknown keys of the whole tree are reported together; the cross-field rules
     (layouts, batch splits, algorithm names) run once the tree is well-typed."""
     problems: list[str] = []
-    data = dict(data)
+    data = _reference_from_actor_base(dict(data), problems)
     broken_roles = []
     for role in roles.MODEL_ROLES:
         if data.get(role) is not None:
@@ -110,6 +110,27 @@ def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
     return config
 
 
+def _reference_from_actor_base(data: dict, problems: list[str]) -> dict:
+    """`reference: {from_actor_base: true}` -> no reference role, reference_from_actor_base=True: the actor's ranks
+    compute the reference with the LoRA adapters off. The block's other keys (a YAML's reference role, switched to
+    the actor's base by an override) start nothing; a model_path other than the actor's is refused. from_actor_base:
+    false leaves a plain reference block."""
+    section = data.get("reference")
+    if not isinstance(section, dict) or "from_actor_base" not in section:
+        return data
+    section = dict(section)
+    if not section.pop("from_actor_base"):
+        return {**data, "reference": section}
+    actor_path = (data.get("actor_train") or {}).get("model_path")
+    if section.get("model_path", actor_path) != actor_path:
+        problems.append(
+            f"reference.from_actor_base=true uses the actor's base ({actor_path!r}) as the reference, and "
+            f"reference.model_path is {section['model_path']!r}; drop from_actor_base to run a reference role on that "
+            "model, or set reference.model_path to the actor's"
+        )
+    return {**data, "reference": None, "reference_from_actor_base": True}
+
+
 def config_to_yaml(config: PipelineConfig) -> str:
     """The resolved config as YAML (roles' strategies flattened back to the YAML shape)."""
     tree = to_dict(config)
@@ -123,4 +144,6 @@ def config_to_yaml(config: PipelineConfig) -> str:
                 **to_dict(strategy.config),
             }
             tree[role]["strategy"] = flat
+    if tree.pop("reference_from_actor_base"):
+        tree["reference"] = {"from_actor_base": True}
     return OmegaConf.to_yaml(OmegaConf.create(tree))

@@ -249,6 +249,10 @@ class CheckpointConfig:
     # safetensors, config, tokenizer): transformers and vLLM load it; a reward_model run's loads as
     # *ForSequenceClassification. null: no export.
     export_hf_dir: str | None = None
+    # With LoRA (actor_train.strategy.lora): after the last step, also write the adapters to this folder as a PEFT
+    # adapter (adapter_config.json, adapter_model.safetensors) for `peft.PeftModel.from_pretrained(base, folder)`;
+    # export_hf_dir then gets the merged weights. null: no adapter export.
+    export_peft_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -371,6 +375,9 @@ class PipelineConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     reference: RoleConfig | None = None
+    # Set by `reference: {from_actor_base: true}`: the reference log-probs are the actor's with its LoRA adapters
+    # switched off, computed on the actor's ranks (no reference role, no second copy of the weights).
+    reference_from_actor_base: bool = False
     critic: RoleConfig | None = None
     # A trained reward model (a *ForSequenceClassification folder; strategy megatron_infer) scoring every response;
     # its score joins the rule rewards with reward.model_weight.
@@ -388,6 +395,11 @@ class PipelineConfig:
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
+
+    @property
+    def has_reference(self) -> bool:
+        """Reference log-probs are computed: by a reference role or by the actor's base (adapters off)."""
+        return self.reference is not None or self.reference_from_actor_base
 
     def other_rewards(self) -> bool:
         """The run is rewarded by more than rule rewards and functions: an environment, a reward model, a teacher."""

@@ -150,9 +150,10 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
             "algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick "
             "grpo/rloo/reinforce_plus_plus"
         )
-    if (algo.use_kl_loss or algo.use_kl_in_reward) and config.reference is None:
+    if (algo.use_kl_loss or algo.use_kl_in_reward) and not config.has_reference:
         problems.append(
-            "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"
+            "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block (or, with LoRA, "
+            "reference: {from_actor_base: true}); add one or turn both off"
         )
     if algo.ppo_epochs < 1:
         problems.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
@@ -455,7 +456,7 @@ def _check_offline(config: PipelineConfig, problems: list[str]) -> None:
                 f"{name}: pipeline={config.pipeline} does not use this role (it starts {', '.join(needed)}); remove "
                 f"the block ({name}=null)"
             )
-    if config.pipeline == "dpo" and config.reference is None:
+    if config.pipeline == "dpo" and not config.has_reference:
         problems.append(
             "pipeline=dpo needs a `reference:` role block (the frozen starting policy, e.g. model_path: "
             "${model_path} with strategy megatron_infer)"
@@ -533,7 +534,35 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
         _check_batches(config, problems)
         _check_distillation(config, problems)
         _check_same_vocabulary(config, problems)
+    _check_lora_uses(config, problems)
     _check_fault_tolerance(config, problems)
     _check_perf(config, problems)
     _check_logging(config, problems)
     return problems
+
+
+def _check_lora_uses(config: PipelineConfig, problems: list[str]) -> None:
+    """What needs the actor's LoRA adapters: `reference: {from_actor_base: true}` (and the actor's ranks free to run
+    it) and checkpoint.export_peft_dir."""
+    train = config.actor_train.strategy
+    has_lora = getattr(train.config, "lora", None) is not None
+    if config.checkpoint.export_peft_dir and not has_lora:
+        problems.append(
+            f"checkpoint.export_peft_dir writes LoRA adapters, and actor_train.strategy ({train.name}) has no `lora:`; "
+            "add one, or use checkpoint.export_hf_dir for the whole model"
+        )
+    if not config.reference_from_actor_base:
+        return
+    if not has_lora:
+        problems.append(
+            "reference.from_actor_base=true computes the reference as the actor with its LoRA adapters off, and "
+            f"actor_train.strategy ({train.name}) has no `lora:`; add actor_train.strategy.lora, or give the "
+            "reference a role of its own (reference: {model_path: ..., strategy: {name: megatron_infer}})"
+        )
+    if config.offline and config.pipeline != "dpo":
+        problems.append(f"reference.from_actor_base: pipeline={config.pipeline} uses no reference; remove it")
+    if config.async_generation.enabled and config.async_generation.prepare_ahead:
+        problems.append(
+            "async_generation.prepare_ahead=true runs the reference while the actor trains, and "
+            "reference.from_actor_base=true runs it on the actor's ranks; set prepare_ahead=false"
+        )

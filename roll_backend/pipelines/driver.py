@@ -1,7 +1,8 @@
 """Run a config to max_steps once: the synchronous loop (rl_step; offline.offline_step for sft, reward_model and
 dpo) or, with `async_generation.enabled`, the one-step off-policy loop (async_loop) or the streaming one
 (streaming, `async_generation.mode: streaming`); recovery.run_with_restarts wraps any of them with automatic
-restarts. With checkpoint.export_hf_dir the trained model is exported at the end."""
+restarts. With checkpoint.export_hf_dir the trained model is exported at the end (export_peft_dir: its LoRA
+adapters)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ def run_pipeline(
                 if validation is not None and validation.due(step):
                     metrics |= validation.run(run.groups, step)
                 run.log(step, metrics)
-        if config.checkpoint.export_hf_dir:
-            with phase_deadline(run.timeouts, roles.CHECKPOINT):
-                run.groups.actor_train.call(ActorWorker.export_hf, str(Path(config.checkpoint.export_hf_dir).resolve()))
+        saved = config.checkpoint
+        for export, out_dir in (
+            (ActorWorker.export_hf, saved.export_hf_dir),
+            (ActorWorker.export_peft, saved.export_peft_dir),
+        ):
+            if out_dir:
+                with phase_deadline(run.timeouts, roles.CHECKPOINT):
+                    run.groups.actor_train.call(export, str(Path(out_dir).resolve()))
         return run.history
 
 

@@ -59,6 +59,11 @@ class RoleGroups:
     critic: WorkerGroup | None = None
     reward_model: WorkerGroup | None = None
     teacher: WorkerGroup | None = None
+    reference_from_actor: bool = False  # reference log-probs: actor_train's with the LoRA adapters off
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_from_actor
 
     def all(self) -> list[WorkerGroup]:
         members = (
@@ -216,4 +221,4 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
         for group in groups.values():
             group.shutdown()
         raise
-    return RoleGroups(**groups)
+    return RoleGroups(**groups, reference_from_actor=config.reference_from_actor_base)

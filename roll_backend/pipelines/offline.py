@@ -28,7 +28,6 @@ from roll_backend.pipelines.tracking import PhaseTimer
 from roll_backend.pipelines.validation import validation_due
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorWorker
-from roll_backend.workers.reference import ReferenceWorker
 from roll_backend.workers.reward_model import sequence_scores, with_one_more_column
 
 
@@ -87,8 +86,7 @@ class PairScorer:
 
     def add_reference(self, batch: DataProto) -> None:
         """keys.REF_LOG_PROBS of the frozen reference (dpo), once per batch."""
-        out = self.groups.reference.call(ReferenceWorker.compute_log_probs, batch)
-        batch.batch[keys.REF_LOG_PROBS] = out.batch[keys.LOG_PROBS]
+        batch.batch[keys.REF_LOG_PROBS] = phases.reference_call(self.groups, batch).batch[keys.LOG_PROBS]
 
     def mean_loss(self, batch: DataProto) -> Callable[[torch.Tensor], torch.Tensor]:
         """rows [2P] -> the mean pair loss (what pair_loss_row_weights differentiates)."""

@@ -170,10 +170,20 @@ def reference_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float
     Metrics: for a MoE reference, its live routes' agreement with the rollout's (reference/moe/route_agreement...),
     and the mean |log-prob| gap to the rollout's (on the first step, the reference holds the weights that sampled:
     the gap a trainer without routing replay starts from)."""
-    out = groups.reference.call(ReferenceWorker.compute_log_probs, batch)
+    out = reference_call(groups, batch)
     batch[keys.REF_LOG_PROBS] = out.batch[keys.LOG_PROBS]
     metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="reference/")
     return metrics | _rollout_gap(batch, keys.REF_LOG_PROBS, "reference/rollout_logprob_gap")
+
+
+def reference_call(groups: RoleGroups, batch: DataProto) -> DataProto:
+    """The reference's log-probs of the batch's responses (keys.LOG_PROBS): its role's, or the actor's with the LoRA
+    adapters off (reference.from_actor_base)."""
+    if groups.reference is not None:
+        return groups.reference.call(ReferenceWorker.compute_log_probs, batch)
+    base = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info=dict(batch.meta_info))
+    base.meta_info[keys.META_BASE_MODEL] = True
+    return groups.actor_train.call(ActorWorker.compute_log_probs, base)
 
 
 def old_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:

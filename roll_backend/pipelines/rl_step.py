@@ -53,7 +53,7 @@ def prepare_batch(
     if algo.dynamic_sampling and not refilled:  # (the asynchronous loop: drop without refill)
         batch, dropped = phases.drop_uniform_groups(batch)
         metrics["dynamic_sampling/dropped_responses"] = dropped
-    if groups.reference is not None and len(batch):
+    if groups.has_reference and len(batch):
         with timer.phase(roles.REFERENCE_LOG_PROBS):
             metrics |= phases.reference_log_probs(groups, batch)
     if groups.teacher is not None and len(batch):

@@ -542,11 +542,6 @@ def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]
                 f"the mini-batch (algorithm.ppo_mini_batch_size; offline pipelines: the step's rows) a multiple of "
                 f"{dp * micro} or change micro_batch_size to one of {choices}"
             )
-    if cfg.lora is not None and run.saves_checkpoints:
-        problems.append(
-            f"{run.role}.strategy.lora with checkpoint.save_steps > 0: LoRA checkpoints (the adapters and their "
-            "optimizer state) are not supported yet; set checkpoint.save_steps=0"
-        )
     if cfg.lora is not None and (run.model_config or {}).get("model_type") in MOE_MODEL_TYPES:
         problems.append(f"{run.role}.strategy.lora on a MoE model: adapters on experts are not supported yet")
     if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":

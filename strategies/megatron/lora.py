@@ -42,12 +42,19 @@ ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 
 
 class LowRank(torch.nn.Module):
-    """One target module's A [r, in(/TP)] and B [out(/TP), r]."""
+    """One target module's A [r, in(/TP)] and B [out(/TP), r]; `hf_name` is the module's Hugging Face name (global
+    layer number), `row` says which of the two TP splits (row-parallel base: A by columns; column-parallel: B by
+    rows)."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, hf_name: str, row: bool):
         super().__init__()
         self.A = torch.nn.Parameter(a)
         self.B = torch.nn.Parameter(b)
+        self.hf_name, self.row = hf_name, row
+
+    def split_parameter(self) -> tuple[torch.nn.Parameter, int]:
+        """The TP-split parameter and the axis it is split on."""
+        return (self.A, 1) if self.row else (self.B, 0)
 
 
 class LinearAdapters(torch.nn.Module):
@@ -154,14 +161,15 @@ def inject(model, lora, arch, seed: int) -> int:
             parts = {}
             for name in (n for n in TARGETS if TARGETS[n] == linear_path and n in lora.target_modules):
                 block = "self_attn" if "attention" in linear_path else "mlp"
-                a = _full_a(lora, f"model.layers.{offset + index}.{block}.{name}", (lora.rank, full_in[name]), seed)
+                hf_name = f"model.layers.{offset + index}.{block}.{name}"
+                a = _full_a(lora, hf_name, (lora.rank, full_in[name]), seed)
                 if row:
                     a = a.chunk(tp, dim=1)[tp_rank]
                 b = torch.zeros(full_out[name] // (1 if row else tp), lora.rank)
-                dtype = linear.weight.dtype
-                part = LowRank(a.to(linear.weight.device, dtype), b.to(linear.weight.device, dtype))
+                device, dtype = linear.weight.device, linear.weight.dtype
+                part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row)
                 # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
-                set_tensor_model_parallel_attributes(part.A if row else part.B, True, 1 if row else 0, 1)
+                set_tensor_model_parallel_attributes(*part.split_parameter(), 1)
                 parts[name] = part
                 count += part.A.numel() + part.B.numel()
             layout, layout_groups = (None, 1) if row else pieces[linear_path]
@@ -216,3 +224,73 @@ def merged_shard(model, megatron_name: str, shard: torch.Tensor) -> torch.Tensor
     if not isinstance(adapters, LinearAdapters) or not adapters.enabled:
         return shard
     return (shard.float() + adapters.delta().to(shard.device)).to(shard.dtype)
+
+
+def adapter_sharded_state(chunks) -> dict:
+    """Every adapter parameter of this rank as a dist_checkpointing ShardedTensor keyed by its Hugging Face module
+    name (`<module>.lora_A|lora_B`), split over TP as it is held: an adapter-only checkpoint (the frozen base
+    comes from the model folder again) that loads at another TP / PP / vpp / DP layout. The tensors are the
+    parameters themselves, which the optimizer's sharded state matches by identity."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    state = {}
+    for adapters in adapted_linears(chunks):
+        for part in adapters.parts.values():
+            split, axis = part.split_parameter()
+            for label, param in (("lora_A", part.A), ("lora_B", part.B)):
+                key = f"{part.hf_name}.{label}"
+                if param is split:
+                    state[key] = ShardedTensor.from_rank_offsets(
+                        key, param, (axis, tp_rank, tp), replica_id=(0, dp_rank)
+                    )
+                else:
+                    state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
+    return state
+
+
+def load_adapters(chunks, loaded: dict) -> None:
+    """Copy `adapter_sharded_state`'s loaded tensors into this rank's adapters."""
+    with torch.no_grad():
+        for adapters in adapted_linears(chunks):
+            for part in adapters.parts.values():
+                part.A.copy_(loaded[f"{part.hf_name}.lora_A"])
+                part.B.copy_(loaded[f"{part.hf_name}.lora_B"])
+
+
+def full_adapter_tensors(chunks) -> dict[str, torch.Tensor]:
+    """This stage's adapters on their full Hugging Face shapes (gathered over TP), keyed as PEFT saves them
+    (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. Every rank of the TP group must call it."""
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    tensors = {}
+    for adapters in adapted_linears(chunks):
+        for part in adapters.parts.values():
+            split, axis = part.split_parameter()
+            for label, param in (("lora_A", part.A), ("lora_B", part.B)):
+                full = param.detach()
+                if param is split and torch.distributed.get_world_size(group) > 1:
+                    shards = [torch.empty_like(full) for _ in range(torch.distributed.get_world_size(group))]
+                    torch.distributed.all_gather(shards, full.contiguous(), group=group)
+                    full = torch.cat(shards, axis)
+                tensors[f"base_model.model.{part.hf_name}.{label}.weight"] = full.cpu().clone()
+    return tensors
+
+
+def peft_config(lora, base_model: str):
+    """The adapters' `peft.LoraConfig` (what PEFT writes as adapter_config.json beside the weights)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=sorted(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+        inference_mode=True,
+    )

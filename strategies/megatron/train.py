@@ -17,7 +17,7 @@ from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
-from roll_backend.strategies.megatron import hf_export, mtp, schedule, weights
+from roll_backend.strategies.megatron import hf_export, lora, mtp, schedule, weights
 from roll_backend.strategies.megatron import micro_batches as mb
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
@@ -124,10 +124,6 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             wd_incr_steps=decay_steps,
             wd_incr_style="constant",
         )
-
-    def _refuse_lora(self, what: str) -> None:
-        if self.config.lora is not None:
-            raise ValueError(f"{what}: LoRA checkpoints (the adapters and their optimizer state) are not supported yet")
 
     def _check_ready(self, what: str) -> None:
         if self.model is None:
@@ -315,6 +311,32 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         dist.barrier()
         return written
 
+    def export_peft(self, out_dir: str) -> list[str] | None:
+        """Write the LoRA adapters to `out_dir` as a PEFT adapter folder (adapter_config.json and
+        adapter_model.safetensors) that `peft.PeftModel.from_pretrained(<the HF base>, out_dir)` loads. All ranks
+        take part (gathers over TP, then over PP to global rank 0, which writes); returns the tensor names written
+        (None on other ranks)."""
+        from megatron.core import parallel_state as mpu
+        from safetensors.torch import save_file
+
+        self._check_ready("export_peft")
+        if self.config.lora is None:
+            raise ValueError("export_peft: this strategy trains no LoRA adapters (strategy.lora is null)")
+        tensors = lora.full_adapter_tensors(self.model)
+        pp_group = mpu.get_pipeline_model_parallel_group()
+        first = dist.get_global_rank(pp_group, 0)
+        stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == first else None
+        dist.gather_object(tensors, stages, dst=first, group=pp_group)
+        written = None
+        if dist.get_rank() == 0:
+            merged = {name: tensor for stage in stages for name, tensor in stage.items()}
+            os.makedirs(out_dir, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in sorted(merged.items())}, f"{out_dir}/adapter_model.safetensors")
+            lora.peft_config(self.config.lora, self.config.model_path).save_pretrained(out_dir)
+            written = sorted(merged)
+        dist.barrier()
+        return written
+
     def _export_config(self):
         """The HF config an export writes: the model's, with the MTP layer count, or as a sequence classifier."""
         hf_config = copy.deepcopy(self.hf_config)
@@ -326,11 +348,8 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer, scheduler and RNG state, in dist_checkpointing's torch_dist format."""
-        if self.config.lora is not None:
-            raise ValueError(
-                "save_checkpoint: LoRA checkpoints (adapters and their optimizer state) are not supported yet"
-            )
+        """Model, optimizer, scheduler and RNG state, in dist_checkpointing's torch_dist format. With LoRA, the
+        model is the adapters alone (and the optimizer holds only theirs): the frozen base is the model folder's."""
         from megatron.core import dist_checkpointing
 
         self._check_ready("save_checkpoint")
@@ -343,7 +362,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             "optimizer": self.optimizer.sharded_state_dict(model_state),
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_sharded_object(),
-            "progress": {"steps_done": self.steps_done, **self._layout_record()},
+            "progress": {"steps_done": self.steps_done, **self._layout_record(), "lora": self._lora_record()},
         }
         dist_checkpointing.save(state, path)
         dist.barrier()
@@ -360,12 +379,21 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             "ep": self.layout.ep,
         }
 
+    def _lora_record(self) -> dict | None:
+        """What an adapter checkpoint must match (None: a full checkpoint)."""
+        settings = self.config.lora
+        if settings is None:
+            return None
+        return {"rank": settings.rank, "alpha": settings.alpha, "target_modules": sorted(settings.target_modules)}
+
     def _model_sharded_state(self) -> dict:
         """Every model chunk's sharded state under `chunk{i}`; tensors are keyed by global layer number, so a
         checkpoint loads at another TP/PP/CP/vpp/EP layout. The metadata is what megatron-core needs for the
         embedding copy an MTP stage keeps at PP > 1 (GPTModel.sharded_state_dict reads metadata['dp_cp_group'])."""
         from megatron.core import parallel_state as mpu
 
+        if self.config.lora is not None:
+            return {"adapters": lora.adapter_sharded_state(self.model)}
         metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
         return {
             f"chunk{index}": unwrap(chunk).sharded_state_dict(metadata=metadata)
@@ -377,15 +405,17 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
 
         RNG states are restored only when the layout matches the saver's (they are per model-parallel rank).
         """
-        if self.config.lora is not None:
-            raise ValueError(
-                "load_checkpoint: LoRA checkpoints (adapters and their optimizer state) are not supported yet"
-            )
         from megatron.core import dist_checkpointing
 
         self._check_ready("load_checkpoint")
         common_state = dist_checkpointing.load_common_state_dict(path)
         progress = common_state["progress"]
+        saved_lora = progress.get("lora")
+        if saved_lora != self._lora_record():
+            raise ValueError(
+                f"load_checkpoint({path!r}): the checkpoint's LoRA settings are {saved_lora} and this strategy's "
+                f"{self._lora_record()} (None: full fine-tuning); load it with the settings it was saved with"
+            )
         saved_layout = {name: progress.get(name, default) for name, default in self._layout_defaults.items()}
         same_layout = saved_layout == self._layout_record()
         model_state = self._model_sharded_state()
@@ -397,8 +427,11 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
                 "checkpoint layout %s differs from ours %s: RNG state not restored", saved_layout, self._layout_record()
             )
         loaded = dist_checkpointing.load(request, path)
-        for index, chunk in enumerate(self.model):
-            unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"])
+        if self.config.lora is not None:
+            lora.load_adapters(self.model, loaded["model"]["adapters"])
+        else:
+            for index, chunk in enumerate(self.model):
+                unwrap(chunk).load_state_dict(loaded["model"][f"chunk{index}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(common_state["scheduler"])
         self.steps_done = int(progress["steps_done"])

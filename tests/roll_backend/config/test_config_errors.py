@@ -254,7 +254,8 @@ def test_gae_needs_a_critic(base):
 
 def test_kl_needs_a_reference(base):
     expected = [
-        "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block; add one or turn both off"
+        "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block (or, with LoRA, "
+        "reference: {from_actor_base: true}); add one or turn both off"
     ]
     assert problems_of(base + ["reference=null", "algorithm.use_kl_loss=true"]) == expected
     assert (

@@ -90,14 +90,36 @@ def test_router_replay_rules(base):
 
 
 def test_lora_rules(base):
-    """LoRA settings are checked, and what it cannot do yet (checkpoints, MoE models, critics) is refused."""
+    """LoRA settings are checked, and what it cannot do yet (MoE models, critics) is refused; it checkpoints."""
     problems = problems_of(base + ["actor_train.strategy.lora={rank: 0, target_modules: [q_proj, qkv]}"])
     assert any("lora.rank=0 must be >= 1" in p for p in problems), problems
     assert any("lora.target_modules=['q_proj', 'qkv']: choose from q_proj" in p for p in problems), problems
-    problems = problems_of(base + ["actor_train.strategy.lora={rank: 8}", "checkpoint.save_steps=5"])
-    assert any("LoRA checkpoints (the adapters and their optimizer state) are not supported yet" in p for p in problems)
+    load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8}", "checkpoint.save_steps=5"])  # no problem
+    problems = problems_of(base + ["checkpoint.export_peft_dir=/tmp/adapter"])
+    assert any("checkpoint.export_peft_dir writes LoRA adapters" in p for p in problems), problems
     moe = ["build_tiny_model.family=qwen3_moe", "build_tiny_model.num_experts=4", "actor_train.strategy.tp=1"]
     moe += ["actor_train.strategy.micro_batch_size=32", "actor_train.strategy.lora={rank: 8}"]
     assert any("lora on a MoE model" in p for p in problems_of(base + moe))
     config = load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8, alpha: 16}"])
     assert config.actor_train.strategy.config.lora.alpha == 16.0
+
+
+def test_reference_from_actor_base(base):
+    """`reference: {from_actor_base: true}` replaces the reference role by the actor's base (LoRA adapters off): it
+    needs adapters, the actor's model and the actor's ranks free of prepared batches; it round-trips through YAML."""
+    from roll_backend.config.loader import config_from_dict, config_to_yaml, resolve_yaml
+
+    switched = base + ["reference.from_actor_base=true", "actor_train.strategy.lora={rank: 8}"]
+    config = load_config(CONFIG, switched)
+    assert config.reference is None and config.reference_from_actor_base and config.has_reference
+    assert "from_actor_base: true" in config_to_yaml(config)
+    problems = problems_of(base + ["reference.from_actor_base=true"])
+    assert any("actor_train.strategy (megatron_train) has no `lora:`" in p for p in problems), problems
+    problems = problems_of(switched + ["reference.model_path=/elsewhere"])
+    assert any("reference.model_path is '/elsewhere'" in p for p in problems), problems
+    ahead = ["async_generation.enabled=true", "async_generation.prepare_ahead=true"]
+    assert any("set prepare_ahead=false" in p for p in problems_of(switched + ahead))
+    assert load_config(CONFIG, base + ["reference.from_actor_base=false"]).reference is not None
+    data = resolve_yaml(CONFIG, switched)
+    data["reference"] = {"from_actor_base": True}
+    assert config_from_dict(data).reference_from_actor_base

@@ -6,15 +6,23 @@ same start:
 - the steps' loss and grad norm, and the merged weights after them (the base plus (alpha / r) B A, what the weight
   sync and the HF export send), equal TP1's; the optimizer holds the adapters only and the base is bit-identical;
 - transformers on the merged weights gives the trained model's log-probs, and the forward with the adapters off
-  (keys.META_BASE_MODEL, the reference without a second model) gives the base's.
+  (keys.META_BASE_MODEL, the reference without a second model) gives the base's;
+- the first layout's checkpoint after the first step holds only the adapters and their optimizer state; every
+  layout resumes from it and repeats the second step (exactly at the saving layout);
+- the adapters exported as a PEFT folder (from TP2 x PP2) give the trained log-probs on transformers' base.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from megatron_batches import hf_response_log_probs, max_masked_diff, rl_batch_of_lengths
+from megatron.core import dist_checkpointing
+from megatron_batches import hf_response_log_probs, max_masked_diff, model_response_log_probs, rl_batch_of_lengths
+from peft import PeftModel
 from reconfigurable_workers import ReconfigurableActor
+from transformers import AutoModelForCausalLM
 
 from roll_backend import keys
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
@@ -40,7 +48,9 @@ def tensors() -> dict[str, torch.Tensor]:
     return batch
 
 
-def lora_run(group, model_dir: str, tensors: dict) -> dict:
+def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
+    """Two steps; the first layout saves a checkpoint after the first, and every layout resumes from it at the end
+    and takes the second step again."""
     config = ActorConfig(
         strategy=MegatronTrainConfig(
             model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2), lora=LORA
@@ -51,9 +61,12 @@ def lora_run(group, model_dir: str, tensors: dict) -> dict:
     base_before = group.call(ReconfigurableActor.base_weights)
     before = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
     batch = DataProto.from_dict(tensors={**tensors, keys.OLD_LOG_PROBS: before[keys.LOG_PROBS]})
-    steps = [next(m for m in group.call(ReconfigurableActor.train_step, batch) if m) for _ in range(2)]
+    steps = [next(m for m in group.call(ReconfigurableActor.train_step, batch) if m)]
+    if not Path(checkpoint).exists():
+        group.call(ReconfigurableActor.save_checkpoint, checkpoint)
+    steps.append(next(m for m in group.call(ReconfigurableActor.train_step, batch) if m))
     base_model = DataProto.from_dict(tensors=tensors, meta_info={keys.META_BASE_MODEL: True})
-    return {
+    outcome = {
         "before": before[keys.LOG_PROBS],
         "steps": steps,
         "after": group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch,
@@ -66,16 +79,32 @@ def lora_run(group, model_dir: str, tensors: dict) -> dict:
         ),
         "trained": group.call(ReconfigurableActor.optimizer_parameter_names),
     }
+    group.call(ReconfigurableActor.load_checkpoint, checkpoint)
+    outcome["resumed_step"] = next(m for m in group.call(ReconfigurableActor.train_step, batch) if m)
+    outcome["resumed"] = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
+    return outcome
 
 
 def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tensors, tmp_path):
     mask = tensors[keys.RESPONSE_MASK]
     base, _ = hf_response_log_probs(model_dir, tensors)
-    runs = {name: lora_run(group, model_dir, tensors) for name, group in layout_actors.items()}
+    checkpoint = str(tmp_path / "tp1_step1")
+    runs = {name: lora_run(group, model_dir, tensors, checkpoint) for name, group in layout_actors.items()}
     reference = runs["tp1"]
+    # The checkpoint holds the adapters and their optimizer state, not the frozen base.
+    saved = dist_checkpointing.load_tensors_metadata(checkpoint)
+    assert saved and all(key.endswith((".lora_A", ".lora_B")) for key in saved), sorted(saved)
+    assert len(saved) == 4 * 7 * 2  # layers x target modules x (A, B)
+    # Resuming from it repeats the second step exactly at its layout, and to TOL at every other.
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert reference["resumed_step"][key] == reference["steps"][1][key], key
+    assert torch.equal(reference["resumed"][keys.LOG_PROBS], reference["after"][keys.LOG_PROBS])
     for name, run in runs.items():
         assert max_masked_diff(run["before"], base, mask) < TOL, name  # B = 0: the base model
         assert run["base_unchanged"], name
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert run["resumed_step"][key] == pytest.approx(reference["steps"][1][key], abs=TOL), (name, key)
+        assert max_masked_diff(run["resumed"][keys.LOG_PROBS], reference["after"][keys.LOG_PROBS], mask) < TOL
         assert all(".lora." in param for names in run["trained"] for param in names) and any(run["trained"]), name
         for step, (got, want) in enumerate(zip(run["steps"], reference["steps"])):
             for key in ("loss", "pg_loss", "grad_norm"):
@@ -85,6 +114,7 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
             assert torch.allclose(run["merged"][weight], tensor, atol=TOL), (name, weight)
         assert max_masked_diff(run["after"][keys.LOG_PROBS], reference["after"][keys.LOG_PROBS], mask) < TOL, name
         assert max_masked_diff(run["base_model"], base, mask) < TOL, name  # adapters off: the reference
+        assert max_masked_diff(run["base_model"], run["before"], mask) < 1e-6, name  # = the untrained forward
     moved = max_masked_diff(reference["after"][keys.LOG_PROBS], base, mask)
     assert moved > 1e-2, moved  # the adapters learned something
     # The merged weights are a Hugging Face model with the trained log-probs.
@@ -92,3 +122,11 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
     layout_actors["tp1"].call(ReconfigurableActor.export_hf, str(merged_dir))
     merged, _ = hf_response_log_probs(str(merged_dir), tensors)
     assert max_masked_diff(merged, reference["after"][keys.LOG_PROBS], mask) < TOL
+    # The adapters as a PEFT folder, gathered over TP and PP: peft puts them on transformers' base, with the trained
+    # log-probs (the last resumed step repeated the second, so every layout holds the same adapters).
+    adapter_dir = tmp_path / "adapter"
+    written = layout_actors["tp2pp2"].call(ReconfigurableActor.export_peft, str(adapter_dir))[0]
+    assert len(written) == 4 * 7 * 2, written
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
+    adapted, _ = model_response_log_probs(model.eval(), tensors)
+    assert max_masked_diff(adapted, reference["after"][keys.LOG_PROBS], mask) < TOL
