@@ -38,7 +38,7 @@ DEADLINE_METHODS: dict[str, tuple[str, ...]] = {
     "reward": ("compute_rewards",),
     "log_probs": ("compute_log_probs", "compute_values"),
     "train": ("train_step",),
-    "weight_sync": ("load_weight_buckets",),
+    "weight_sync": ("load_weight_buckets", "load_adapter"),
     CHECKPOINT: ("save_checkpoint",),
 }
 DEADLINES = tuple(DEADLINE_METHODS)

@@ -52,6 +52,7 @@ class RunFacts:
     model_config: Mapping[str, Any] | None = None  # the model's Hugging Face config fields; None: unknown
     multi_turn: bool = False  # the rollout runs multi-turn trajectories (agentic): requests arrive one turn at a time
     routed_experts: bool = False  # the rollout returns each token's routed experts (the actor replays them: R3)
+    adapter_rank: int | None = None  # the rollout receives LoRA adapters of this rank (lora.sync: adapter), not weights
 
 
 class StrategyConfig(Protocol):

@@ -185,6 +185,15 @@ class ActorWorker(Worker):
         return self.strategy.export_hf(out_dir, max_shard_bytes=max_shard_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
+    def publish_adapter(self) -> list:
+        """The LoRA adapters for a rollout engine that serves them (lora.sync: adapter): every rank joins the
+        gathers, rank 0 puts (PEFT-named tensors, peft.LoraConfig) in the object store and returns [its ref]."""
+        import ray
+
+        tensors = self.strategy.adapter_tensors("publish_adapter")
+        return [ray.put((tensors, self.strategy.peft_config()))] if tensors is not None else []
+
+    @register(Dispatch.ONE_TO_ALL)
     def export_peft(self, out_dir: str) -> list[str] | None:
         """The LoRA adapters in `out_dir` as a PEFT adapter folder; the tensor names written (None on other ranks)."""
         return self.strategy.export_peft(out_dir)

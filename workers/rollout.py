@@ -95,14 +95,37 @@ class RolloutWorker(Worker):
         return self._strategy().update_weights(named_tensors, version=version, in_flight=in_flight)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weight_buckets(self, bucket_refs: list, version: int | None = None, in_flight: str | None = None) -> int:
+    def load_weight_buckets(
+        self, bucket_refs: list, version: int | None = None, in_flight: str | None = None
+    ) -> dict[str, int]:
         """Load buckets the trainer published (ActorWorker.publish_hf_weights), fetching one bucket at a
         time so a rank never holds more than one bucket beyond the engine's own weights. `version`: the trainer
-        version they are; `in_flight` (streaming): keep | recompute | resubmit the requests in flight."""
+        version they are; `in_flight` (streaming): keep | recompute | resubmit the requests in flight. Returns
+        {"tensors": how many were loaded, "bytes": their size}."""
         import ray
 
-        named = (item for ref in bucket_refs for item in ray.get(ref))
-        return self._strategy().update_weights(named, version=version, in_flight=in_flight)
+        size = [0]
+
+        def named():
+            for ref in bucket_refs:
+                for name, tensor in ray.get(ref):
+                    size[0] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        loaded = self._strategy().update_weights(named(), version=version, in_flight=in_flight)
+        return {"tensors": loaded, "bytes": size[0]}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_adapter(self, adapter_refs: list, version: int | None = None) -> dict[str, int]:
+        """Serve the LoRA adapters the trainer published (ActorWorker.publish_adapter) from now on, in place of the
+        engine's last ones; `version`: the trainer version they are. Returns {"tensors", "bytes"} as
+        load_weight_buckets."""
+        import ray
+
+        (ref,) = adapter_refs
+        tensors, peft_config = ray.get(ref)
+        loaded = self._strategy().load_adapter(tensors, peft_config, version=version)
+        return {"tensors": loaded, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
     # ---- streaming (roll_backend/pipelines/streaming.py drives these; strategies/vllm/streaming.py holds the state)
     @register(Dispatch.DP_MP_COMPUTE)

@@ -98,7 +98,15 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         model_config=model_fields(config, role.model_path),
         multi_turn=config.agentic is not None,
         routed_experts=name == roles.ACTOR_INFER and replays_rollout_routes(config),
+        adapter_rank=synced_adapter_rank(config) if name == roles.ACTOR_INFER else None,
     )
+
+
+def synced_adapter_rank(config: PipelineConfig) -> int | None:
+    """The rank of the LoRA adapters the actor sends the rollout (its strategy's lora.sync: adapter), else None."""
+    actor = getattr(config, roles.ACTOR_TRAIN, None)
+    lora = getattr(getattr(getattr(actor, "strategy", None), "config", None), "lora", None)
+    return lora.rank if lora is not None and getattr(lora, "sync", None) == "adapter" else None
 
 
 def replays_rollout_routes(config: PipelineConfig) -> bool:

@@ -551,6 +551,12 @@ def _check_lora_uses(config: PipelineConfig, problems: list[str]) -> None:
             f"checkpoint.export_peft_dir writes LoRA adapters, and actor_train.strategy ({train.name}) has no `lora:`; "
             "add one, or use checkpoint.export_hf_dir for the whole model"
         )
+    streaming = config.async_generation.enabled and config.async_generation.mode == "streaming"
+    if has_lora and train.config.lora.sync == "adapter" and streaming:
+        problems.append(
+            "actor_train.strategy.lora.sync=adapter with async_generation.mode=streaming: partial rollouts keep "
+            "requests of the last adapter in flight, which adapter sync does not do yet; use lora.sync=merged"
+        )
     if not config.reference_from_actor_base:
         return
     if not has_lora:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_backend import roles
-from roll_backend.config.run_facts import run_facts
+from roll_backend.config.run_facts import run_facts, synced_adapter_rank
 from roll_backend.config.schema import PipelineConfig, RoleConfig
 from roll_backend.distributed.placement import create_placement_group
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup, start_together
@@ -60,6 +60,7 @@ class RoleGroups:
     reward_model: WorkerGroup | None = None
     teacher: WorkerGroup | None = None
     reference_from_actor: bool = False  # reference log-probs: actor_train's with the LoRA adapters off
+    adapter_sync: bool = False  # the weight sync sends actor_train's LoRA adapters, which the rollout serves
 
     @property
     def has_reference(self) -> bool:
@@ -221,4 +222,8 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
         for group in groups.values():
             group.shutdown()
         raise
-    return RoleGroups(**groups, reference_from_actor=config.reference_from_actor_base)
+    return RoleGroups(
+        **groups,
+        reference_from_actor=config.reference_from_actor_base,
+        adapter_sync=synced_adapter_rank(config) is not None,
+    )

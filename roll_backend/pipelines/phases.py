@@ -297,12 +297,16 @@ def sync_weights(
 ) -> dict[str, float]:
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
-    resubmit them)."""
-    bucket_refs = groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes)
-    refs = next(refs for refs in bucket_refs if refs)
-    loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
+    resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel."""
+    if groups.adapter_sync:
+        refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_adapter) if refs)
+        loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version)
+    else:
+        refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes) if refs)
+        loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
+    metrics = {"weight_sync/tensors": float(loaded[0]["tensors"]), "weight_sync/bytes": float(loaded[0]["bytes"])}
     if probe_rows is None:
-        return {"weight_sync/tensors": float(loaded[0])}
+        return metrics
     probe = probe_rows.select(
         batch_keys=[
             keys.INPUT_IDS,
@@ -324,7 +328,7 @@ def sync_weights(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
             f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact"
         )
-    return {"weight_sync/logprob_gap": gap, "weight_sync/tensors": float(loaded[0])}
+    return metrics | {"weight_sync/logprob_gap": gap}
 
 
 def batch_metrics(batch: DataProto, seconds_generating: float) -> dict[str, float]:

@@ -290,6 +290,7 @@ class LRSchedule:
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's names
 LORA_INITS = ("kaiming", "gaussian")
+LORA_SYNC_MODES = ("merged", "adapter")
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,9 @@ class LoRASettings:
     dropout: float = 0.0  # (only 0 yet)
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # PEFT's module names (all by default)
     init: str = "kaiming"  # A's start (B starts at 0): kaiming (PEFT's default, uniform) or gaussian (N(0, 1/r))
+    # What the weight sync sends the rollout: "merged" (base + (alpha / r) B A, the full weights) or "adapter" (the
+    # adapters alone, loaded by vLLM's LoRA support as a new adapter each step; the engine keeps the base).
+    sync: str = "merged"
 
 
 @dataclass(frozen=True)
@@ -377,6 +381,8 @@ def lora_settings_problems(lora) -> list[str]:
         )
     if lora.init not in LORA_INITS:
         problems.append(f"init={lora.init!r}; choose one of {', '.join(LORA_INITS)}")
+    if lora.sync not in LORA_SYNC_MODES:
+        problems.append(f"sync={lora.sync!r}; choose one of {', '.join(LORA_SYNC_MODES)}")
     if lora.dropout != 0.0:
         problems.append(f"dropout={lora.dropout}: adapter dropout is not supported yet; set 0")
     return problems

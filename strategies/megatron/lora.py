@@ -169,7 +169,8 @@ def inject(model, lora, arch, seed: int) -> int:
                 device, dtype = linear.weight.device, linear.weight.dtype
                 part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row)
                 # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
-                set_tensor_model_parallel_attributes(*part.split_parameter(), 1)
+                split, axis = part.split_parameter()
+                set_tensor_model_parallel_attributes(split, True, axis, 1)
                 parts[name] = part
                 count += part.A.numel() + part.B.numel()
             layout, layout_groups = (None, 1) if row else pieces[linear_path]

@@ -353,8 +353,9 @@ def split(
     if routes is not None:
         flat = routes.reshape(-1, *routes.shape[2:])
         for micro in micro_batches:
-            picked = flat[micro.source.clamp(min=0)]
-            micro.routes = picked.masked_fill((micro.source < 0)[..., None, None], -1).to(device)
+            source = micro.source.to(flat.device)
+            picked = flat[source.clamp(min=0)]
+            micro.routes = picked.masked_fill((source < 0)[..., None, None], -1).to(device)
     return micro_batches, num_rows
 
 

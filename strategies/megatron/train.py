@@ -34,8 +34,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
 
     `train_step` runs Megatron's schedule (1F1B under PP) with the loss on the last stage; metrics come from
     the last PP stage (None elsewhere). Checkpoints use dist_checkpointing's torch_dist format, so a checkpoint
-    saved at one TP/PP layout loads at another. On CPU, megatron-core 0.16.1 cannot checkpoint the distributed
-    optimizer's state (`flattened_range is not supported`): checkpoint with use_distributed_optimizer=False there.
+    saved at one TP/PP layout loads at another. megatron-core 0.16.1 cannot checkpoint the distributed optimizer's
+    state with torch's Adam, its fallback without TransformerEngine or Apex (`flattened_range is not supported`; seen
+    on CPU and on an H200 without them): checkpoint with use_distributed_optimizer=False there.
     """
 
     config_class = MegatronTrainConfig
@@ -189,7 +190,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         from megatron.core import parallel_state as mpu
 
         self._check_ready("train_step")
-        batch = self._with_global_counts(batch)
+        # The loss reads the batch's columns beside the model's outputs: on the model's device (a rank without an
+        # in-actor broadcast, e.g. DP only, gets the batch as the driver sent it, on the CPU).
+        batch = self._with_global_counts(batch.to(self.device))
         meta = batch.meta_info
         routes = route_call(self, batch, training=True)
         plan = mb.batching_plan(self, batch)
@@ -316,26 +319,37 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         adapter_model.safetensors) that `peft.PeftModel.from_pretrained(<the HF base>, out_dir)` loads. All ranks
         take part (gathers over TP, then over PP to global rank 0, which writes); returns the tensor names written
         (None on other ranks)."""
-        from megatron.core import parallel_state as mpu
         from safetensors.torch import save_file
 
-        self._check_ready("export_peft")
+        tensors, written = self.adapter_tensors("export_peft"), None
+        if tensors is not None:
+            os.makedirs(out_dir, exist_ok=True)
+            save_file(tensors, f"{out_dir}/adapter_model.safetensors")
+            self.peft_config().save_pretrained(out_dir)
+            written = sorted(tensors)
+        dist.barrier()
+        return written
+
+    def adapter_tensors(self, what: str = "adapter_tensors") -> dict[str, torch.Tensor] | None:
+        """Every LoRA adapter of the model on its full Hugging Face shape, PEFT-named, on global rank 0 (None on the
+        others); all ranks take part (gathers over TP, then over PP)."""
+        from megatron.core import parallel_state as mpu
+
+        self._check_ready(what)
         if self.config.lora is None:
-            raise ValueError("export_peft: this strategy trains no LoRA adapters (strategy.lora is null)")
+            raise ValueError(f"{what}: this strategy trains no LoRA adapters (strategy.lora is null)")
         tensors = lora.full_adapter_tensors(self.model)
         pp_group = mpu.get_pipeline_model_parallel_group()
         first = dist.get_global_rank(pp_group, 0)
         stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == first else None
         dist.gather_object(tensors, stages, dst=first, group=pp_group)
-        written = None
-        if dist.get_rank() == 0:
-            merged = {name: tensor for stage in stages for name, tensor in stage.items()}
-            os.makedirs(out_dir, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in sorted(merged.items())}, f"{out_dir}/adapter_model.safetensors")
-            lora.peft_config(self.config.lora, self.config.model_path).save_pretrained(out_dir)
-            written = sorted(merged)
-        dist.barrier()
-        return written
+        if dist.get_rank() != 0:
+            return None
+        return {name: stage[name].contiguous() for stage in stages for name in sorted(stage)}
+
+    def peft_config(self):
+        """The adapters' peft.LoraConfig."""
+        return lora.peft_config(self.config.lora, self.config.model_path)
 
     def _export_config(self):
         """The HF config an export writes: the model's, with the MTP layer count, or as a sequence classifier."""

@@ -90,6 +90,9 @@ class VllmRolloutConfig:
     # MoE models: return the experts each token was routed to (keys.ROUTED_EXPERTS; strategies/vllm/routes.py), for
     # the trainer's route-agreement metrics; on whenever the actor replays them (router_replay: R3).
     return_routed_experts: bool = False
+    # Serve LoRA adapters up to this rank on the engine's base (vLLM's LoRA support): set by the run when the actor
+    # sends adapters (actor_train.strategy.lora.sync: adapter); None: the engine holds full weights.
+    max_lora_rank: int | None = None
     sampling: SamplingConfig = SamplingConfig()
     validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
 
@@ -106,6 +109,7 @@ class VllmRolloutConfig:
             validation=validation,
             enable_chunked_prefill=chunked,
             return_routed_experts=self.return_routed_experts or run.routed_experts,
+            max_lora_rank=self.max_lora_rank or run.adapter_rank,
         )
 
     def problems(self, run: RunFacts) -> list[str]:

@@ -20,6 +20,7 @@ from roll_backend import keys
 from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
+from roll_backend.strategies.vllm import adapters
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.streaming import Sampled, StreamingSession, token_versions
@@ -76,6 +77,10 @@ class VllmRolloutStrategy(RolloutStrategy):
         )
         if config.max_num_batched_tokens is not None:
             engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        if config.max_lora_rank is not None:  # one adapter at a time: each sync replaces the last
+            engine_kwargs |= dict(
+                enable_lora=True, max_loras=1, max_lora_rank=adapters.served_rank(config.max_lora_rank)
+            )
         if config.enable_chunked_prefill is not None:
             engine_kwargs["enable_chunked_prefill"] = config.enable_chunked_prefill
         block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
@@ -99,6 +104,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
         )
         self.route_shape = None  # (layers, top_k) of the routes the engine returns (return_routed_experts)
+        self.adapters = adapters.AdapterSlot(self.llm) if config.max_lora_rank is not None else None
         if config.return_routed_experts:
             self.route_shape = tuple(self.llm.collective_rpc("start_route_capture")[0])
 
@@ -182,7 +188,9 @@ class VllmRolloutStrategy(RolloutStrategy):
             # Routed: this call's own cache salt, so no prompt block computed earlier (unrouted here) is reused.
             salt = {"cache_salt": f"routes-{uuid.uuid4().hex}"} if routed else {}
             prompts = [TokensPrompt(prompt_token_ids=ids, **salt) for ids in prompt_ids]
-            outputs = self.engine.generate(prompts, self.vllm_params(sampling), use_tqdm=False)
+            outputs = self.engine.generate(
+                prompts, self.vllm_params(sampling), use_tqdm=False, lora_request=self.lora_request
+            )
         elapsed = time.perf_counter() - start
         samples = [
             [
@@ -369,6 +377,26 @@ class VllmRolloutStrategy(RolloutStrategy):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
         return loaded
 
+    @property
+    def lora_request(self):
+        """The vLLM LoRARequest every request carries (the adapters last synced), or None (the engine's weights)."""
+        return self.adapters.request if self.adapters is not None else None
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config, version: int | None = None) -> int:
+        """Serve LoRA adapters (PEFT-named tensors and their peft.LoraConfig) on the engine's base from now on, in
+        place of the last ones; returns how many tensors. `version`: the trainer version they are."""
+        if self.adapters is None:
+            raise RuntimeError(
+                "load_adapter: this engine serves no LoRA adapters (max_lora_rank is null); the run sets it with "
+                "actor_train.strategy.lora.sync=adapter"
+            )
+        if self.stream.in_flight():
+            raise RuntimeError("load_adapter with requests in flight: adapter sync does not do partial rollouts")
+        self.adapters.load(tensors, peft_config)
+        if version is not None:
+            self.stream.version = version
+        return len(tensors)
+
     # ---- log-prob probe --------------------------------------------------------------------------------
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts, at temperature 1: [B, T_resp] float32.
@@ -394,7 +422,10 @@ class VllmRolloutStrategy(RolloutStrategy):
             outputs = self.stream.side_outputs(sequences, params)
         else:
             outputs = self.engine.generate(
-                [TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False
+                [TokensPrompt(prompt_token_ids=ids) for ids in sequences],
+                params,
+                use_tqdm=False,
+                lora_request=self.lora_request,
             )
         log_probs = torch.zeros(responses.shape, dtype=torch.float32)  # [B, T_resp]
         for row, (out, prompt, response) in enumerate(zip(outputs, prompt_ids, response_ids)):

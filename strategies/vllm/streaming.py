@@ -157,7 +157,7 @@ class StreamingSession:
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens only: we keep the partial state
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_ids + sample.token_ids, cache_salt=self.salt())
-        self.engine.add_request(engine_id, prompt, params)
+        self.engine.add_request(engine_id, prompt, params, lora_request=self.strategy.lora_request)
         self.requests[engine_id] = request
 
     def salt(self) -> str:
@@ -270,7 +270,8 @@ class StreamingSession:
         ids = [f"side-{next(self.keys)}" for _ in prompts]
         for request_id, prompt in zip(ids, prompts):
             self.side[request_id] = None
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=self.salt()), params)
+            prompt = TokensPrompt(prompt_token_ids=prompt, cache_salt=self.salt())
+            self.engine.add_request(request_id, prompt, params, lora_request=self.strategy.lora_request)
         while any(self.side[request_id] is None for request_id in ids):
             self.step()
         return [self.side.pop(request_id) for request_id in ids]

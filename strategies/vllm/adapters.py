@@ -1,0 +1,56 @@
+"""LoRA adapters served by a vLLM engine over its base weights (actor_train.strategy.lora.sync: adapter): each weight
+sync brings the trainer's adapters as PEFT-named tensors; they are written as a PEFT folder (vLLM loads adapters from
+folders) on a memory-backed file system where there is one, loaded under a new name and id, and every request from
+then on carries that LoRARequest. The previous adapter is removed (one slot: max_loras=1). vLLM keys its prefix cache
+by adapter name, so blocks computed under older adapters are never reused."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+
+# The ranks vLLM's LoRA config accepts for max_lora_rank (vllm/config/lora.py).
+SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def served_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    for served in SERVED_RANKS:
+        if served >= rank:
+            return served
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({SERVED_RANKS[-1]})")
+
+
+class AdapterSlot:
+    """The adapter an engine serves now (`request`, None before the first load) and its folder."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.request = None
+        self.ids = itertools.count(1)
+        shm = Path("/dev/shm")
+        self.root = Path(tempfile.mkdtemp(prefix="roll-lora-", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, self.root, True)  # the folders go with the engine's process
+
+    def load(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        number = next(self.ids)
+        folder = self.root / f"adapter-{number}"
+        folder.mkdir()
+        save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "adapter_model.safetensors")
+        peft_config.save_pretrained(folder)
+        request = LoRARequest(f"policy-{number}", number, str(folder))
+        engine = self.llm.llm_engine
+        previous, self.request = self.request, request
+        if previous is not None:
+            engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter written to {folder}")
