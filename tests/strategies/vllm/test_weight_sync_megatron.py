@@ -1,10 +1,14 @@
-"""Megatron -> vLLM weight sync: train the Megatron actor (TP2) a few steps on vLLM's own rollouts, send its
-HF-named weights (gathered over TP by the train strategy, published in buckets through the object store) into the
-running engine, then vLLM's greedy output
+"""Megatron -> vLLM weight sync: the Megatron actor (TP2) trains LoRA adapters (issue #34) a few steps on vLLM's own
+rollouts, then sends its HF-named weights, the base with the adapters merged in (gathered over TP by the train
+strategy, published in buckets through the object store), into the running engine. vLLM's greedy output then
 equals transformers' with the trained weights on 16 prompts sharing a 420-token prefix, and vLLM's sampling
 log-probs agree with Megatron's log-probs of the same sequences (the check that fails, 30x over its bound, when
 the prefix cache is not reset after the sync: these few small Adam steps leave greedy decoding on a repeated token
-that the stale prefix does not change). The engine starts from the actor's sharded HF export."""
+that the stale prefix does not change). The engine starts from the actor's sharded HF export.
+
+A second engine serves LoRA adapters over that same base (max_lora_rank) and receives the adapters alone (lora.sync:
+adapter, a PEFT folder per sync): it gives the merged engine's greedy tokens and log-probs, for a fraction of the
+bytes."""
 
 from __future__ import annotations
 
@@ -25,12 +29,13 @@ from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.keys import META_VALIDATE
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
+from roll_backend.strategies.megatron.config import LoRASettings, MegatronTrainConfig, OptimizerSettings
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.workers.actor import ActorConfig, ActorWorker
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 TRAIN_STEPS = 3
+LORA = LoRASettings(rank=8, alpha=16.0)
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +48,37 @@ def sharded_start(actor, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def rollout(make_group, sharded_start):
+def rollout_group(make_group, model_dir: str, role: str, max_lora_rank: int | None = None):
     config = RolloutWorkerConfig(
         strategy=VllmRolloutConfig(
-            model_path=sharded_start,
+            model_path=model_dir,
             max_model_len=1024,
             sampling=SamplingConfig(n=4, temperature=1.0, max_tokens=24),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=GREEDY_TOKENS),
+            max_lora_rank=max_lora_rank,
         )
     )
-    group = make_group(RolloutWorker, 1, role="rollout", worker_config=config)
+    group = make_group(RolloutWorker, 1, role=role, worker_config=config)
     group.call(RolloutWorker.init_model)
     return group
 
 
 @pytest.fixture(scope="module")
+def rollout(make_group, sharded_start):
+    return rollout_group(make_group, sharded_start, "rollout")
+
+
+@pytest.fixture(scope="module")
+def adapter_rollout(make_group, sharded_start):
+    return rollout_group(make_group, sharded_start, "adapter_rollout", max_lora_rank=LORA.rank)
+
+
+@pytest.fixture(scope="module")
 def actor(make_group, model_dir):  # noqa: F811
     config = ActorConfig(
-        strategy=MegatronTrainConfig(model_path=model_dir, micro_batch_size=4, optimizer=OptimizerSettings(lr=1e-3)),
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=4, optimizer=OptimizerSettings(lr=2e-2), lora=LORA
+        ),
     )
     group = make_group(ActorWorker, 2, ParallelLayout(tp=2), role="actor", worker_config=config)
     group.call(ActorWorker.init_model)
@@ -78,9 +95,9 @@ def megatron_log_probs(actor, batch: DataProto) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def synced(rollout, actor, tokenizer, shared_prefix_prompts, tmp_path_factory):  # noqa: F811
-    """Greedy output before (fills the prefix cache), TRAIN_STEPS PPO steps on the engine's samples, then the sync.
-    Returns (greedy before, folder of the trained weights as a HF checkpoint)."""
+def synced(rollout, adapter_rollout, actor, tokenizer, shared_prefix_prompts, tmp_path_factory):  # noqa: F811
+    """Greedy output before (fills the prefix cache), TRAIN_STEPS PPO steps on the engine's samples, then the sync
+    of both engines. Returns (greedy before, folder of the trained weights as a HF checkpoint, {mode: loaded})."""
     from safetensors.torch import load_file
 
     pad_id = tokenizer.pad_token_id
@@ -105,17 +122,19 @@ def synced(rollout, actor, tokenizer, shared_prefix_prompts, tmp_path_factory): 
     bucket_refs = next(refs for refs in actor.call(ActorWorker.publish_hf_weights, 64 * 1024) if refs)
     assert len(bucket_refs) > 1, "64 KiB buckets should split this model"
     loaded = rollout.call(RolloutWorker.load_weight_buckets, bucket_refs)
+    adapter = next(refs for refs in actor.call(ActorWorker.publish_adapter) if refs)
+    adapter_loaded = adapter_rollout.call(RolloutWorker.load_adapter, adapter, version=TRAIN_STEPS)
     # The same weights as a HF checkpoint, for the transformers reference.
     export_dir = tmp_path_factory.mktemp("megatron_trained")
     actor.call(ActorWorker.export_hf, str(export_dir))
     assert [rank["tensors"] for rank in loaded] == [len(load_file(str(export_dir / "model.safetensors")))]
-    return before, str(export_dir)
+    return before, str(export_dir), {"merged": loaded[0], "adapter": adapter_loaded[0]}
 
 
 def test_megatron_trained_weights_give_transformers_greedy_output(rollout, synced, tokenizer, shared_prefix_prompts):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    before, trained_dir = synced
+    before, trained_dir, _ = synced
     trained = AutoModelForCausalLM.from_pretrained(trained_dir, dtype=torch.float32).eval()
     after = vllm_greedy_rows(
         rollout.call(
@@ -139,3 +158,28 @@ def test_vllm_sampling_log_probs_agree_with_megatron(rollout, actor, synced, tok
     # Measured on CPU float32: mean 5e-8, max 2e-7. Without the prefix-cache reset after the sync, the shared
     # prefix keeps the old weights' keys/values and the mean gap is ~3e-4: these bounds catch that.
     assert gap.mean() < 1e-5 and gap.max() < 1e-4
+
+
+def test_adapter_sync_serves_the_merged_engine_s_model(
+    rollout, adapter_rollout, actor, synced, tokenizer, shared_prefix_prompts
+):  # noqa: F811
+    """lora.sync=adapter: the engine serving the adapters over its base gives the merged engine's greedy tokens, and
+    scores sampled sequences with its log-probs (Megatron's); only the adapters travel."""
+    _, _, loaded = synced
+    pad_id = tokenizer.pad_token_id
+    validate = prompt_batch(shared_prefix_prompts, pad_id, **{META_VALIDATE: True})
+    merged, adapted = (
+        vllm_greedy_rows(engine.call(RolloutWorker.generate, validate)) for engine in (rollout, adapter_rollout)
+    )
+    matches = sum(a == m for a, m in zip(adapted, merged))
+    assert matches == NUM_PROMPTS, f"{matches}/{NUM_PROMPTS} prompts give the merged engine's greedy tokens"
+    sampled = rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], pad_id))
+    mask = sampled.batch[keys.RESPONSE_MASK].bool()
+    probes = [
+        engine.call(RolloutWorker.probe_log_probs, sampled).batch[keys.LOG_PROBS]
+        for engine in (rollout, adapter_rollout)
+    ]
+    assert (probes[1] - probes[0]).abs()[mask].max() < 1e-4
+    assert (probes[1] - megatron_log_probs(actor, sampled)).abs()[mask].mean() < 1e-5
+    assert loaded["adapter"]["tensors"] == 2 * 7 * 2  # layers x target modules x (A, B)
+    assert loaded["adapter"]["bytes"] * 10 < loaded["merged"]["bytes"], loaded
