@@ -88,6 +88,13 @@ class PhasePerf:
         )
         return peak
 
+    def role_of(self, phase: str) -> str:
+        """The role whose ranks run `phase`: the reference's log-probs are the actor's with reference.from_actor_base."""
+        role = roles.PHASES[phase].role
+        if role == roles.REFERENCE and self.config.reference_from_actor_base:
+            return roles.ACTOR_TRAIN
+        return role
+
     def step_flops(self, generated: SequenceLengths, batch: DataProto, phases: set[str]) -> dict[str, float]:
         """Model FLOPs of each phase that ran: generation from the sampled batch (before any filtering), the
         others from the batch they processed."""
@@ -95,7 +102,7 @@ class PhasePerf:
         epochs = self.config.algorithm.ppo_epochs
 
         def counter(phase: str) -> ModelFlops:
-            return self.counters[roles.PHASES[phase].role]
+            return self.counters[self.role_of(phase)]
 
         counts = {
             roles.GENERATE: lambda: counter(roles.GENERATE).generation_flops(
@@ -117,7 +124,7 @@ class PhasePerf:
                 continue
             tflops = phase_flops / seconds[phase] / 1e12
             out[f"perf/{phase}_tflops"] = tflops
-            peak = self.peak_tflops.get(roles.PHASES[phase].role)
+            peak = self.peak_tflops.get(self.role_of(phase))
             if peak:
                 out[f"perf/{phase}_mfu"] = tflops / peak
         return out

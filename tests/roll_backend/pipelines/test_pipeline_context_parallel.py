@@ -64,6 +64,12 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
         assert record["actor/moe/replay_mismatched_tokens"] == 0, record
         assert record["actor/rollout_logprob_gap"] < 1e-5, record
     first = history[0]
+    print(
+        f"step 1, tied routers: agreement with vLLM's routes {first['reference/moe/log_probs_route_agreement']:.3f} "
+        f"(reference, live), {first['actor/moe/log_probs_route_agreement']:.3f} (actor's live top-k while replaying); "
+        f"|log-prob - rollout's| {first['reference/rollout_logprob_gap']:.2e} live, "
+        f"{first['actor/rollout_logprob_gap']:.2e} replayed (R3)"
+    )
     # Step 1, the weights that sampled on both sides: left to themselves, the trainer's routers and the reference's
     # choose other experts than vLLM for some tokens, and those flips alone put the reference's log-probs far from
     # the rollout's (the gap without replay), while the actor replaying the rollout's routes matches it.
