@@ -89,7 +89,7 @@ class PhasePerf:
         return peak
 
     def role_of(self, phase: str) -> str:
-        """The role whose ranks run `phase`: the reference's log-probs are the actor's with reference.from_actor_base."""
+        """The role whose ranks run `phase` (reference.from_actor_base: the actor's run the reference's)."""
         role = roles.PHASES[phase].role
         if role == roles.REFERENCE and self.config.reference_from_actor_base:
             return roles.ACTOR_TRAIN

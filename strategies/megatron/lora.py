@@ -131,28 +131,7 @@ def inject(model, lora, arch, seed: int) -> int:
         param.requires_grad_(False)
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
-    q_width = arch.num_heads // arch.num_kv_heads * arch.head_dim
-    full_out = {
-        "q_proj": arch.num_heads * arch.head_dim,
-        "k_proj": arch.num_kv_heads * arch.head_dim,
-        "v_proj": arch.num_kv_heads * arch.head_dim,
-        "o_proj": arch.hidden_size,
-        "gate_proj": arch.ffn_hidden_size,
-        "up_proj": arch.ffn_hidden_size,
-        "down_proj": arch.hidden_size,
-    }
-    full_in = {name: arch.hidden_size for name in full_out} | {
-        "o_proj": arch.num_heads * arch.head_dim,
-        "down_proj": arch.ffn_hidden_size,
-    }
-    groups = arch.num_kv_heads // tp
-    pieces = {
-        "self_attention.linear_qkv": (
-            [("q_proj", q_width), ("k_proj", arch.head_dim), ("v_proj", arch.head_dim)],
-            groups,
-        ),
-        "mlp.linear_fc1": ([("gate_proj", arch.ffn_hidden_size // tp), ("up_proj", arch.ffn_hidden_size // tp)], 1),
-    }
+    full_in, full_out, pieces = _module_shapes(arch, tp)
     count = 0
     for index, layer in enumerate(model.decoder.layers):
         for linear_path in dict.fromkeys(TARGETS[name] for name in lora.target_modules):
@@ -181,6 +160,33 @@ def inject(model, lora, arch, seed: int) -> int:
         # would then give its adapters none: make the embedding's output ask for one.
         model.embedding.register_forward_hook(_needs_grad)
     return count
+
+
+def _module_shapes(arch, tp: int):
+    """(input width, output width) of each target module on its full HF shape, and how a column-parallel base's local
+    output columns split into modules: {linear: ([(module, width)], repeats)} (q/k/v per local key-value group)."""
+    full_out = {
+        "q_proj": arch.num_heads * arch.head_dim,
+        "k_proj": arch.num_kv_heads * arch.head_dim,
+        "v_proj": arch.num_kv_heads * arch.head_dim,
+        "o_proj": arch.hidden_size,
+        "gate_proj": arch.ffn_hidden_size,
+        "up_proj": arch.ffn_hidden_size,
+        "down_proj": arch.hidden_size,
+    }
+    full_in = {name: arch.hidden_size for name in full_out} | {
+        "o_proj": arch.num_heads * arch.head_dim,
+        "down_proj": arch.ffn_hidden_size,
+    }
+    q_width = arch.num_heads // arch.num_kv_heads * arch.head_dim
+    pieces = {
+        "self_attention.linear_qkv": (
+            [("q_proj", q_width), ("k_proj", arch.head_dim), ("v_proj", arch.head_dim)],
+            arch.num_kv_heads // tp,
+        ),
+        "mlp.linear_fc1": ([("gate_proj", arch.ffn_hidden_size // tp), ("up_proj", arch.ffn_hidden_size // tp)], 1),
+    }
+    return full_in, full_out, pieces
 
 
 def _add_branch(linear, args, output):
