@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if address:
         init_local_ray(address=address)
     else:
-        init_local_ray(num_cpus=config.ray_num_cpus)
+        init_local_ray(num_cpus=config.ray_num_cpus, cpu_ranks=not config.uses_gpus)
     import ray
 
     try:
@@ -159,7 +159,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from roll_backend.distributed.ray_env import init_local_ray
     from roll_backend.pipelines import evaluate
 
-    init_local_ray(num_cpus=config.ray_num_cpus)
+    init_local_ray(num_cpus=config.ray_num_cpus, cpu_ranks=not config.uses_gpus)
     import ray
 
     try:

@@ -38,7 +38,7 @@ def ray_session():
     from roll_backend.distributed.ray_env import init_local_ray
 
     python_path = os.pathsep.join(p for p in (str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    init_local_ray(num_cpus=32, env_vars={"PYTHONPATH": python_path})
+    init_local_ray(num_cpus=32, env_vars={"PYTHONPATH": python_path}, cpu_ranks=True)
     yield ray
     ray.shutdown()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll_backend import roles
 from roll_backend.agentic.config import AgenticConfig
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.rewards.user_functions import RewardFunctionSpec
@@ -397,6 +398,12 @@ class PipelineConfig:
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
 
     @property
+    def uses_gpus(self) -> bool:
+        """Some role's ranks take GPUs."""
+        model_roles = [getattr(self, name) for name in roles.MODEL_ROLES]
+        return any(role is not None and role.num_gpus_per_rank > 0 for role in model_roles)
+
+    @property
     def has_reference(self) -> bool:
         """Reference log-probs are computed: by a reference role or by the actor's base (adapters off)."""
         return self.reference is not None or self.reference_from_actor_base
@@ -415,8 +422,8 @@ class PipelineConfig:
         and 3e-2 when either uses a 16-bit dtype (bf16 kernels differ between engines by ~1e-3 to 1e-2 per token)."""
         if self.weight_sync_max_logprob_gap is not None:
             return self.weight_sync_max_logprob_gap
-        roles = [role for role in (self.actor_train, self.actor_infer) if role is not None]
-        dtypes = {compute_dtype(role) for role in roles}
+        sides = [role for role in (self.actor_train, self.actor_infer) if role is not None]
+        dtypes = {compute_dtype(role) for role in sides}
         return FULL_PRECISION_LOGPROB_GAP if dtypes == {"float32"} else HALF_PRECISION_LOGPROB_GAP
 
 

@@ -42,11 +42,15 @@ def init_local_ray(
     temp_dir: str | None = None,
     address: str | None = None,
     env_vars: dict[str, str] | None = None,
+    cpu_ranks: bool = False,
 ):
     """Start an in-process Ray on loopback (or join `address` when given) and return ray's context.
 
     `address="local"` always starts a fresh node: a bare `ray.init()` could attach to whatever cluster
-    RAY_ADDRESS or Ray's default temp folder points at.
+    RAY_ADDRESS or Ray's default temp folder points at. The node's processes inherit this process's environment,
+    where the Ray defaults, `env_vars` and, with `cpu_ranks` (every rank of the run on the CPU), the CPU ranks'
+    allocator settings go: no job runtime_env and no per-rank one, so Ray hands each actor a worker it started
+    ahead instead of starting one per actor (~0.5 s of a core each).
     """
     apply_ray_env_defaults()  # before `import ray`: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import
     import ray
@@ -62,7 +66,7 @@ def init_local_ray(
         ray_constants.ENABLE_RAY_CLUSTER = False
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    env_vars = {k: os.environ[k] for k in RAY_ENV_DEFAULTS} | (env_vars or {})
+    os.environ.update((cpu_rank_env() if cpu_ranks else {}) | (env_vars or {}))
     return ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -70,6 +74,5 @@ def init_local_ray(
         include_dashboard=False,
         _temp_dir=temp_dir,
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": env_vars},
         log_to_driver=True,
     )
