@@ -185,6 +185,11 @@ class ActorWorker(Worker):
         return self.strategy.export_hf(out_dir, max_shard_bytes=max_shard_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
+    def parameter_counts(self) -> dict[str, int]:
+        """The model's parameters and those that train (the same on every rank)."""
+        return self.strategy.parameter_counts()
+
+    @register(Dispatch.ONE_TO_ALL)
     def publish_adapter(self) -> list:
         """The LoRA adapters for a rollout engine that serves them (lora.sync: adapter): every rank joins the
         gathers, rank 0 puts (PEFT-named tensors, peft.LoraConfig) in the object store and returns [its ref]."""

@@ -109,6 +109,23 @@ class Worker:
 
         return measure_gemm_tflops(dtype, self.device, shapes, seconds)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def memory_gib(self) -> dict[str, float]:
+        """This rank's process memory in GiB: resident now and at its peak, and on a GPU the peak allocated."""
+        import resource
+
+        import psutil
+
+        memory = {
+            "rss": psutil.Process().memory_info().rss / 2**30,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # (KiB on Linux)
+        }
+        if self.device == "cuda":
+            import torch
+
+            memory["peak_device"] = torch.cuda.max_memory_allocated() / 2**30
+        return memory
+
     # ---- what a role may override ---------------------------------------------------------------------
     def stage_columns(self, method_name: str) -> StageColumns | None:
         """Columns each pipeline stage needs for `method_name`; checked on every rank after the broadcast."""

@@ -85,6 +85,9 @@ class PipelineRun:
         self.resume_state: dict = {}  # the driver state of the checkpoint resumed from
         try:
             self.perf = PhasePerf(config, self.groups)
+            # On every row: how many parameters the actor has and trains (LoRA: the adapters).
+            counts = self.groups.actor_train.call(ActorWorker.parameter_counts)[0]
+            self.model_metrics = {f"actor/{name}": float(value) for name, value in counts.items()}
             if config.checkpoint.resume:
                 with phase_deadline(self.timeouts, roles.CHECKPOINT):
                     self._resume(config.checkpoint.resume)
@@ -111,7 +114,7 @@ class PipelineRun:
         return range(self.first_step, self.config.max_steps + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        metrics = {**metrics, **self.run_metrics, **self.data.metrics()}
+        metrics = {**metrics, **self.run_metrics, **self.model_metrics, **self.data.metrics()}
         if step:  # (step 0: validation before training, no training batch)
             metrics |= self.data.step_metrics(step, self.config.rollout_batch_size)
         self.history.append({"step": step, **metrics})

@@ -262,6 +262,23 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
                 norms[name] = float(grad.norm()) if grad is not None else float("nan")
         return norms
 
+    def parameter_counts(self) -> dict[str, int]:
+        """The whole model's parameters and those that train (LoRA: the adapters), each counted once over TP, PP, vpp
+        and EP; every rank of the model takes part."""
+        from megatron.core import parallel_state as mpu
+
+        tp_rank, ep = mpu.get_tensor_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for _, param in self._named_parameters():
+            if not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+                continue  # a TP-replicated parameter: the first TP rank counts it
+            numel = param.numel() * (ep if not getattr(param, "allreduce", True) else 1)  # experts: EP ranks alike
+            counts += torch.tensor(
+                [numel, numel if param.requires_grad else 0], dtype=torch.float64, device=self.device
+            )
+        dist.all_reduce(counts, group=mpu.get_model_parallel_group())
+        return {"parameters": int(counts[0]), "trainable_parameters": int(counts[1])}
+
     def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters of every model chunk; with several chunks, names carry a `chunk{i}.` prefix."""
         for index, chunk in enumerate(self.model):

@@ -78,6 +78,7 @@ def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
             for name in a
         ),
         "trained": group.call(ReconfigurableActor.optimizer_parameter_names),
+        "counts": group.call(ReconfigurableActor.parameter_counts)[0],
     }
     group.call(ReconfigurableActor.load_checkpoint, checkpoint)
     outcome["resumed_step"] = next(m for m in group.call(ReconfigurableActor.train_step, batch) if m)
@@ -88,6 +89,11 @@ def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
 def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tensors, tmp_path):
     mask = tensors[keys.RESPONSE_MASK]
     base, _ = hf_response_log_probs(model_dir, tensors)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).config
+    kv = hf.num_key_value_heads * hf.hidden_size // hf.num_attention_heads
+    widths = 4 * hf.hidden_size + 2 * (hf.hidden_size + kv) + 3 * (hf.hidden_size + hf.intermediate_size)
+    adapters = hf.num_hidden_layers * LORA.rank * widths  # q, o; k, v; gate, up, down: rank x (in + out) each
+    base_size = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     checkpoint = str(tmp_path / "tp1_step1")
     runs = {name: lora_run(group, model_dir, tensors, checkpoint) for name, group in layout_actors.items()}
     reference = runs["tp1"]
@@ -103,6 +109,7 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
     for name, run in runs.items():
         assert max_masked_diff(run["before"], base, mask) < TOL, name  # B = 0: the base model
         assert run["base_unchanged"], name
+        assert run["counts"] == {"parameters": base_size + adapters, "trainable_parameters": adapters}, name
         for key in ("loss", "pg_loss", "grad_norm"):
             assert run["resumed_step"][key] == pytest.approx(reference["steps"][1][key], abs=TOL), (name, key)
         assert max_masked_diff(run["resumed"][keys.LOG_PROBS], reference["after"][keys.LOG_PROBS], mask) < TOL
