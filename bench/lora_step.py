@@ -42,6 +42,7 @@ def run_mode(config, name: str) -> dict[str, float]:
                 f"(probe gap {row['weight_sync/logprob_gap']:.1e})",
                 flush=True,
             )
+        counts = dict(run.model_metrics)
         peaks = {
             role: max(rank["peak_rss"] for rank in group.call(Worker.memory_gib))
             for role, group in (("actor", run.groups.actor_train), ("reference", run.groups.reference))
@@ -55,8 +56,8 @@ def run_mode(config, name: str) -> dict[str, float]:
         "train_s": mean("timing/train"),
         "sync_s": mean("timing/weight_sync"),
         "sync_bytes": mean("weight_sync/bytes"),
-        "trainable": timed[-1]["actor/trainable_parameters"],
-        "parameters": timed[-1]["actor/parameters"],
+        "trainable": counts["actor/trainable_parameters"],
+        "parameters": counts["actor/parameters"],
     }
 
 
