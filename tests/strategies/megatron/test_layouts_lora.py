@@ -61,12 +61,17 @@ def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
     base_before = group.call(ReconfigurableActor.base_weights)
     before = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
     batch = DataProto.from_dict(tensors={**tensors, keys.OLD_LOG_PROBS: before[keys.LOG_PROBS]})
+    first = not Path(checkpoint).exists()
+    if first:  # the starting adapters as a PEFT folder, for the gradient reference
+        group.call(ReconfigurableActor.export_peft, f"{checkpoint}_start_adapter")
     steps = [next(m for m in group.call(ReconfigurableActor.train_step, batch) if m)]
-    if not Path(checkpoint).exists():
+    first_grads = group.call(ReconfigurableActor.param_grad_norms)[0] if first else None
+    if first:
         group.call(ReconfigurableActor.save_checkpoint, checkpoint)
     steps.append(next(m for m in group.call(ReconfigurableActor.train_step, batch) if m))
     base_model = DataProto.from_dict(tensors=tensors, meta_info={keys.META_BASE_MODEL: True})
     outcome = {
+        "first_grads": first_grads,
         "before": before[keys.LOG_PROBS],
         "steps": steps,
         "after": group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch,
@@ -97,6 +102,15 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
     checkpoint = str(tmp_path / "tp1_step1")
     runs = {name: lora_run(group, model_dir, tensors, checkpoint) for name, group in layout_actors.items()}
     reference = runs["tp1"]
+    # The first step's adapter gradients are PEFT's on transformers from the same start (B's, module by module, as
+    # shares of the gradient norm, which clipping leaves alone; A's are 0 while B is).
+    want = peft_gradient_norms(model_dir, f"{checkpoint}_start_adapter", tensors, reference["before"])
+    got = {name: norm for name, norm in reference["first_grads"].items() if ".lora." in name}
+    assert len(got) == 2 * len(want) and all(got[name] == 0.0 for name in got if name.endswith(".A")), got
+    total_got, total_want = (sum(v * v for v in norms.values()) ** 0.5 for norms in (got, want))
+    for (layer, module), norm in want.items():
+        (name,) = [n for n in got if f"layers.{layer}." in n and n.endswith(f".parts.{module}.B")]
+        assert got[name] / total_got == pytest.approx(norm / total_want, rel=1e-4), name
     # The checkpoint holds the adapters and their optimizer state, not the frozen base.
     saved = dist_checkpointing.load_tensors_metadata(checkpoint)
     assert saved and all(key.endswith((".lora_A", ".lora_B")) for key in saved), sorted(saved)
@@ -138,3 +152,18 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
     adapted, _ = model_response_log_probs(model.eval(), tensors)
     assert max_masked_diff(adapted, reference["after"][keys.LOG_PROBS], mask) < TOL
+
+
+def peft_gradient_norms(model_dir: str, adapter_dir: str, tensors: dict, old_log_probs) -> dict:
+    """{(layer, module): |gradient of lora_B|} of the PPO loss at ratio 1 (token mean of -advantage x log-prob) with
+    peft's adapters (`adapter_dir`) on transformers' base."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter_dir, is_trainable=True)
+    log_probs, _ = model_response_log_probs(model, tensors)
+    mask = tensors[keys.RESPONSE_MASK].float()
+    (-(tensors[keys.ADVANTAGES] * log_probs * mask).sum() / mask.sum()).backward()
+    norms = {}
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            layer, _, module = name.split("layers.")[1].split(".lora_B")[0].split(".")
+            norms[(int(layer), module)] = float(param.grad.norm())
+    return norms
