@@ -82,6 +82,18 @@ def prompt_rows(count: int) -> list[dict]:
     ]
 
 
+def bench_inputs(scale: Scale, prefix: str) -> tuple[Path, str, list[dict], Path]:
+    """A fresh work folder with the scale's model and its prompts as a JSONL file: (folder, model, rows, data)."""
+    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
+    rows = prompt_rows(scale.prompts)
+    data_path = work / "prompts.jsonl"
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return work, model_dir, rows, data_path
+
+
 def roll_backend_config(
     model_dir: str,
     data_path: Path,
@@ -315,13 +327,7 @@ def main() -> None:
     os.environ.pop("OMP_NUM_THREADS", None)
     scale = QUICK if args.quick else FULL
 
-    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
-
-    work = Path(tempfile.mkdtemp(prefix="grpo_step_"))
-    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
-    rows = prompt_rows(scale.prompts)
-    data_path = work / "prompts.jsonl"
-    data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work, model_dir, rows, data_path = bench_inputs(scale, "grpo_step_")
     params = sum(
         p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters()
     )

@@ -13,14 +13,11 @@ Run: .venv/bin/python bench/lora_step.py [--steps 2] [--rank 16] [--dtype auto|b
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 import time
-from pathlib import Path
 
 from _machine import add_dtype_option, announce
-from grpo_step import FULL, QUICK, placement, prompt_rows, roll_backend_config
+from grpo_step import FULL, QUICK, bench_inputs, placement, roll_backend_config
 
 
 def run_mode(config, name: str) -> dict[str, float]:
@@ -76,13 +73,8 @@ def main() -> None:
     import ray
 
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="lora_step_"))
-    model_dir = str(build_tiny_model(work / "model", TinyModelSpec(seed=0, **scale.model)))
-    rows = prompt_rows(scale.prompts)
-    data_path = work / "prompts.jsonl"
-    data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work, model_dir, _, data_path = bench_inputs(scale, "lora_step_")
     lora = [
         f"actor_train.strategy.lora={{rank: {args.rank}, alpha: {2 * args.rank}, sync: adapter}}",
         "reference.from_actor_base=true",

@@ -267,22 +267,16 @@ def load_adapters(chunks, loaded: dict) -> None:
                 part.B.copy_(loaded[f"{part.hf_name}.lora_B"])
 
 
-def full_adapter_tensors(chunks) -> dict[str, torch.Tensor]:
-    """This stage's adapters on their full Hugging Face shapes (gathered over TP), keyed as PEFT saves them
-    (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. Every rank of the TP group must call it."""
-    from megatron.core import parallel_state as mpu
-
-    group = mpu.get_tensor_model_parallel_group()
+def full_adapter_tensors(chunks, all_gather_tp) -> dict[str, torch.Tensor]:
+    """This stage's adapters on their full Hugging Face shapes, keyed as PEFT saves them
+    (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. `all_gather_tp(shard)`: every TP rank's shard
+    (weights._all_gather_tp); every rank of the TP group must call it."""
     tensors = {}
     for adapters in adapted_linears(chunks):
         for part in adapters.parts.values():
             split, axis = part.split_parameter()
             for label, param in (("lora_A", part.A), ("lora_B", part.B)):
-                full = param.detach()
-                if param is split and torch.distributed.get_world_size(group) > 1:
-                    shards = [torch.empty_like(full) for _ in range(torch.distributed.get_world_size(group))]
-                    torch.distributed.all_gather(shards, full.contiguous(), group=group)
-                    full = torch.cat(shards, axis)
+                full = torch.cat(all_gather_tp(param.detach()), axis) if param is split else param.detach()
                 tensors[f"base_model.model.{part.hf_name}.{label}.weight"] = full.cpu().clone()
     return tensors
 

@@ -355,7 +355,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         self._check_ready(what)
         if self.config.lora is None:
             raise ValueError(f"{what}: this strategy trains no LoRA adapters (strategy.lora is null)")
-        tensors = lora.full_adapter_tensors(self.model)
+        tensors = lora.full_adapter_tensors(self.model, weights._all_gather_tp)
         pp_group = mpu.get_pipeline_model_parallel_group()
         first = dist.get_global_rank(pp_group, 0)
         stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == first else None
