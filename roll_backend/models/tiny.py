@@ -54,6 +54,11 @@ class TinyModelSpec:
     char_alphabet: str = DEFAULT_CHAR_ALPHABET
     family: str = "qwen2"
     head_dim: int | None = None  # default hidden_size // num_attention_heads
+    # Std of the random weights (transformers' default 0.02). At 0.02 the lm_head rows are so short that the logits,
+    # read through the final RMSNorm, stay within about +-1.3 whatever the layers below compute: only training the
+    # lm_head (or the norm) makes the model sure of a token. A LoRA run trains neither, so its base needs a larger
+    # std, as a pretrained model's output layer has (configs/grpo_lora_cpu.yaml).
+    initializer_range: float = 0.02
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
@@ -190,6 +195,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        initializer_range=spec.initializer_range,
     )
     if spec.family != "qwen2":
         common["head_dim"] = spec.head_dim or spec.hidden_size // spec.num_attention_heads
