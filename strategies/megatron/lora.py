@@ -119,9 +119,10 @@ def _full_a(lora, name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     return (torch.rand(shape, generator=generator) * 2 - 1) * bound
 
 
-def inject(model, lora, arch, seed: int) -> int:
+def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
     """Freeze every parameter of this stage `model` (an unwrapped GPTModel) and give its targeted linears adapters;
-    returns how many adapter parameters (elements) this rank holds."""
+    returns how many adapter parameters (elements) this rank holds. `value_head`: a critic, whose value head (new,
+    not the base's) trains beside the adapters, as PEFT's modules_to_save trains a classifier's head."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
@@ -129,6 +130,9 @@ def inject(model, lora, arch, seed: int) -> int:
         raise ValueError("lora on a MoE model: adapters on the experts are not supported yet")
     for param in model.parameters():
         param.requires_grad_(False)
+    if value_head and model.post_process:
+        for param in model.output_layer.parameters():
+            param.requires_grad_(True)
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
     full_in, full_out, pieces = _module_shapes(arch, tp)
@@ -233,11 +237,25 @@ def merged_shard(model, megatron_name: str, shard: torch.Tensor) -> torch.Tensor
     return (shard.float() + adapters.delta().to(shard.device)).to(shard.dtype)
 
 
+def _trained_heads(chunks) -> dict[str, torch.nn.Parameter]:
+    """The parameters that train beside the adapters, by checkpoint key: a critic's value head (replicated over TP,
+    on the last stage)."""
+    from roll_backend.strategies.megatron.builder import unwrap
+    from roll_backend.strategies.megatron.layers import ValueHead
+
+    heads = {}
+    for chunk in chunks:
+        head = getattr(unwrap(chunk), "output_layer", None)
+        if isinstance(head, ValueHead) and head.weight.requires_grad:
+            heads.update({f"value_head.{name}": param for name, param in head.named_parameters()})
+    return heads
+
+
 def adapter_sharded_state(chunks) -> dict:
     """Every adapter parameter of this rank as a dist_checkpointing ShardedTensor keyed by its Hugging Face module
-    name (`<module>.lora_A|lora_B`), split over TP as it is held: an adapter-only checkpoint (the frozen base
-    comes from the model folder again) that loads at another TP / PP / vpp / DP layout. The tensors are the
-    parameters themselves, which the optimizer's sharded state matches by identity."""
+    name (`<module>.lora_A|lora_B`), split over TP as it is held, and a critic's value head: an adapter-only
+    checkpoint (the frozen base comes from the model folder again) that loads at another TP / PP / vpp / DP layout.
+    The tensors are the parameters themselves, which the optimizer's sharded state matches by identity."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -255,6 +273,8 @@ def adapter_sharded_state(chunks) -> dict:
                     )
                 else:
                     state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
+    for key, param in _trained_heads(chunks).items():
+        state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
     return state
 
 
@@ -265,6 +285,8 @@ def load_adapters(chunks, loaded: dict) -> None:
             for part in adapters.parts.values():
                 part.A.copy_(loaded[f"{part.hf_name}.lora_A"])
                 part.B.copy_(loaded[f"{part.hf_name}.lora_B"])
+        for key, param in _trained_heads(chunks).items():
+            param.copy_(loaded[key])
 
 
 def full_adapter_tensors(chunks, all_gather_tp) -> dict[str, torch.Tensor]:

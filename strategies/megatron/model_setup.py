@@ -94,7 +94,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
             etp_size=mpu.get_expert_tensor_parallel_world_size(),
         )
         if getattr(cfg, "lora", None) is not None:  # the base frozen, adapters on its projections
-            lora.inject(model, cfg.lora, arch, cfg.seed)
+            lora.inject(model, cfg.lora, arch, cfg.seed, value_head=cfg.value_head)
         chunks.append(model)
     return chunks, arch, hf_config
 

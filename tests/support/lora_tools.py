@@ -10,12 +10,12 @@ from roll_backend.distributed.dispatch import Dispatch, register
 class LoraTools:
     @register(Dispatch.ONE_TO_ALL)
     def base_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's frozen base parameters (copies), by name."""
+        """This rank's frozen parameters (copies), by name."""
         return {
             name: param.detach().cpu().clone()
             for chunk in self.strategy.model
             for name, param in chunk.named_parameters()
-            if ".lora." not in name
+            if not param.requires_grad
         }
 
     @register(Dispatch.ONE_TO_ALL)

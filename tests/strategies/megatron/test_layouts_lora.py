@@ -29,6 +29,7 @@ from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import LoRASettings, MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig
+from roll_backend.workers.critic import CriticConfig
 
 TOL = 1e-5
 LORA = LoRASettings(rank=4, alpha=8.0)
@@ -152,6 +153,74 @@ def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tenso
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
     adapted, _ = model_response_log_probs(model.eval(), tensors)
     assert max_masked_diff(adapted, reference["after"][keys.LOG_PROBS], mask) < TOL
+
+
+CRITIC_LAYOUTS = ("tp1", "tp2pp2", "cp2")
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head_alike_at_every_layout(
+    layout_actors, model_dir, tensors, tmp_path
+):
+    """A critic with LoRA: the adapters and the value head (new, so it trains, as PEFT's modules_to_save) and nothing
+    else; two value steps at TP1, TP2 x PP2 and CP2 agree; TP1's checkpoint after the first holds the adapters and
+    the head, and TP2 x PP2 resumed from it repeats the second."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).config
+    checkpoint = str(tmp_path / "critic_tp1_step1")
+    config = CriticConfig(
+        strategy=MegatronTrainConfig(
+            model_path=model_dir, micro_batch_size=2, value_head=True, optimizer=OptimizerSettings(lr=1e-2), lora=LORA
+        )
+    )
+    batch = DataProto.from_dict(tensors=tensors)
+    runs = {}
+    for name in CRITIC_LAYOUTS:
+        group = layout_actors[name]
+        group.call(ReconfigurableActor.init_model_with, config)
+        frozen = group.call(ReconfigurableActor.base_weights)
+        values = group.call(ReconfigurableActor.compute_values, batch).batch[keys.VALUES]
+        targets = DataProto.from_dict(tensors={**tensors, keys.VALUES: values, keys.RETURNS: torch.ones_like(values)})
+        steps = [group.call(ReconfigurableActor.critic_train_step, targets)[0]]
+        if name == "tp1":
+            group.call(ReconfigurableActor.save_checkpoint, checkpoint)
+        steps.append(group.call(ReconfigurableActor.critic_train_step, targets)[0])
+        runs[name] = {
+            "values": values,
+            "steps": steps,
+            "after": group.call(ReconfigurableActor.compute_values, batch).batch[keys.VALUES],
+            "frozen_unchanged": all(
+                torch.equal(a[n], b[n]) for a, b in zip(frozen, group.call(ReconfigurableActor.base_weights)) for n in a
+            ),
+            "trained": {
+                n.removeprefix("module.")
+                for ns in group.call(ReconfigurableActor.optimizer_parameter_names)
+                for n in ns
+            },
+            "counts": group.call(ReconfigurableActor.parameter_counts)[0],
+        }
+        if name == "tp2pp2":
+            group.call(ReconfigurableActor.load_checkpoint, checkpoint)
+            runs[name]["resumed_step"] = group.call(ReconfigurableActor.critic_train_step, targets)[0]
+    mask = tensors[keys.RESPONSE_MASK]
+    reference = runs["tp1"]
+    assert max_masked_diff(reference["after"], reference["values"], mask) > 1e-3  # the steps moved the values
+    head = {"output_layer.weight", "output_layer.bias"}
+    for name, run in runs.items():
+        assert run["frozen_unchanged"], name
+        assert head <= set(run["trained"]) and all(".lora." in n or n in head for n in run["trained"]), name
+        assert max_masked_diff(run["values"], reference["values"], mask) < TOL, name
+        assert max_masked_diff(run["after"], reference["after"], mask) < TOL, name
+        for got, want in zip(run["steps"], reference["steps"]):
+            for key in ("vf_loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], abs=TOL), (name, key)
+        adapters = run["counts"]["trainable_parameters"] - (hf.hidden_size + 1)
+        assert adapters == runs["tp1"]["counts"]["trainable_parameters"] - (hf.hidden_size + 1) > 0, name
+    saved = dist_checkpointing.load_tensors_metadata(checkpoint)
+    weights = sorted(key for key in saved if not key.startswith("optimizer."))
+    head_keys = ["value_head.bias", "value_head.weight"]
+    assert weights == sorted([*(k for k in weights if k.endswith((".lora_A", ".lora_B"))), *head_keys]), weights
+    assert len(weights) == 4 * 7 * 2 + 2 and len(saved) == 3 * len(weights), sorted(saved)  # + Adam's moments
+    for key in ("vf_loss", "grad_norm"):
+        assert runs["tp2pp2"]["resumed_step"][key] == pytest.approx(reference["steps"][1][key], abs=TOL), key
 
 
 def peft_gradient_norms(model_dir: str, adapter_dir: str, tensors: dict, old_log_probs) -> dict:
