@@ -211,8 +211,9 @@ def ray_head():
 
 
 def stop_process_group(head: subprocess.Popen) -> None:
-    """SIGTERM the head's process group (the head and everything it started), SIGKILL what outlives 10 s."""
-    for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    """SIGTERM the head's process group (the head and everything it started), SIGKILL what outlives 2 s (a throwaway
+    head: something of it always did outlive 10 s)."""
+    for sig, grace_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(head.pid, sig)
         except ProcessLookupError:
