@@ -28,9 +28,9 @@ def test_two_nodes_placement_grpo_step_and_node_loss(base_config, prompt_file, m
         "fault_tolerance.inject=hang:actor_infer:0:generate:2",
         # Model loading keeps the default start-up deadline (a loaded machine took over 30 s to start vLLM); only
         # the wait for resources is short, so the rebuild on the one node left gives up quickly.
-        # A placement group that fits is granted at once, whatever the load: 10 s is ample for one that will.
-        "fault_tolerance.timeouts.generate=12",  # (a generate of this run takes 1-3 s; the hung one waits this out)
-        "fault_tolerance.timeouts.placement=10",
+        # A placement group that fits is granted at once, whatever the load: 6 s is ample for one that will.
+        "fault_tolerance.timeouts.generate=8",  # (a generate of this run takes 1-3 s; the hung one waits this out)
+        "fault_tolerance.timeouts.placement=6",
         "actor_train.num_cpus_per_rank=2",
         "actor_infer.num_cpus_per_rank=2",
         "reference.num_cpus_per_rank=2",
