@@ -531,6 +531,23 @@ def _score_head_problems(cfg, run: RunFacts) -> list[str]:
     return [f"{where}: {problem}"] if problem else []
 
 
+def _moe_lora_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]:
+    """LoRA on a MoE model (adapters on attention and on every routed and shared expert) runs at tp = etp = 1, with
+    any EP, PP, CP; the rollout takes the merged weights."""
+    problems = []
+    if run.layout.tp > 1 or run.layout.expert_tp > 1:
+        problems.append(
+            f"{run.role}.strategy.lora on a MoE model at tp={run.layout.tp}, etp={run.layout.expert_tp}: MoE turns on "
+            "sequence parallelism there, which the adapters do not do yet; use tp=1 and ep for scale"
+        )
+    if cfg.lora.sync == "adapter":
+        problems.append(
+            f"{run.role}.strategy.lora.sync=adapter on a MoE model: vLLM's CPU build serves no adapters on fused "
+            "experts; use lora.sync=merged"
+        )
+    return problems
+
+
 def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]:
     """A training role's mini-batches must split into micro-batches on every DP rank; the distributed optimizer
     cannot checkpoint on CPU."""
@@ -548,7 +565,7 @@ def _training_run_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]
                 f"{dp * micro} or change micro_batch_size to one of {choices}"
             )
     if cfg.lora is not None and (run.model_config or {}).get("model_type") in MOE_MODEL_TYPES:
-        problems.append(f"{run.role}.strategy.lora on a MoE model: adapters on experts are not supported yet")
+        problems += _moe_lora_problems(cfg, run)
     if run.saves_checkpoints and cfg.optimizer.use_distributed_optimizer and run.device == "cpu":
         problems.append(
             "checkpoint.save_steps > 0 with the distributed optimizer on CPU: megatron-core 0.16.1 cannot "

@@ -5,7 +5,10 @@ One adapter per Hugging Face module the user targets (PEFT's names: q_proj, k_pr
 up_proj, down_proj), with PEFT's math: y = W x + (alpha / r) * B A x. It sits on the Megatron linear that holds the
 module (q/k/v on the fused `linear_qkv`, gate/up on `linear_fc1`) as a forward hook that adds the low-rank branch
 to the linear's output, and as child parameters of the linear (`<linear>.lora.<module>.A|B`), so they follow it
-through PP stages and vpp chunks. Tensor parallelism, as the base layer splits:
+through PP stages and vpp chunks. On a MoE model the MLP modules are every routed expert's (named
+`mlp.experts.<global index>.<module>`, held by the expert's EP rank, expert-parallel like its weights) and the shared
+expert's (`mlp.shared_expert.<module>`); tp = etp = 1 there (MoE at tp > 1 is sequence parallel, not done yet).
+Tensor parallelism, as the base layer splits:
 
 - column-parallel bases (linear_qkv, linear_fc1): A [r, in] whole on every TP rank, B [out/TP, r] split like the
   base's rows (q/k/v per key-value group, gate and up each split). The branch's r-wide activation is summed over TP
@@ -28,17 +31,11 @@ import zlib
 
 import torch
 
-# The Megatron linear that holds each PEFT target module, and how the base splits it over TP.
-TARGETS = {
-    "q_proj": "self_attention.linear_qkv",
-    "k_proj": "self_attention.linear_qkv",
-    "v_proj": "self_attention.linear_qkv",
-    "o_proj": "self_attention.linear_proj",
-    "gate_proj": "mlp.linear_fc1",
-    "up_proj": "mlp.linear_fc1",
-    "down_proj": "mlp.linear_fc2",
-}
-ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+# The PEFT target modules each Megatron linear of a layer holds (attention under `self_attention`, the MLP's under
+# `mlp`, each routed expert's under `mlp.experts.local_experts.<j>`, a shared expert's under `mlp.shared_experts`).
+ATTENTION_LINEARS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
+MLP_LINEARS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
 class LowRank(torch.nn.Module):
@@ -124,41 +121,24 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
     returns how many adapter parameters (elements) this rank holds. `value_head`: a critic, whose value head (new,
     not the base's) trains beside the adapters, as PEFT's modules_to_save trains a classifier's head."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
-    if arch.moe is not None:
-        raise ValueError("lora on a MoE model: adapters on the experts are not supported yet")
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if arch.moe is not None and (tp > 1 or mpu.get_expert_tensor_parallel_world_size() > 1):
+        raise ValueError("lora on a MoE model at tp > 1 or etp > 1 (sequence parallelism) is not supported yet")
     for param in model.parameters():
         param.requires_grad_(False)
     if value_head and model.post_process:
         for param in model.output_layer.parameters():
             param.requires_grad_(True)
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
-    full_in, full_out, pieces = _module_shapes(arch, tp)
     count = 0
     for index, layer in enumerate(model.decoder.layers):
-        for linear_path in dict.fromkeys(TARGETS[name] for name in lora.target_modules):
-            linear = layer.get_submodule(linear_path)
-            row = linear_path in ROW_PARALLEL
-            parts = {}
-            for name in (n for n in TARGETS if TARGETS[n] == linear_path and n in lora.target_modules):
-                block = "self_attn" if "attention" in linear_path else "mlp"
-                hf_name = f"model.layers.{offset + index}.{block}.{name}"
-                a = _full_a(lora, hf_name, (lora.rank, full_in[name]), seed)
-                if row:
-                    a = a.chunk(tp, dim=1)[tp_rank]
-                b = torch.zeros(full_out[name] // (1 if row else tp), lora.rank)
-                device, dtype = linear.weight.device, linear.weight.dtype
-                part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row)
-                # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
-                split, axis = part.split_parameter()
-                set_tensor_model_parallel_attributes(split, True, axis, 1)
-                parts[name] = part
-                count += part.A.numel() + part.B.numel()
-            layout, layout_groups = (None, 1) if row else pieces[linear_path]
-            linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, layout, layout_groups)
-            linear.register_forward_hook(_add_branch)
+        for linear, name, hf_prefix, ffn in _sites(layer, arch, f"model.layers.{offset + index}"):
+            modules = [m for m in (ATTENTION_LINEARS | MLP_LINEARS)[name] if m in lora.target_modules]
+            if modules:
+                count += _adapt(
+                    linear, name, modules, hf_prefix, lora, arch, ffn, seed, expert=".experts." in hf_prefix
+                )
     if model.pre_process:
         # With a frozen embedding the first layer's input needs no gradient, and a recomputed (checkpointed) layer
         # would then give its adapters none: make the embedding's output ask for one.
@@ -166,29 +146,86 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
     return count
 
 
-def _module_shapes(arch, tp: int):
-    """(input width, output width) of each target module on its full HF shape, and how a column-parallel base's local
-    output columns split into modules: {linear: ([(module, width)], repeats)} (q/k/v per local key-value group)."""
+def _sites(layer, arch, hf_layer: str):
+    """(linear, its name, the HF prefix of its modules, the MLP's hidden width) for each linear adapters may sit on:
+    attention, then the dense MLP, or each routed expert of this rank and the shared expert."""
+    for name in ATTENTION_LINEARS:
+        yield layer.self_attention.get_submodule(name), name, f"{hf_layer}.self_attn", None
+    mlps = [(layer.mlp, f"{hf_layer}.mlp", arch.ffn_hidden_size)]
+    if arch.moe is not None:
+        from roll_backend.strategies.megatron.moe_convert import first_local_expert
+
+        first = first_local_expert(layer)
+        experts = layer.mlp.experts.local_experts
+        mlps = [
+            (mlp, f"{hf_layer}.mlp.experts.{first + j}", arch.moe.expert_ffn_hidden_size)
+            for j, mlp in enumerate(experts)
+        ]
+        if arch.moe.shared_expert_ffn_hidden_size:
+            mlps.append(
+                (layer.mlp.shared_experts, f"{hf_layer}.mlp.shared_expert", arch.moe.shared_expert_ffn_hidden_size)
+            )
+    for mlp, hf_prefix, ffn in mlps:
+        for name in MLP_LINEARS:
+            yield mlp.get_submodule(name), name, hf_prefix, ffn
+
+
+def _adapt(linear, name: str, modules: list[str], hf_prefix: str, lora, arch, ffn, seed: int, expert: bool) -> int:
+    """Give `linear` adapters for `modules` and its forward hook; returns their parameter count on this rank.
+    A routed expert's adapters are expert-parallel like its weights (`allreduce=False`: DDP reduces their gradients
+    over the expert-data-parallel group)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    full_in, full_out, pieces = _module_shapes(arch, tp, ffn or arch.ffn_hidden_size)
+    row = name in ROW_PARALLEL
+    parts, count = {}, 0
+    for module in modules:
+        hf_name = f"{hf_prefix}.{module}"
+        a = _full_a(lora, hf_name, (lora.rank, full_in[module]), seed)
+        if row:
+            a = a.chunk(tp, dim=1)[tp_rank]
+        b = torch.zeros(full_out[module] // (1 if row else tp), lora.rank)
+        device, dtype = linear.weight.device, linear.weight.dtype
+        part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row)
+        # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
+        split, axis = part.split_parameter()
+        set_tensor_model_parallel_attributes(split, True, axis, 1)
+        if expert:
+            part.A.allreduce = part.B.allreduce = False
+        parts[module] = part
+        count += part.A.numel() + part.B.numel()
+    layout, layout_groups = (None, 1) if row else pieces[name]
+    linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, layout, layout_groups)
+    linear.register_forward_hook(_add_branch)
+    return count
+
+
+def _module_shapes(arch, tp: int, ffn: int):
+    """(input width, output width) of each target module on its full HF shape (`ffn`: the MLP's hidden width), and
+    how a column-parallel base's local output columns split into modules: {linear name: ([(module, width)],
+    repeats)} (q/k/v per local key-value group)."""
     full_out = {
         "q_proj": arch.num_heads * arch.head_dim,
         "k_proj": arch.num_kv_heads * arch.head_dim,
         "v_proj": arch.num_kv_heads * arch.head_dim,
         "o_proj": arch.hidden_size,
-        "gate_proj": arch.ffn_hidden_size,
-        "up_proj": arch.ffn_hidden_size,
+        "gate_proj": ffn,
+        "up_proj": ffn,
         "down_proj": arch.hidden_size,
     }
     full_in = {name: arch.hidden_size for name in full_out} | {
         "o_proj": arch.num_heads * arch.head_dim,
-        "down_proj": arch.ffn_hidden_size,
+        "down_proj": ffn,
     }
     q_width = arch.num_heads // arch.num_kv_heads * arch.head_dim
     pieces = {
-        "self_attention.linear_qkv": (
+        "linear_qkv": (
             [("q_proj", q_width), ("k_proj", arch.head_dim), ("v_proj", arch.head_dim)],
             arch.num_kv_heads // tp,
         ),
-        "mlp.linear_fc1": ([("gate_proj", arch.ffn_hidden_size // tp), ("up_proj", arch.ffn_hidden_size // tp)], 1),
+        "linear_fc1": ([("gate_proj", ffn // tp), ("up_proj", ffn // tp)], 1),
     }
     return full_in, full_out, pieces
 
@@ -265,14 +302,16 @@ def adapter_sharded_state(chunks) -> dict:
     for adapters in adapted_linears(chunks):
         for part in adapters.parts.values():
             split, axis = part.split_parameter()
+            # A routed expert's adapters live on one EP rank and repeat over the expert-data-parallel group.
+            replica = mpu.get_expert_data_parallel_rank() if ".experts." in part.hf_name else dp_rank
             for label, param in (("lora_A", part.A), ("lora_B", part.B)):
                 key = f"{part.hf_name}.{label}"
                 if param is split:
                     state[key] = ShardedTensor.from_rank_offsets(
-                        key, param, (axis, tp_rank, tp), replica_id=(0, dp_rank)
+                        key, param, (axis, tp_rank, tp), replica_id=(0, replica)
                     )
                 else:
-                    state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
+                    state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, replica))
     for key, param in _trained_heads(chunks).items():
         state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
     return state
@@ -294,6 +333,11 @@ def full_adapter_tensors(chunks, all_gather_tp) -> dict[str, torch.Tensor]:
     (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. `all_gather_tp(shard)`: every TP rank's shard
     (weights._all_gather_tp); every rank of the TP group must call it."""
     tensors = {}
+    if any(".mlp.experts." in part.hf_name for a in adapted_linears(chunks) for part in a.parts.values()):
+        raise ValueError(
+            "adapters on MoE experts have no PEFT form here (transformers' Qwen MoE models fuse their experts into "
+            "one parameter); export the merged model (checkpoint.export_hf_dir) and sync with lora.sync=merged"
+        )
     for adapters in adapted_linears(chunks):
         for part in adapters.parts.values():
             split, axis = part.split_parameter()

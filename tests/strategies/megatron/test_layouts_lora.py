@@ -49,12 +49,12 @@ def tensors() -> dict[str, torch.Tensor]:
     return batch
 
 
-def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
+def lora_run(group, model_dir: str, tensors: dict, checkpoint: str, peft_start: bool = True, micro: int = 2) -> dict:
     """Two steps; the first layout saves a checkpoint after the first, and every layout resumes from it at the end
-    and takes the second step again."""
+    and takes the second step again. `peft_start`: the first layout also exports its starting adapters for PEFT."""
     config = ActorConfig(
         strategy=MegatronTrainConfig(
-            model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2), lora=LORA
+            model_path=model_dir, micro_batch_size=micro, optimizer=OptimizerSettings(lr=1e-2), lora=LORA
         ),
         loss=ActorLossConfig(clip_low=0.2),
     )
@@ -63,7 +63,7 @@ def lora_run(group, model_dir: str, tensors: dict, checkpoint: str) -> dict:
     before = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
     batch = DataProto.from_dict(tensors={**tensors, keys.OLD_LOG_PROBS: before[keys.LOG_PROBS]})
     first = not Path(checkpoint).exists()
-    if first:  # the starting adapters as a PEFT folder, for the gradient reference
+    if first and peft_start:  # the starting adapters as a PEFT folder, for the gradient reference
         group.call(ReconfigurableActor.export_peft, f"{checkpoint}_start_adapter")
     steps = [next(m for m in group.call(ReconfigurableActor.train_step, batch) if m)]
     first_grads = group.call(ReconfigurableActor.param_grad_norms)[0] if first else None
@@ -221,6 +221,62 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_alike_at_every_layout(
     assert len(weights) == 4 * 7 * 2 + 2 and len(saved) == 3 * len(weights), sorted(saved)  # + Adam's moments
     for key in ("vf_loss", "grad_norm"):
         assert runs["tp2pp2"]["resumed_step"][key] == pytest.approx(reference["steps"][1][key], abs=TOL), key
+
+
+MOE_LAYOUTS = ("tp1", "ep2", "pp2")
+
+
+def test_lora_on_a_moe_model_adapts_attention_and_every_expert_alike_at_ep2_and_pp2(layout_actors, tensors, tmp_path):
+    """Qwen2-MoE (routed experts and a gated shared expert) with adapters on attention, every routed expert and the
+    shared expert: at EP2 each rank holds its experts' adapters; two steps at TP1, EP2 and PP2 agree, the merged
+    weights are a transformers model with the trained log-probs, and EP2 and PP2 resume from TP1's checkpoint."""
+    spec = TinyModelSpec(
+        family="qwen2_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, seed=5
+    )
+    model_dir = str(build_tiny_model(tmp_path / "qwen2_moe", spec))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).config
+    checkpoint = str(tmp_path / "moe_tp1_step1")
+    # The load-balancing loss (whose gradient reaches the adapters below each router) is a statistic of the
+    # micro-batch: 4 rows in micro-batches of 2 are the same two micro-batches at TP1, PP2 and EP2 (one per DP rank).
+    tensors = {key: value[:4] for key, value in tensors.items()}
+    runs = {name: lora_run(layout_actors[name], model_dir, tensors, checkpoint, False) for name in MOE_LAYOUTS}
+    mask = tensors[keys.RESPONSE_MASK]
+    reference = runs["tp1"]
+    base, _ = hf_response_log_probs(model_dir, tensors)
+    kv = hf.num_key_value_heads * hf.hidden_size // hf.num_attention_heads
+    attention = 2 * (2 * hf.hidden_size) + 2 * (hf.hidden_size + kv)  # q, o; k, v: in + out each
+    experts = hf.num_experts * 3 * (hf.hidden_size + hf.moe_intermediate_size)  # gate, up, down
+    shared = 3 * (hf.hidden_size + hf.shared_expert_intermediate_size)
+    adapters = hf.num_hidden_layers * LORA.rank * (attention + experts + shared)
+    saved = dist_checkpointing.load_tensors_metadata(checkpoint)
+    weights = [key for key in saved if "optimizer." not in key]  # (MoE: chained dense and expert optimizers)
+    assert len(weights) == hf.num_hidden_layers * 2 * (4 + 3 * hf.num_experts + 3), sorted(weights)
+    assert f"model.layers.1.mlp.experts.{hf.num_experts - 1}.down_proj.lora_B" in weights
+    assert "model.layers.0.mlp.shared_expert.gate_proj.lora_A" in weights
+    for name, run in runs.items():
+        assert max_masked_diff(run["before"], base, mask) < TOL, name  # B = 0: the base model
+        assert run["base_unchanged"], name
+        assert run["counts"]["trainable_parameters"] == adapters, (name, run["counts"])
+        trained = {n for names in run["trained"] for n in names}
+        assert all(".lora." in n for n in trained), name
+        assert any(".local_experts." in n for n in trained) and any(".shared_experts." in n for n in trained), name
+        for step, (got, want) in enumerate(zip(run["steps"], reference["steps"])):
+            for key in ("loss", "pg_loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], abs=TOL), (name, step, key)
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert run["resumed_step"][key] == pytest.approx(reference["steps"][1][key], abs=TOL), (name, key)
+        assert sorted(run["merged"]) == sorted(reference["merged"])
+        for weight, tensor in reference["merged"].items():
+            assert torch.allclose(run["merged"][weight], tensor, atol=TOL), (name, weight)
+        assert max_masked_diff(run["after"][keys.LOG_PROBS], reference["after"][keys.LOG_PROBS], mask) < TOL, name
+        assert max_masked_diff(run["base_model"], base, mask) < TOL, name  # adapters off: the reference
+    expert_grads = [norm for n, norm in reference["first_grads"].items() if "experts." in n and n.endswith(".B")]
+    assert len(expert_grads) == hf.num_hidden_layers * 3 * (hf.num_experts + 1) and min(expert_grads) > 0, expert_grads
+    assert max_masked_diff(reference["after"][keys.LOG_PROBS], base, mask) > 1e-2  # the adapters learned something
+    merged_dir = tmp_path / "moe_merged"
+    layout_actors["ep2"].call(ReconfigurableActor.export_hf, str(merged_dir))
+    merged, _ = hf_response_log_probs(str(merged_dir), tensors)
+    assert max_masked_diff(merged, reference["after"][keys.LOG_PROBS], mask) < TOL
 
 
 def peft_gradient_norms(model_dir: str, adapter_dir: str, tensors: dict, old_log_probs) -> dict:
