@@ -53,6 +53,7 @@ class RunFacts:
     multi_turn: bool = False  # the rollout runs multi-turn trajectories (agentic): requests arrive one turn at a time
     routed_experts: bool = False  # the rollout returns each token's routed experts (the actor replays them: R3)
     adapter_rank: int | None = None  # the rollout receives LoRA adapters of this rank (lora.sync: adapter), not weights
+    exports_adapters: bool = False  # the run writes the role's LoRA adapters as a PEFT folder at its end
 
 
 class StrategyConfig(Protocol):

@@ -99,6 +99,7 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         multi_turn=config.agentic is not None,
         routed_experts=name == roles.ACTOR_INFER and replays_rollout_routes(config),
         adapter_rank=synced_adapter_rank(config) if name == roles.ACTOR_INFER else None,
+        exports_adapters=name == roles.ACTOR_TRAIN and bool(config.checkpoint.export_peft_dir),
     )
 
 

@@ -545,6 +545,11 @@ def _moe_lora_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]:
             f"{run.role}.strategy.lora.sync=adapter on a MoE model: vLLM's CPU build serves no adapters on fused "
             "experts; use lora.sync=merged"
         )
+    if run.exports_adapters:
+        problems.append(
+            "checkpoint.export_peft_dir on a MoE model: adapters on experts have no PEFT form here (transformers' "
+            "Qwen MoE models fuse their experts into one parameter); use checkpoint.export_hf_dir (merged weights)"
+        )
     return problems
 
 

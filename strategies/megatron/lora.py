@@ -49,6 +49,11 @@ class LowRank(torch.nn.Module):
         self.B = torch.nn.Parameter(b)
         self.hf_name, self.row = hf_name, row
 
+    @property
+    def expert(self) -> bool:
+        """A routed expert's adapter: expert-parallel like the expert's weights (megatron-core's `allreduce=False`)."""
+        return not getattr(self.A, "allreduce", True)
+
     def split_parameter(self) -> tuple[torch.nn.Parameter, int]:
         """The TP-split parameter and the axis it is split on."""
         return (self.A, 1) if self.row else (self.B, 0)
@@ -133,12 +138,10 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
     count = 0
     for index, layer in enumerate(model.decoder.layers):
-        for linear, name, hf_prefix, ffn in _sites(layer, arch, f"model.layers.{offset + index}"):
+        for linear, name, hf_prefix, ffn, expert in _sites(layer, arch, f"model.layers.{offset + index}"):
             modules = [m for m in (ATTENTION_LINEARS | MLP_LINEARS)[name] if m in lora.target_modules]
             if modules:
-                count += _adapt(
-                    linear, name, modules, hf_prefix, lora, arch, ffn, seed, expert=".experts." in hf_prefix
-                )
+                count += _adapt(linear, name, modules, hf_prefix, lora, arch, ffn, seed, expert=expert)
     if model.pre_process:
         # With a frozen embedding the first layer's input needs no gradient, and a recomputed (checkpointed) layer
         # would then give its adapters none: make the embedding's output ask for one.
@@ -147,27 +150,33 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
 
 
 def _sites(layer, arch, hf_layer: str):
-    """(linear, its name, the HF prefix of its modules, the MLP's hidden width) for each linear adapters may sit on:
-    attention, then the dense MLP, or each routed expert of this rank and the shared expert."""
+    """(linear, its name, the HF prefix of its modules, the MLP's hidden width, whether a routed expert's) for each
+    linear adapters may sit on: attention, then the dense MLP, or each routed expert of this rank and the shared
+    expert."""
     for name in ATTENTION_LINEARS:
-        yield layer.self_attention.get_submodule(name), name, f"{hf_layer}.self_attn", None
-    mlps = [(layer.mlp, f"{hf_layer}.mlp", arch.ffn_hidden_size)]
+        yield layer.self_attention.get_submodule(name), name, f"{hf_layer}.self_attn", None, False
+    mlps = [(layer.mlp, f"{hf_layer}.mlp", arch.ffn_hidden_size, False)]
     if arch.moe is not None:
         from roll_backend.strategies.megatron.moe_convert import first_local_expert
 
         first = first_local_expert(layer)
         experts = layer.mlp.experts.local_experts
         mlps = [
-            (mlp, f"{hf_layer}.mlp.experts.{first + j}", arch.moe.expert_ffn_hidden_size)
+            (mlp, f"{hf_layer}.mlp.experts.{first + j}", arch.moe.expert_ffn_hidden_size, True)
             for j, mlp in enumerate(experts)
         ]
         if arch.moe.shared_expert_ffn_hidden_size:
             mlps.append(
-                (layer.mlp.shared_experts, f"{hf_layer}.mlp.shared_expert", arch.moe.shared_expert_ffn_hidden_size)
+                (
+                    layer.mlp.shared_experts,
+                    f"{hf_layer}.mlp.shared_expert",
+                    arch.moe.shared_expert_ffn_hidden_size,
+                    False,
+                )
             )
-    for mlp, hf_prefix, ffn in mlps:
+    for mlp, hf_prefix, ffn, expert in mlps:
         for name in MLP_LINEARS:
-            yield mlp.get_submodule(name), name, hf_prefix, ffn
+            yield mlp.get_submodule(name), name, hf_prefix, ffn, expert
 
 
 def _adapt(linear, name: str, modules: list[str], hf_prefix: str, lora, arch, ffn, seed: int, expert: bool) -> int:
@@ -303,7 +312,7 @@ def adapter_sharded_state(chunks) -> dict:
         for part in adapters.parts.values():
             split, axis = part.split_parameter()
             # A routed expert's adapters live on one EP rank and repeat over the expert-data-parallel group.
-            replica = mpu.get_expert_data_parallel_rank() if ".experts." in part.hf_name else dp_rank
+            replica = mpu.get_expert_data_parallel_rank() if part.expert else dp_rank
             for label, param in (("lora_A", part.A), ("lora_B", part.B)):
                 key = f"{part.hf_name}.{label}"
                 if param is split:
@@ -333,7 +342,7 @@ def full_adapter_tensors(chunks, all_gather_tp) -> dict[str, torch.Tensor]:
     (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. `all_gather_tp(shard)`: every TP rank's shard
     (weights._all_gather_tp); every rank of the TP group must call it."""
     tensors = {}
-    if any(".mlp.experts." in part.hf_name for a in adapted_linears(chunks) for part in a.parts.values()):
+    if any(part.expert for adapters in adapted_linears(chunks) for part in adapters.parts.values()):
         raise ValueError(
             "adapters on MoE experts have no PEFT form here (transformers' Qwen MoE models fuse their experts into "
             "one parameter); export the merged model (checkpoint.export_hf_dir) and sync with lora.sync=merged"

@@ -100,7 +100,9 @@ def test_lora_rules(base):
     moe = ["build_tiny_model.family=qwen3_moe", "build_tiny_model.num_experts=4", "actor_train.strategy.tp=1"]
     moe += ["actor_train.strategy.micro_batch_size=32", "actor_train.strategy.lora={rank: 8}"]
     load_config(CONFIG, base + moe)  # adapters on attention and experts at tp 1, merged sync: no problem
-    problems = problems_of(base + moe + ["actor_train.strategy.tp=2", "actor_train.strategy.lora.sync=adapter"])
+    wrong = ["actor_train.strategy.tp=2", "actor_train.strategy.lora.sync=adapter", "checkpoint.export_peft_dir=/tmp/a"]
+    problems = problems_of(base + moe + wrong)
+    assert any("checkpoint.export_peft_dir on a MoE model" in p for p in problems), problems
     assert any("lora on a MoE model at tp=2, etp=2: MoE turns on sequence parallelism" in p for p in problems)
     assert any("lora.sync=adapter on a MoE model" in p for p in problems), problems
     config = load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8, alpha: 16}"])
