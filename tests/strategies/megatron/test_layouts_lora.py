@@ -49,6 +49,16 @@ def tensors() -> dict[str, torch.Tensor]:
     return batch
 
 
+def dense_sizes(model_dir: str) -> tuple[int, int]:
+    """(adapter parameters of LORA on every projection, the base's parameters) of a dense model."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    hf = model.config
+    kv = hf.num_key_value_heads * hf.hidden_size // hf.num_attention_heads
+    widths = 4 * hf.hidden_size + 2 * (hf.hidden_size + kv) + 3 * (hf.hidden_size + hf.intermediate_size)
+    # q, o; k, v; gate, up, down: rank x (in + out) each
+    return hf.num_hidden_layers * LORA.rank * widths, sum(p.numel() for p in model.parameters())
+
+
 def lora_run(group, model_dir: str, tensors: dict, checkpoint: str, peft_start: bool = True, micro: int = 2) -> dict:
     """Two steps; the first layout saves a checkpoint after the first, and every layout resumes from it at the end
     and takes the second step again. `peft_start`: the first layout also exports its starting adapters for PEFT."""
@@ -95,11 +105,7 @@ def lora_run(group, model_dir: str, tensors: dict, checkpoint: str, peft_start: 
 def test_lora_steps_are_the_same_at_every_layout(layout_actors, model_dir, tensors, tmp_path):
     mask = tensors[keys.RESPONSE_MASK]
     base, _ = hf_response_log_probs(model_dir, tensors)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).config
-    kv = hf.num_key_value_heads * hf.hidden_size // hf.num_attention_heads
-    widths = 4 * hf.hidden_size + 2 * (hf.hidden_size + kv) + 3 * (hf.hidden_size + hf.intermediate_size)
-    adapters = hf.num_hidden_layers * LORA.rank * widths  # q, o; k, v; gate, up, down: rank x (in + out) each
-    base_size = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    adapters, base_size = dense_sizes(model_dir)
     checkpoint = str(tmp_path / "tp1_step1")
     runs = {name: lora_run(group, model_dir, tensors, checkpoint) for name, group in layout_actors.items()}
     reference = runs["tp1"]
@@ -165,6 +171,7 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_alike_at_every_layout(
     else; two value steps at TP1, TP2 x PP2 and CP2 agree; TP1's checkpoint after the first holds the adapters and
     the head, and TP2 x PP2 resumed from it repeats the second."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir).config
+    adapters, base_size = dense_sizes(model_dir)
     checkpoint = str(tmp_path / "critic_tp1_step1")
     config = CriticConfig(
         strategy=MegatronTrainConfig(
@@ -212,8 +219,13 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_alike_at_every_layout(
         for got, want in zip(run["steps"], reference["steps"]):
             for key in ("vf_loss", "grad_norm"):
                 assert got[key] == pytest.approx(want[key], abs=TOL), (name, key)
-        adapters = run["counts"]["trainable_parameters"] - (hf.hidden_size + 1)
-        assert adapters == runs["tp1"]["counts"]["trainable_parameters"] - (hf.hidden_size + 1) > 0, name
+        # The value head (hidden -> 1, with a bias) stands in for the LM head and trains beside the adapters.
+        value_head, lm_head = hf.hidden_size + 1, hf.vocab_size * hf.hidden_size
+        want = {
+            "parameters": base_size - lm_head + value_head + adapters,
+            "trainable_parameters": adapters + value_head,
+        }
+        assert run["counts"] == want, (name, run["counts"])
     saved = dist_checkpointing.load_tensors_metadata(checkpoint)
     weights = sorted(key for key in saved if not key.startswith("optimizer."))
     head_keys = ["value_head.bias", "value_head.weight"]
