@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import queue
 import random
 from collections.abc import Iterator
 
@@ -395,6 +396,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             "rng": _rng_sharded_object(),
             "progress": {"steps_done": self.steps_done, **self._layout_record(), "lora": self._lora_record()},
         }
+        _write_results_in_process()
         dist_checkpointing.save(state, path)
         dist.barrier()
 
@@ -543,3 +545,13 @@ def _warn_about_value_head_bias(chunks) -> None:
             "head has none, so the exported model scores this model's values minus that bias",
             bias,
         )
+
+
+def _write_results_in_process() -> None:
+    """megatron-core's checkpoint writer returns its results through a queue it makes on first use in a spawned
+    multiprocessing Manager: a new interpreter that imports the rank's main module (Ray's worker), seconds of CPU per
+    rank process. Our saves are synchronous (the writes finish inside `save`), so a queue within the process does."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
