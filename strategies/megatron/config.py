@@ -532,14 +532,9 @@ def _score_head_problems(cfg, run: RunFacts) -> list[str]:
 
 
 def _moe_lora_problems(cfg: MegatronTrainConfig, run: RunFacts) -> list[str]:
-    """LoRA on a MoE model (adapters on attention and on every routed and shared expert) runs at tp = etp = 1, with
-    any EP, PP, CP; the rollout takes the merged weights."""
+    """LoRA on a MoE model (adapters on attention and on every routed and shared expert) runs at every layout; the
+    rollout takes the merged weights."""
     problems = []
-    if run.layout.tp > 1 or run.layout.expert_tp > 1:
-        problems.append(
-            f"{run.role}.strategy.lora on a MoE model at tp={run.layout.tp}, etp={run.layout.expert_tp}: MoE turns on "
-            "sequence parallelism there, which the adapters do not do yet; use tp=1 and ep for scale"
-        )
     if cfg.lora.sync == "adapter":
         problems.append(
             f"{run.role}.strategy.lora.sync=adapter on a MoE model: vLLM's CPU build serves no adapters on fused "

@@ -7,14 +7,23 @@ module (q/k/v on the fused `linear_qkv`, gate/up on `linear_fc1`) as a forward h
 to the linear's output, and as child parameters of the linear (`<linear>.lora.<module>.A|B`), so they follow it
 through PP stages and vpp chunks. On a MoE model the MLP modules are every routed expert's (named
 `mlp.experts.<global index>.<module>`, held by the expert's EP rank, expert-parallel like its weights) and the shared
-expert's (`mlp.shared_expert.<module>`); tp = etp = 1 there (MoE at tp > 1 is sequence parallel, not done yet).
-Tensor parallelism, as the base layer splits:
+expert's (`mlp.shared_expert.<module>`).
+Tensor parallelism, as the base layer splits (over its own group: TP, or expert TP for a routed expert's linears):
 
 - column-parallel bases (linear_qkv, linear_fc1): A [r, in] whole on every TP rank, B [out/TP, r] split like the
   base's rows (q/k/v per key-value group, gate and up each split). The branch's r-wide activation is summed over TP
   in backward (`copy_to_tensor_model_parallel_region`), so A's gradient is whole and the same on every TP rank;
 - row-parallel bases (linear_proj, linear_fc2): A [r, in/TP] split like the base's columns, its partial products
   summed over TP in forward (`reduce_from_tensor_model_parallel_region`), B [out, r] whole.
+
+The branch communicates as its base does (`Comm`). Under sequence parallelism (MoE models at tp > 1) a column
+base's input is this rank's part of the sequence: the r-wide activation is gathered over the sequence, and A, which
+then sees only that part, is marked `sequence_parallel` so finalize_model_grads sums its gradient over TP (as
+Megatron's norms); a row base's r-wide partial sums are reduce-scattered to the sequence part, and B is marked so.
+A routed expert's linears at expert TP > 1 communicate nothing (the token dispatcher gathers their input and adds up
+their partial outputs): the branch's partial outputs and input gradients go the same way, and the whole parameter
+(column: A, row: B), whose gradient each expert-TP rank holds a share of, is summed over expert TP after
+finalize_model_grads (`finalize_grads`).
 
 Every base parameter is frozen (no gradient, no optimizer state, not in the gradient norm); only adapters train.
 Adapters start as PEFT starts them (B = 0, so the model is the base; A Kaiming-uniform or Gaussian), drawn on their
@@ -26,6 +35,7 @@ the weight sync read: the base itself is never changed. `adapters_disabled` runs
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import zlib
 
@@ -38,16 +48,24 @@ MLP_LINEARS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
+class Comm(enum.Enum):
+    """How a base linear communicates over its TP group, and so its adapters' branch."""
+
+    TENSOR = "tensor"  # column: input copied to every rank; row: partial outputs all-reduced
+    SEQUENCE = "sequence"  # sequence parallelism: column gathers the input's sequence, row reduce-scatters
+    EXPERT = "expert"  # a routed expert at expert TP / EP: none (the token dispatcher does it)
+
+
 class LowRank(torch.nn.Module):
     """One target module's A [r, in(/TP)] and B [out(/TP), r]; `hf_name` is the module's Hugging Face name (global
     layer number), `row` says which of the two TP splits (row-parallel base: A by columns; column-parallel: B by
-    rows)."""
+    rows), `shard` is (this rank's index, the number of shards) of that split."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, hf_name: str, row: bool):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, hf_name: str, row: bool, shard: tuple[int, int]):
         super().__init__()
         self.A = torch.nn.Parameter(a)
         self.B = torch.nn.Parameter(b)
-        self.hf_name, self.row = hf_name, row
+        self.hf_name, self.row, self.shard = hf_name, row, shard
 
     @property
     def expert(self) -> bool:
@@ -58,6 +76,10 @@ class LowRank(torch.nn.Module):
         """The TP-split parameter and the axis it is split on."""
         return (self.A, 1) if self.row else (self.B, 0)
 
+    def whole_parameter(self) -> torch.nn.Parameter:
+        """The parameter every TP rank holds whole."""
+        return self.B if self.row else self.A
+
 
 class LinearAdapters(torch.nn.Module):
     """The adapters of one Megatron linear (its `lora` child) and the branch its forward hook adds.
@@ -65,10 +87,11 @@ class LinearAdapters(torch.nn.Module):
     `pieces`: a column-parallel base's output columns on this rank, in order, as (module, width) repeated `groups`
     times (q/k/v per local key-value group; gate then up once); None for a row-parallel base."""
 
-    def __init__(self, modules: dict[str, LowRank], scaling: float, pieces=None, groups: int = 1):
+    def __init__(self, modules: dict[str, LowRank], scaling: float, comm: Comm, group, pieces=None, groups: int = 1):
         super().__init__()
         self.parts = torch.nn.ModuleDict(modules)
         self.scaling, self.pieces, self.groups = scaling, pieces, groups
+        self.comm, self.group = comm, group  # the base linear's, which the branch mirrors
         self.enabled = True
 
     @property
@@ -77,20 +100,25 @@ class LinearAdapters(torch.nn.Module):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) B A x for this rank's output columns, in the base layer's output layout."""
-        from megatron.core.tensor_parallel import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
         names = list(self.parts)
         rank = self.parts[names[0]].A.shape[0]
-        h = x @ torch.cat([self.parts[n].A for n in names]).to(x.dtype).t()  # [..., modules * r]
-        if self.row_parallel:
-            h = reduce_from_tensor_model_parallel_region(h)  # the partial sums over this rank's input columns
-        else:
-            h = copy_to_tensor_model_parallel_region(h)  # backward: every rank's output columns' share
+        h = self._communicate(x @ torch.cat([self.parts[n].A for n in names]).to(x.dtype).t())  # [..., modules * r]
         outputs = {n: part @ self.parts[n].B.to(x.dtype).t() for n, part in zip(names, h.split(rank, -1))}
         return self.scaling * self._assemble(outputs)
+
+    def _communicate(self, h: torch.Tensor) -> torch.Tensor:
+        """The r-wide activation as the base linear would communicate it (see the module's docstring)."""
+        from megatron.core import tensor_parallel as tpl
+
+        if self.comm is Comm.EXPERT:
+            return h  # partial sums (row) / partial input gradients (column), added up by the token dispatcher
+        if self.row_parallel:  # the partial sums over this rank's input columns
+            if self.comm is Comm.SEQUENCE:
+                return tpl.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+            return tpl.reduce_from_tensor_model_parallel_region(h, group=self.group)
+        if self.comm is Comm.SEQUENCE:  # backward: reduce-scatter, every rank's output columns' share
+            return tpl.gather_from_sequence_parallel_region(h, group=self.group)
+        return tpl.copy_to_tensor_model_parallel_region(h, group=self.group)  # backward: every rank's columns' share
 
     def delta(self) -> torch.Tensor:
         """This rank's shard of the update (alpha / r) B A, in the base weight's layout, float32."""
@@ -125,11 +153,6 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
     """Freeze every parameter of this stage `model` (an unwrapped GPTModel) and give its targeted linears adapters;
     returns how many adapter parameters (elements) this rank holds. `value_head`: a critic, whose value head (new,
     not the base's) trains beside the adapters, as PEFT's modules_to_save trains a classifier's head."""
-    from megatron.core import parallel_state as mpu
-
-    tp = mpu.get_tensor_model_parallel_world_size()
-    if arch.moe is not None and (tp > 1 or mpu.get_expert_tensor_parallel_world_size() > 1):
-        raise ValueError("lora on a MoE model at tp > 1 or etp > 1 (sequence parallelism) is not supported yet")
     for param in model.parameters():
         param.requires_grad_(False)
     if value_head and model.post_process:
@@ -179,14 +202,21 @@ def _sites(layer, arch, hf_layer: str):
             yield mlp.get_submodule(name), name, hf_prefix, ffn, expert
 
 
+def _comm(linear, size: int) -> Comm:
+    if getattr(linear, "explicit_expert_comm", False):
+        return Comm.EXPERT
+    return Comm.SEQUENCE if linear.sequence_parallel and size > 1 else Comm.TENSOR
+
+
 def _adapt(linear, name: str, modules: list[str], hf_prefix: str, lora, arch, ffn, seed: int, expert: bool) -> int:
     """Give `linear` adapters for `modules` and its forward hook; returns their parameter count on this rank.
     A routed expert's adapters are expert-parallel like its weights (`allreduce=False`: DDP reduces their gradients
     over the expert-data-parallel group)."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    group = linear.tp_group  # TP, or expert TP for a routed expert's linears
+    tp, tp_rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    comm = _comm(linear, tp)
     full_in, full_out, pieces = _module_shapes(arch, tp, ffn or arch.ffn_hidden_size)
     row = name in ROW_PARALLEL
     parts, count = {}, 0
@@ -197,16 +227,22 @@ def _adapt(linear, name: str, modules: list[str], hf_prefix: str, lora, arch, ff
             a = a.chunk(tp, dim=1)[tp_rank]
         b = torch.zeros(full_out[module] // (1 if row else tp), lora.rank)
         device, dtype = linear.weight.device, linear.weight.dtype
-        part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row)
-        # The split one (row: A, column: B) counts in the gradient norm on every TP rank, the other once.
+        part = LowRank(a.to(device, dtype), b.to(device, dtype), hf_name, row, (tp_rank, tp))
         split, axis = part.split_parameter()
-        set_tensor_model_parallel_attributes(split, True, axis, 1)
+        whole = part.whole_parameter()
+        set_tensor_model_parallel_attributes(split, True, axis, 1)  # in the gradient norm on every TP rank
+        if comm is Comm.SEQUENCE:
+            whole.sequence_parallel = True  # its gradient, from this rank's part of the sequence, summed over TP
         if expert:
             part.A.allreduce = part.B.allreduce = False
+            # The gradient norm of the expert optimizer counts its parameters over (expert TP, EP, PP): the whole one
+            # once per expert-TP group (`shared` elsewhere: megatron-core's mark for "counted on another rank").
+            whole.tensor_model_parallel = True
+            whole.shared = tp_rank > 0
         parts[module] = part
         count += part.A.numel() + part.B.numel()
     layout, layout_groups = (None, 1) if row else pieces[name]
-    linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, layout, layout_groups)
+    linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, comm, group, layout, layout_groups)
     linear.register_forward_hook(_add_branch)
     return count
 
@@ -272,6 +308,36 @@ def adapters_disabled(chunks):
             adapter.enabled = True
 
 
+def finalize_grads(finalize):
+    """`finalize` (megatron-core's finalize_model_grads, which the schedule calls once per step after the backward
+    passes), then the expert-TP sum of the gradients of routed experts' whole adapters (see the module's docstring)."""
+
+    def finalize_with_expert_tp(model, *args, **kwargs):
+        result = finalize(model, *args, **kwargs)
+        _sum_expert_tp_grads(model)
+        return result
+
+    return finalize_with_expert_tp
+
+
+def _sum_expert_tp_grads(chunks) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_group: dict = {}
+    for adapters in adapted_linears(chunks):
+        if adapters.comm is Comm.EXPERT and torch.distributed.get_world_size(adapters.group) > 1:
+            for part in adapters.parts.values():
+                param = part.whole_parameter()
+                grad = param.main_grad if hasattr(param, "main_grad") else param.grad  # DDP's buffer, else autograd's
+                if grad is not None:
+                    by_group.setdefault(adapters.group, []).append(grad)
+    for group, grads in by_group.items():
+        coalesced = _flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(coalesced, group=group)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+            grad.copy_(summed)
+
+
 def merged_shard(model, megatron_name: str, shard: torch.Tensor) -> torch.Tensor:
     """A base weight's shard plus its adapters' update (float32 math, cast back); the shard itself otherwise."""
     if not megatron_name.endswith(".weight"):
@@ -305,22 +371,23 @@ def adapter_sharded_state(chunks) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
     state = {}
     for adapters in adapted_linears(chunks):
         for part in adapters.parts.values():
             split, axis = part.split_parameter()
+            shard, shards = part.shard  # over TP, or expert TP
             # A routed expert's adapters live on one EP rank and repeat over the expert-data-parallel group.
             replica = mpu.get_expert_data_parallel_rank() if part.expert else dp_rank
             for label, param in (("lora_A", part.A), ("lora_B", part.B)):
                 key = f"{part.hf_name}.{label}"
                 if param is split:
                     state[key] = ShardedTensor.from_rank_offsets(
-                        key, param, (axis, tp_rank, tp), replica_id=(0, replica)
+                        key, param, (axis, shard, shards), replica_id=(0, replica)
                     )
                 else:
-                    state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, replica))
+                    state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(shard, replica))
+    tp_rank = mpu.get_tensor_model_parallel_rank()
     for key, param in _trained_heads(chunks).items():
         state[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(tp_rank, dp_rank))
     return state

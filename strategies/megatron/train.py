@@ -72,7 +72,10 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             for index, chunk in enumerate(chunks)
         ]
         model_config = chunks[0].config
-        model_config.finalize_model_grads_func = finalize_model_grads
+        # (LoRA: then the expert-TP sum of routed experts' whole adapters' gradients)
+        model_config.finalize_model_grads_func = (
+            lora.finalize_grads(finalize_model_grads) if self.config.lora is not None else finalize_model_grads
+        )
         no_sync = [model.no_sync for model in self.model]
         model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         schedule.attach_head(self)

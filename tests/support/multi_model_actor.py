@@ -3,6 +3,7 @@ layout serves every model family a test checks; `use_model` picks the one the Ac
 
 from __future__ import annotations
 
+from lora_tools import LoraTools
 from router_tools import RouterTools
 
 from roll_backend.distributed.dispatch import Dispatch, register
@@ -10,7 +11,7 @@ from roll_backend.strategies.registry import create_strategy
 from roll_backend.workers.actor import ActorWorker
 
 
-class MultiModelActorWorker(RouterTools, ActorWorker):
+class MultiModelActorWorker(LoraTools, RouterTools, ActorWorker):
     @register(Dispatch.ONE_TO_ALL)
     def init_models(self, configs: dict) -> None:
         """{name: MegatronTrainConfig}: build and load every model on this rank."""

@@ -1,7 +1,7 @@
 """Qwen3 dense, Qwen2-MoE and Qwen3-MoE on Megatron with expert parallelism, on real Ray groups: log-prob
 parity with transformers at EP1, EP2, TP2xEP2 (etp 1 and 2) and PP2xEP2; the same train step (loss, aux loss,
 router load, grad norm, post-step log-probs) at EP1 and TP2xEP2; checkpoints across EP layouts; HF export
-round-trips bit for bit.
+round-trips bit for bit; LoRA on a MoE model under sequence parallelism and expert TP.
 
 One group per layout holds all three models (MultiModelActorWorker). Tests run in file order: parity runs on
 the loaded weights before any training. Routing parity needs no near-ties between the k-th and (k+1)-th router
@@ -23,7 +23,7 @@ from roll_backend.distributed.worker import Worker
 from roll_backend.keys import META_BALANCE_DP
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
+from roll_backend.strategies.megatron.config import LoRASettings, MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig
 
 TOL = 1e-5
@@ -36,6 +36,8 @@ LAYOUTS = {
     "pp2ep2": (4, ParallelLayout(pp=2, ep=2)),
 }
 REPLAYED = "qwen3_moe_r2"  # an untrained Qwen3-MoE copy with router_replay R2, for the replay test
+ADAPTED = "qwen2_moe_lora"  # Qwen2-MoE with LoRA adapters on attention, every expert and the shared expert
+LORA = LoRASettings(rank=4, alpha=8.0)
 # Trained in test_train_step_is_the_same_at_ep1_and_tp2ep2: family -> the TP2xEP2 layout it is compared at.
 TRAINED = {"qwen3_moe": "tp2ep2_etp1", "qwen2_moe": "tp2ep2_etp2"}
 
@@ -99,6 +101,12 @@ def group(make_group, model_dirs):
                         micro_batch_size=2,
                         optimizer=OptimizerSettings(lr=1e-2),
                         router_replay="R2",
+                    ),
+                    ADAPTED: MegatronTrainConfig(
+                        model_path=model_dirs["qwen2_moe"],
+                        micro_batch_size=2,
+                        optimizer=OptimizerSettings(lr=1e-2),
+                        lora=LORA,
                     ),
                 },
             )
@@ -270,3 +278,60 @@ def test_r2_replay_at_ep1_tp2ep2_and_pp2ep2(group, model_dirs, batch):
             assert run["metrics"][key] == pytest.approx(reference["metrics"][key], abs=TOL), (name, key)
         for layer, grad in reference["router_grads"].items():
             assert torch.allclose(run["router_grads"][layer], grad, atol=TOL), (name, layer)
+
+
+def test_lora_under_sequence_parallelism_and_expert_tp(group, model_dirs, batch, references, tmp_path):
+    """Qwen2-MoE with adapters on attention, every routed expert and the shared expert, at TP2 x EP2 (MoE turns on
+    sequence parallelism at tp > 1) with etp 1 and 2: the untrained forward is transformers' base; two steps give
+    EP1's loss, aux loss and grad norm, the same merged weights and log-probs; only adapters train and the base stays
+    bit-identical; etp 2's checkpoint after its first step (adapters split over expert TP) resumes at EP1 and etp 1
+    into the same second step; transformers on etp 2's merged export gives the trained log-probs."""
+    tensors = dict(batch, **{keys.OLD_LOG_PROBS: references["qwen2_moe"]})
+    mask = batch[keys.RESPONSE_MASK]
+    checkpoint = str(tmp_path / "lora_etp2_step1")
+    runs = {}
+    for name in ("ep1", "tp2ep2_etp1", "tp2ep2_etp2"):
+        built = group(name)
+        built.call(MultiModelActorWorker.use_model, ADAPTED)
+        base = built.call(MultiModelActorWorker.base_weights)
+        before = _log_probs(built, ADAPTED, batch)
+        steps = [_train(built, ADAPTED, tensors)]
+        if name == "tp2ep2_etp2":
+            built.call(MultiModelActorWorker.save_checkpoint, checkpoint)
+        steps.append(_train(built, ADAPTED, tensors))
+        runs[name] = {
+            "before": before,
+            "steps": steps,
+            "after": _log_probs(built, ADAPTED, batch),
+            "merged": built.call(MultiModelActorWorker.merged_hf_weights)[0],
+            "base_unchanged": all(
+                torch.equal(a[n], b[n]) for a, b in zip(base, built.call(MultiModelActorWorker.base_weights)) for n in a
+            ),
+            "trained": {n for names in built.call(MultiModelActorWorker.optimizer_parameter_names) for n in names},
+        }
+    reference = runs["ep1"]
+    assert max_masked_diff(reference["after"], references["qwen2_moe"], mask) > 1e-2  # the adapters learned
+    for name, run in runs.items():
+        assert max_masked_diff(run["before"], references["qwen2_moe"], mask) < TOL, name  # B = 0: the base
+        assert run["base_unchanged"], name
+        assert all(".lora." in n for n in run["trained"]), name
+        assert any(".local_experts." in n for n in run["trained"]), name
+        assert any(".shared_experts." in n for n in run["trained"]), name
+        for step, (got, want) in enumerate(zip(run["steps"], reference["steps"])):
+            for key in ("loss", "pg_loss", "moe/aux_loss"):
+                assert got[key] == pytest.approx(want[key], abs=TOL), (name, step, key)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (name, step)
+        assert max_masked_diff(run["after"], reference["after"], mask) < TOL, name
+        assert sorted(run["merged"]) == sorted(reference["merged"]), name
+        for weight, tensor in reference["merged"].items():
+            assert torch.allclose(run["merged"][weight], tensor, atol=TOL), (name, weight)
+    for name in ("ep1", "tp2ep2_etp1"):
+        group(name).call(MultiModelActorWorker.load_checkpoint, checkpoint)
+        resumed = _train(group(name), ADAPTED, tensors)
+        for key in ("loss", "grad_norm"):
+            assert resumed[key] == pytest.approx(runs["tp2ep2_etp2"]["steps"][1][key], rel=1e-4, abs=TOL), (name, key)
+        assert max_masked_diff(_log_probs(group(name), ADAPTED, batch), reference["after"], mask) < TOL, name
+    merged_dir = tmp_path / "lora_merged"
+    group("tp2ep2_etp2").call(MultiModelActorWorker.export_hf, str(merged_dir))
+    merged, _ = hf_response_log_probs(str(merged_dir), batch)
+    assert max_masked_diff(merged, reference["after"], mask) < TOL
