@@ -394,7 +394,6 @@ def _lora_problems(cfg) -> list[str]:
         return []
     problems = [f"lora.{problem}" for problem in lora_settings_problems(cfg.lora)]
     for refused, why in (
-        (cfg.mtp_num_layers, "mtp_num_layers > 0: the MTP layers would need adapters too"),
         (cfg.transformer_impl == "te", "transformer_impl=te: TE fuses the norms into the projections; use local"),
     ):
         if refused:

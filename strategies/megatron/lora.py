@@ -1,5 +1,5 @@
 """LoRA on megatron-core's own parallel linears (`strategy.lora`): low-rank adapters beside the attention and MLP
-projections of a frozen base, correct at every TP / PP / vpp / CP layout.
+projections of a frozen base (and of its MTP layers), correct at every TP / PP / vpp / CP / EP layout.
 
 One adapter per Hugging Face module the user targets (PEFT's names: q_proj, k_proj, v_proj, o_proj, gate_proj,
 up_proj, down_proj), with PEFT's math: y = W x + (alpha / r) * B A x. It sits on the Megatron linear that holds the
@@ -46,6 +46,7 @@ import torch
 ATTENTION_LINEARS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
 MLP_LINEARS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
+MTP_HF_PREFIX = "model.mtp_layers."  # (mtp.py's naming of Megatron's `mtp.layers.<i>.transformer_layer`)
 
 
 class Comm(enum.Enum):
@@ -137,7 +138,8 @@ class LinearAdapters(torch.nn.Module):
             if out is None:
                 out = like.new_zeros(*like.shape[:-1], self.groups * width)
             columns.append(out.reshape(*out.shape[:-1], self.groups, width))
-        return torch.cat(columns, -1).reshape(*like.shape[:-1], -1)
+        width = self.groups * sum(width for _, width in self.pieces)  # (not -1: an expert may get no tokens)
+        return torch.cat(columns, -1).reshape(*like.shape[:-1], width)
 
 
 def _full_a(lora, name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -159,9 +161,14 @@ def inject(model, lora, arch, seed: int, value_head: bool = False) -> int:
         for param in model.output_layer.parameters():
             param.requires_grad_(True)
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    layers = [(layer, f"model.layers.{offset + index}") for index, layer in enumerate(model.decoder.layers)]
+    if getattr(model, "mtp_process", False):  # MTP layers' transformer layers, under their HF names (mtp.py)
+        layers += [
+            (mtp_layer.transformer_layer, f"{MTP_HF_PREFIX}{depth}") for depth, mtp_layer in enumerate(model.mtp.layers)
+        ]
     count = 0
-    for index, layer in enumerate(model.decoder.layers):
-        for linear, name, hf_prefix, ffn, expert in _sites(layer, arch, f"model.layers.{offset + index}"):
+    for layer, hf_layer in layers:
+        for linear, name, hf_prefix, ffn, expert in _sites(layer, arch, hf_layer):
             modules = [m for m in (ATTENTION_LINEARS | MLP_LINEARS)[name] if m in lora.target_modules]
             if modules:
                 count += _adapt(linear, name, modules, hf_prefix, lora, arch, ffn, seed, expert=expert)
@@ -406,20 +413,22 @@ def load_adapters(chunks, loaded: dict) -> None:
 
 def full_adapter_tensors(chunks, all_gather_tp) -> dict[str, torch.Tensor]:
     """This stage's adapters on their full Hugging Face shapes, keyed as PEFT saves them
-    (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU. `all_gather_tp(shard)`: every TP rank's shard
-    (weights._all_gather_tp); every rank of the TP group must call it."""
+    (`base_model.model.<module>.lora_A|lora_B.weight`), on the CPU; not the MTP layers'. `all_gather_tp(shard)`:
+    every TP rank's shard (weights._all_gather_tp); every rank of the TP group must call it."""
     tensors = {}
-    if any(part.expert for adapters in adapted_linears(chunks) for part in adapters.parts.values()):
+    parts = [part for adapters in adapted_linears(chunks) for part in adapters.parts.values()]
+    if any(part.expert for part in parts):
         raise ValueError(
             "adapters on MoE experts have no PEFT form here (transformers' Qwen MoE models fuse their experts into "
             "one parameter); export the merged model (checkpoint.export_hf_dir) and sync with lora.sync=merged"
         )
-    for adapters in adapted_linears(chunks):
-        for part in adapters.parts.values():
-            split, axis = part.split_parameter()
-            for label, param in (("lora_A", part.A), ("lora_B", part.B)):
-                full = torch.cat(all_gather_tp(param.detach()), axis) if param is split else param.detach()
-                tensors[f"base_model.model.{part.hf_name}.{label}.weight"] = full.cpu().clone()
+    for part in parts:
+        if part.hf_name.startswith(MTP_HF_PREFIX):
+            continue  # MTP layers are no module of transformers' or vLLM's model (the merged export has them)
+        split, axis = part.split_parameter()
+        for label, param in (("lora_A", part.A), ("lora_B", part.B)):
+            full = torch.cat(all_gather_tp(param.detach()), axis) if param is split else param.detach()
+            tensors[f"base_model.model.{part.hf_name}.{label}.weight"] = full.cpu().clone()
     return tensors
 
 

@@ -14,9 +14,10 @@ The first two examples are the case the issue found (vocabulary 1001, which TP2 
 tied); the others are drawn from a seeded generator over vocabulary size (divisible by TP or not), tied or untied
 embeddings, layer counts that split evenly or not, GQA ratio, qkv bias (qwen2) or q/k norms (qwen3), dense or
 MoE (qwen2_moe with a shared expert, qwen3_moe; without the load-balancing loss, a per-micro-batch objective that
-the split moves by Megatron's design), MTP on or off, and batches of left-padded prompts and right-padded
-responses with odd widths and nearly empty rows, some of them multi-turn (an observation inside the response: attended,
-out of the loss). A failing example is named with its whole shape;
+the split moves by Megatron's design), MTP on or off, full training or LoRA (every other drawn example: adapters on
+every projection, MTP layers' and experts' included; a MoE model's at TP2 under sequence parallelism), and batches
+of left-padded prompts and right-padded responses with odd widths and nearly empty rows, some of them multi-turn (an
+observation inside the response: attended, out of the loss). A failing example is named with its whole shape;
 ROLL_BACKEND_PROPERTY_SEED / ROLL_BACKEND_PROPERTY_EXAMPLES draw others.
 
 Tolerances are derived from float32 rounding, not picked: a value computed two ways in float32 may differ by a few
@@ -42,6 +43,7 @@ from roll_backend import keys
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import (
+    LoRASettings,
     MegatronTrainConfig,
     OptimizerSettings,
     default_stage_split,
@@ -79,6 +81,7 @@ class Example:
     # Megatron's load-balancing loss is a per-micro-batch objective: another split moves it by design, so the
     # examples run without it and test_moe_load_balancing_loss_is_layout_independent adds it.
     aux_loss_coef: float = 0.0
+    lora: bool = False  # LoRA adapters on every projection (MTP layers' and experts' too) instead of full training
 
     def spec(self) -> TinyModelSpec:
         return TinyModelSpec(
@@ -115,6 +118,7 @@ def examples() -> list[Example]:
                 prompt_width=rng.randrange(3, 9),
                 response_width=rng.randrange(2, 8),
                 seed=rng.randrange(1000),
+                lora=index % 2 == 0,
             )
         )
     # The config refuses MTP on MoE models (strategies/megatron/config.py: mtp_problem).
@@ -164,6 +168,8 @@ CRITIC = Role(
 
 def _config(model_dir: str, example: Example, role: Role, micro_batch_size: int = 2) -> ActorConfig | CriticConfig:
     settings = dict(model_path=model_dir, micro_batch_size=micro_batch_size, optimizer=OptimizerSettings(lr=LR))
+    if example.lora:
+        settings["lora"] = LoRASettings(rank=4, alpha=8.0)
     if role is CRITIC:
         return CriticConfig(strategy=MegatronTrainConfig(**settings, value_head=True), loss=CriticLossConfig(0.2))
     return ActorConfig(
@@ -218,7 +224,10 @@ def _layout_problem(model_dir: str, layout, role: Role) -> str | None:
 
 def _name(example: Example) -> str:
     tied = "tied" if example.tied else "untied"
-    return f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-mtp{example.mtp}"
+    lora = "-lora" if example.lora else ""
+    return (
+        f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-mtp{example.mtp}{lora}"
+    )
 
 
 def _role_batch(role: Role, tensors: dict, outputs: DataProto) -> DataProto:
@@ -306,6 +315,10 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
         reference.call(ReconfigurableActor.init_model_with, config)
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
         ref = _run(reference, config, role, batch)
+        if example.lora:  # only adapters (and a critic's new value head) train, the MTP layers' among them
+            trained = {n for names in reference.call(ReconfigurableActor.optimizer_parameter_names) for n in names}
+            assert trained and all(".lora." in n or "output_layer." in n for n in trained), sorted(trained)
+            assert not example.mtp or role is CRITIC or any(n.startswith("module.mtp.") for n in trained)
         moved = (
             _MovedCheckpoint(reference, role, batch, tmp_path / f"{role_name}_checkpoint") if role is ACTOR else None
         )
