@@ -299,7 +299,7 @@ class LoRASettings:
 
     rank: int = 16  # r
     alpha: float = 32.0  # the update is (alpha / r) B A
-    dropout: float = 0.0  # (only 0 yet)
+    dropout: float = 0.0  # on the adapters' input, in training steps only (PEFT's lora_dropout)
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # PEFT's module names (all by default)
     init: str = "kaiming"  # A's start (B starts at 0): kaiming (PEFT's default, uniform) or gaussian (N(0, 1/r))
     # What the weight sync sends the rollout: "merged" (base + (alpha / r) B A, the full weights) or "adapter" (the
@@ -383,8 +383,8 @@ def lora_settings_problems(lora) -> list[str]:
         problems.append(f"init={lora.init!r}; choose one of {', '.join(LORA_INITS)}")
     if lora.sync not in LORA_SYNC_MODES:
         problems.append(f"sync={lora.sync!r}; choose one of {', '.join(LORA_SYNC_MODES)}")
-    if lora.dropout != 0.0:
-        problems.append(f"dropout={lora.dropout}: adapter dropout is not supported yet; set 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        problems.append(f"dropout={lora.dropout} must be in [0, 1)")
     return problems
 
 

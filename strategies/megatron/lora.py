@@ -2,12 +2,12 @@
 projections of a frozen base (and of its MTP layers), correct at every TP / PP / vpp / CP / EP layout.
 
 One adapter per Hugging Face module the user targets (PEFT's names: q_proj, k_proj, v_proj, o_proj, gate_proj,
-up_proj, down_proj), with PEFT's math: y = W x + (alpha / r) * B A x. It sits on the Megatron linear that holds the
-module (q/k/v on the fused `linear_qkv`, gate/up on `linear_fc1`) as a forward hook that adds the low-rank branch
-to the linear's output, and as child parameters of the linear (`<linear>.lora.<module>.A|B`), so they follow it
-through PP stages and vpp chunks. On a MoE model the MLP modules are every routed expert's (named
-`mlp.experts.<global index>.<module>`, held by the expert's EP rank, expert-parallel like its weights) and the shared
-expert's (`mlp.shared_expert.<module>`).
+up_proj, down_proj), with PEFT's math: y = W x + (alpha / r) * B A dropout(x) (dropout in training only). It sits on
+the Megatron linear that holds the module (q/k/v on the fused `linear_qkv`, gate/up on `linear_fc1`) as a forward
+hook that adds the low-rank branch to the linear's output, and as child parameters of the linear
+(`<linear>.lora.<module>.A|B`), so they follow it through PP stages and vpp chunks. On a MoE model the MLP modules are
+every routed expert's (named `mlp.experts.<global index>.<module>`, held by the expert's EP rank, expert-parallel like
+its weights) and the shared expert's (`mlp.shared_expert.<module>`).
 Tensor parallelism, as the base layer splits (over its own group: TP, or expert TP for a routed expert's linears):
 
 - column-parallel bases (linear_qkv, linear_fc1): A [r, in] whole on every TP rank, B [out/TP, r] split like the
@@ -88,10 +88,12 @@ class LinearAdapters(torch.nn.Module):
     `pieces`: a column-parallel base's output columns on this rank, in order, as (module, width) repeated `groups`
     times (q/k/v per local key-value group; gate then up once); None for a row-parallel base."""
 
-    def __init__(self, modules: dict[str, LowRank], scaling: float, comm: Comm, group, pieces=None, groups: int = 1):
+    def __init__(
+        self, modules: dict[str, LowRank], scaling: float, comm: Comm, group, pieces=None, groups: int = 1, dropout=0.0
+    ):
         super().__init__()
         self.parts = torch.nn.ModuleDict(modules)
-        self.scaling, self.pieces, self.groups = scaling, pieces, groups
+        self.scaling, self.pieces, self.groups, self.dropout = scaling, pieces, groups, dropout
         self.comm, self.group = comm, group  # the base linear's, which the branch mirrors
         self.enabled = True
 
@@ -103,9 +105,24 @@ class LinearAdapters(torch.nn.Module):
         """(alpha / r) B A x for this rank's output columns, in the base layer's output layout."""
         names = list(self.parts)
         rank = self.parts[names[0]].A.shape[0]
+        if self.dropout and self.training:  # PEFT's: on the branch's input, in training only
+            with self._dropout_rng():
+                x = torch.nn.functional.dropout(x, self.dropout, training=True)
         h = self._communicate(x @ torch.cat([self.parts[n].A for n in names]).to(x.dtype).t())  # [..., modules * r]
         outputs = {n: part @ self.parts[n].B.to(x.dtype).t() for n, part in zip(names, h.split(rank, -1))}
         return self.scaling * self._assemble(outputs)
+
+    def _dropout_rng(self):
+        """Megatron's rule: an input every rank of the group holds whole (a column base's, but under sequence
+        parallelism) draws its mask from the default generator, the same on each; a split input (a row base's, a
+        sequence part) from the model-parallel (expert-parallel) tracker, which differs between ranks."""
+        from megatron.core import tensor_parallel as tpl
+
+        if not self.row_parallel and self.comm is not Comm.SEQUENCE:
+            return contextlib.nullcontext()
+        if self.comm is Comm.EXPERT:
+            return tpl.get_cuda_rng_tracker().fork(tpl.get_expert_parallel_rng_tracker_name())
+        return tpl.get_cuda_rng_tracker().fork()
 
     def _communicate(self, h: torch.Tensor) -> torch.Tensor:
         """The r-wide activation as the base linear would communicate it (see the module's docstring)."""
@@ -249,7 +266,7 @@ def _adapt(linear, name: str, modules: list[str], hf_prefix: str, lora, arch, ff
         parts[module] = part
         count += part.A.numel() + part.B.numel()
     layout, layout_groups = (None, 1) if row else pieces[name]
-    linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, comm, group, layout, layout_groups)
+    linear.lora = LinearAdapters(parts, lora.alpha / lora.rank, comm, group, layout, layout_groups, lora.dropout)
     linear.register_forward_hook(_add_branch)
     return count
 

@@ -92,8 +92,9 @@ def test_router_replay_rules(base):
 def test_lora_rules(base):
     """LoRA settings are checked, and what it cannot do yet (on MoE models: adapter sync, PEFT export) is refused;
     it checkpoints."""
-    problems = problems_of(base + ["actor_train.strategy.lora={rank: 0, target_modules: [q_proj, qkv]}"])
+    problems = problems_of(base + ["actor_train.strategy.lora={rank: 0, dropout: 1.0, target_modules: [q_proj, qkv]}"])
     assert any("lora.rank=0 must be >= 1" in p for p in problems), problems
+    assert any("lora.dropout=1.0 must be in [0, 1)" in p for p in problems), problems
     assert any("lora.target_modules=['q_proj', 'qkv']: choose from q_proj" in p for p in problems), problems
     load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8}", "checkpoint.save_steps=5"])  # no problem
     problems = problems_of(base + ["checkpoint.export_peft_dir=/tmp/adapter"])

@@ -304,3 +304,50 @@ def peft_gradient_norms(model_dir: str, adapter_dir: str, tensors: dict, old_log
             layer, _, module = name.split("layers.")[1].split(".lora_B")[0].split(".")
             norms[(int(layer), module)] = float(param.grad.norm())
     return norms
+
+
+COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def test_lora_dropout_acts_on_training_steps_alike_at_tp1_and_tp2(layout_actors, model_dir, tensors, tmp_path):
+    """Adapter dropout (PEFT's, on the branch's input) on the column-parallel modules, whose input every TP rank
+    holds whole, so the mask comes from the generator all ranks share: TP2 takes TP1's two steps exactly. Against the
+    same adapters without dropout: the first step's loss is the same (B = 0, the branch adds nothing) and its gradient
+    is not; the second step's loss differs. The forward outside training has none: it repeats itself, and
+    transformers on the merged weights gives it."""
+    mask = tensors[keys.RESPONSE_MASK]
+    runs = {}
+    for dropout in (0.0, 0.3):
+        settings = LoRASettings(rank=4, alpha=8.0, dropout=dropout, target_modules=COLUMN_MODULES)
+        config = ActorConfig(
+            strategy=MegatronTrainConfig(
+                model_path=model_dir, micro_batch_size=2, optimizer=OptimizerSettings(lr=1e-2), lora=settings
+            ),
+            loss=ActorLossConfig(clip_low=0.2),
+        )
+        for name in ("tp1", "tp2") if dropout else ("tp1",):
+            group = layout_actors[name]
+            group.call(ReconfigurableActor.init_model_with, config)
+            before = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
+            batch = DataProto.from_dict(tensors={**tensors, keys.OLD_LOG_PROBS: before[keys.LOG_PROBS]})
+            steps = [next(m for m in group.call(ReconfigurableActor.train_step, batch) if m) for _ in range(2)]
+            after = [
+                group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch
+                for _ in range(2)
+            ]
+            runs[name, dropout] = {"steps": steps, "after": after[0][keys.LOG_PROBS]}
+            assert torch.equal(after[0][keys.LOG_PROBS], after[1][keys.LOG_PROBS]), name  # no dropout outside steps
+    plain, dropped = runs["tp1", 0.0], runs["tp1", 0.3]
+    assert dropped["steps"][0]["loss"] == pytest.approx(plain["steps"][0]["loss"], abs=1e-6)
+    assert (
+        abs(dropped["steps"][0]["grad_norm"] - plain["steps"][0]["grad_norm"]) > 1e-3 * plain["steps"][0]["grad_norm"]
+    )
+    assert abs(dropped["steps"][1]["loss"] - plain["steps"][1]["loss"]) > 1e-5
+    for got, want in zip(runs["tp2", 0.3]["steps"], dropped["steps"]):
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], abs=TOL), key
+    assert max_masked_diff(runs["tp2", 0.3]["after"], dropped["after"], mask) < TOL
+    merged_dir = tmp_path / "dropout_merged"
+    layout_actors["tp2"].call(ReconfigurableActor.export_hf, str(merged_dir))
+    merged, _ = hf_response_log_probs(str(merged_dir), tensors)
+    assert max_masked_diff(merged, runs["tp2", 0.3]["after"], mask) < TOL
