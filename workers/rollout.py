@@ -116,15 +116,17 @@ class RolloutWorker(Worker):
         return {"tensors": loaded, "bytes": size[0]}
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_adapter(self, adapter_refs: list, version: int | None = None) -> dict[str, int]:
+    def load_adapter(
+        self, adapter_refs: list, version: int | None = None, in_flight: str | None = None
+    ) -> dict[str, int]:
         """Serve the LoRA adapters the trainer published (ActorWorker.publish_adapter) from now on, in place of the
-        engine's last ones; `version`: the trainer version they are. Returns {"tensors", "bytes"} as
-        load_weight_buckets."""
+        engine's last ones; `version`: the trainer version they are; `in_flight` (streaming): resubmit the requests
+        in flight under them. Returns {"tensors", "bytes"} as load_weight_buckets."""
         import ray
 
         (ref,) = adapter_refs
         tensors, peft_config = ray.get(ref)
-        loaded = self._strategy().load_adapter(tensors, peft_config, version=version)
+        loaded = self._strategy().load_adapter(tensors, peft_config, version=version, in_flight=in_flight)
         return {"tensors": loaded, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
     # ---- streaming (roll_backend/pipelines/streaming.py drives these; strategies/vllm/streaming.py holds the state)

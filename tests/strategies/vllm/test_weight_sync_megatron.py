@@ -8,7 +8,7 @@ that the stale prefix does not change). The engine starts from the actor's shard
 
 A second engine serves LoRA adapters over that same base (max_lora_rank) and receives the adapters alone (lora.sync:
 adapter, a PEFT folder per sync): it gives the merged engine's greedy tokens and log-probs, for a fraction of the
-bytes."""
+bytes, and moves the requests in flight at a sync (streaming, partial_rollout: resubmit) to the new adapter."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ import torch
 from test_weight_sync import (  # shared helpers of the transformers-trained variant
     GREEDY_TOKENS,
     NUM_PROMPTS,
+    STEPS_BEFORE_UPDATE,
+    agree,
     hf_greedy,
     model_dir,  # noqa: F401  (fixture: the tiny model with a sharpened LM head)
     prompt_batch,
     shared_prefix_prompts,  # noqa: F401  (fixture)
+    stream_prompts,
+    stream_until_done,
     tokenizer,  # noqa: F401  (fixture)
     vllm_greedy_rows,
 )
@@ -183,3 +187,39 @@ def test_adapter_sync_serves_the_merged_engine_s_model(
     assert (probes[1] - megatron_log_probs(actor, sampled)).abs()[mask].mean() < 1e-5
     assert loaded["adapter"]["tensors"] == 2 * 7 * 2  # layers x target modules x (A, B)
     assert loaded["adapter"]["bytes"] * 10 < loaded["merged"]["bytes"], loaded
+
+
+def test_an_adapter_sync_mid_generation_resubmits_the_requests_under_the_new_adapter(
+    rollout, adapter_rollout, actor, synced, tokenizer, shared_prefix_prompts
+):  # noqa: F811
+    """Streaming with adapter sync: requests sampled STEPS_BEFORE_UPDATE tokens under the synced adapters (version
+    TRAIN_STEPS) when the actor's next adapters arrive (after one more step). They are resubmitted under the new
+    adapter: the early tokens carry the old version and the old adapters' log-probs (the merged engine's, which holds
+    them), the later ones the new version and the new adapters' (Megatron's after the step). Keeping them (or
+    recomputing them, which keeps their adapter) is refused. (Last in the module: the actor trains on.)"""
+    pad_id = tokenizer.pad_token_id
+    adapter_rollout.call(RolloutWorker.stream_admit, stream_prompts(tokenizer))
+    [(finished, unfinished, _)] = adapter_rollout.call(RolloutWorker.stream_run, STEPS_BEFORE_UPDATE)
+    assert finished is None and unfinished
+    samples = rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], pad_id))
+    samples = samples.select(
+        batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
+    )
+    advantages = torch.randn(samples.batch[keys.RESPONSES].shape, generator=torch.Generator().manual_seed(7))
+    extra = {keys.OLD_LOG_PROBS: megatron_log_probs(actor, samples), keys.ADVANTAGES: advantages}
+    actor.call(ActorWorker.train_step, samples.union(DataProto.from_dict(tensors=extra)))
+    adapter = next(refs for refs in actor.call(ActorWorker.publish_adapter) if refs)
+    with pytest.raises(Exception, match="only 'resubmit' moves it to the new one"):
+        adapter_rollout.call(RolloutWorker.load_adapter, adapter, version=TRAIN_STEPS + 1, in_flight="keep")
+    adapter_rollout.call(RolloutWorker.load_adapter, adapter, version=TRAIN_STEPS + 1, in_flight="resubmit")
+    batch, counters = stream_until_done(adapter_rollout)
+    versions, mask = batch.batch[keys.TOKEN_POLICY_VERSION], batch.batch[keys.RESPONSE_MASK].bool()
+    assert len(batch) == 3 * 4 and bool(mask.all())
+    early, late = versions == TRAIN_STEPS, versions == TRAIN_STEPS + 1
+    assert bool(early[:, :STEPS_BEFORE_UPDATE].all()) and bool(late[:, STEPS_BEFORE_UPDATE:].all()), versions[0]
+    assert counters["partial_resumed_requests"] == 12
+    sampled = batch.batch[keys.ROLLOUT_LOG_PROBS]
+    old = rollout.call(RolloutWorker.probe_log_probs, batch).batch[keys.LOG_PROBS]  # the synced adapters, merged
+    new = megatron_log_probs(actor, batch)
+    assert agree(sampled[early], old[early]) and agree(sampled[late], new[late])
+    assert (new - old).abs()[early].mean() > 1e-2  # the two adapters really differ there
