@@ -393,11 +393,10 @@ def _lora_problems(cfg) -> list[str]:
     if cfg.lora is None:
         return []
     problems = [f"lora.{problem}" for problem in lora_settings_problems(cfg.lora)]
-    for refused, why in (
-        (cfg.transformer_impl == "te", "transformer_impl=te: TE fuses the norms into the projections; use local"),
-    ):
-        if refused:
-            problems.append(f"lora with {why} (not supported yet)")
+    if cfg.transformer_impl == "te":
+        problems.append(
+            "lora with transformer_impl=te: TE fuses the norms into the projections; use local (not supported yet)"
+        )
     return problems
 
 

@@ -96,6 +96,8 @@ def test_lora_rules(base):
     assert any("lora.rank=0 must be >= 1" in p for p in problems), problems
     assert any("lora.dropout=1.0 must be in [0, 1)" in p for p in problems), problems
     assert any("lora.target_modules=['q_proj', 'qkv']: choose from q_proj" in p for p in problems), problems
+    problems = problems_of(base + ["actor_train.strategy.lora={rank: 8}", "actor_train.strategy.transformer_impl=te"])
+    assert any("lora with transformer_impl=te: TE fuses the norms" in p for p in problems), problems
     load_config(CONFIG, base + ["actor_train.strategy.lora={rank: 8}", "checkpoint.save_steps=5"])  # no problem
     problems = problems_of(base + ["checkpoint.export_peft_dir=/tmp/adapter"])
     assert any("checkpoint.export_peft_dir writes LoRA adapters" in p for p in problems), problems
