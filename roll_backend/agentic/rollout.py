@@ -30,6 +30,7 @@ from roll_backend.agentic.config import AgenticConfig
 from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.agentic.episode import Episode, EpisodeSpec, Outcome
 from roll_backend.agentic.rows import env_seed, tasks_of, trajectory_metrics, trajectory_rows
+from roll_backend.agentic.tools import parse_tool_calls
 from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBreak
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
@@ -104,6 +105,7 @@ class AgenticRollout:
                 tool_timeout_s=config.step_timeout_s,
                 observation_template=config.observation_template,
                 observation_role=config.observation_role,
+                sandbox=config.sandbox,
             )
             factory = functools.partial(Episode, spec)
         self.host = SessionHost(factory, config.workers, label=_label(config))
@@ -365,10 +367,12 @@ class _Loop:
             traj.pending = None
             return
         text = self.rollout.turns.add_sampled(traj.conv, request.token_ids, request.log_probs, request.versions)
-        if traj.conv.turns >= self.config.max_turns:
-            traj.truncated = True
+        if traj.conv.turns >= self.config.max_turns and self.config.tools and any(parse_tool_calls(text)):
+            traj.truncated = True  # tool calls on the last turn: no turn is left to read their results
             self._finish(traj)
             return
+        # Every other reply is acted on, the last allowed one too: its reward counts, and the trajectory is truncated
+        # only if the environment does not end there (_acted).
         future = self.rollout.host.call(traj.session, "act", text, timeout_s=self._timeout())
         self._expect(traj, future, self._acted)
 
@@ -381,6 +385,10 @@ class _Loop:
             traj.success = outcome.success
         if outcome.done:
             traj.terminated, traj.truncated = not outcome.truncated, outcome.truncated
+            self._finish(traj)
+            return
+        if traj.conv.turns >= self.config.max_turns:  # the last allowed turn was stepped and did not end it
+            traj.truncated = True
             self._finish(traj)
             return
         segment = traj.conv.current

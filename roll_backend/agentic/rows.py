@@ -75,6 +75,8 @@ def trajectory_metrics(trajs: list, reward_mode: str) -> dict[str, float]:
         "agentic/success_rate": float(np.mean(successes)),
         "agentic/env_reward_mean": float(np.mean([t.reward(reward_mode) for t in trajs])),
         "agentic/turns_mean": float(np.mean([t.conv.turns for t in trajs])),
+        # replies given to the environment or the tools (every turn's, the last one's too)
+        "agentic/acted_turns_mean": float(np.mean([len(t.rewards) for t in trajs])),
         "agentic/trajectory_tokens_mean": float(np.mean([len(t.conv.current.response_ids) for t in trajs])),
         "agentic/sampled_tokens_mean": sum(t.conv.sampled_tokens for t in trajs) / len(trajs),
         "agentic/truncated_fraction": float(np.mean([t.truncated for t in trajs])),

@@ -197,6 +197,22 @@ def test_a_failing_environment_ends_its_trajectories_and_the_rest_go_on(rollout)
     assert metric(batch, "agentic/turns_mean") == pytest.approx((3 * 4 + 1 * 2) / 6)
 
 
+@pytest.mark.parametrize("length, max_turns", [(3, 3), (1, 1), (3, 2)])
+def test_the_last_allowed_turn_is_stepped_and_scored(rollout, length, max_turns):
+    """An environment that ends on its `length`-th action: at max_turns == length the last reply is stepped, scored
+    and terminates the trajectory (not truncated); with fewer turns the last reply is still stepped (its step
+    reward counts) and the trajectory is truncated."""
+    env = build_env({"path": "agentic_fixtures", "name": "CountdownEnv", "kwargs": {"start": length}})
+    config = AgenticConfig(env=env, max_turns=max_turns, max_tokens_per_turn=4, env_reward="last")
+    batch = generate(rollout, config, prompts([{"extra_info": {"seed": 1}}, {"extra_info": {"seed": 2}}]))
+    ends = length <= max_turns
+    assert batch.batch[keys.ENV_REWARDS].tolist() == [float(ends)] * (2 * N)
+    assert metric(batch, "agentic/turns_mean") == min(length, max_turns)
+    assert metric(batch, "agentic/truncated_fraction") == float(not ends)
+    assert metric(batch, "agentic/success_rate") == float(ends)
+    assert metric(batch, "agentic/acted_turns_mean") == min(length, max_turns)  # every reply reached the env
+
+
 def test_a_hung_environment_misses_its_deadline_and_raise_stops_the_run(rollout):
     from roll_backend.errors import UserCodeError
 
