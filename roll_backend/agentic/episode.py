@@ -13,7 +13,7 @@ from typing import Any
 
 from roll_backend.agentic.config import ToolSpec
 from roll_backend.agentic.environments import EnvSpec, make_env, reset_env, step_env
-from roll_backend.agentic.sandbox import SandboxLimits
+from roll_backend.agentic.sandbox import SandboxLimits, SandboxSettings, make_sandbox
 from roll_backend.agentic.tools import (
     BUILTIN_TOOLS,
     PythonCodeTool,
@@ -32,6 +32,7 @@ class EpisodeSpec:
     tool_timeout_s: float = 30.0
     observation_template: str = "{observation}"
     observation_role: str = "user"
+    sandbox: SandboxSettings = SandboxSettings()
 
 
 @dataclass
@@ -49,14 +50,14 @@ class Outcome:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def build_tools(specs: tuple[ToolSpec, ...]) -> list:
+def build_tools(specs: tuple[ToolSpec, ...], sandbox: SandboxSettings = SandboxSettings()) -> list:
     tools = []
     for spec in specs:
         if spec.builtin is not None:
             if spec.builtin not in BUILTIN_TOOLS:
                 raise ValueError(f"unknown built-in tool {spec.builtin!r}; known: {', '.join(sorted(BUILTIN_TOOLS))}")
             if spec.builtin == "python":  # its kwargs are the sandbox's limits
-                tools.append(PythonCodeTool(SandboxLimits(**spec.kwargs)))
+                tools.append(PythonCodeTool(SandboxLimits(**spec.kwargs), make_sandbox(sandbox)))
             else:
                 tools.append(BUILTIN_TOOLS[spec.builtin](**spec.kwargs))
         else:
@@ -70,7 +71,7 @@ class Episode:
     def __init__(self, spec: EpisodeSpec):
         self.spec = spec
         self.env = make_env(spec.env) if spec.env is not None else None
-        self.toolbox = ToolBox(build_tools(spec.tools), spec.tool_timeout_s) if spec.tools else None
+        self.toolbox = ToolBox(build_tools(spec.tools, spec.sandbox), spec.tool_timeout_s) if spec.tools else None
 
     def tool_schemas(self) -> list[dict]:
         """The tools' JSON schemas for the chat template (asked of a worker: loading user tools runs their code)."""

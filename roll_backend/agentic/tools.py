@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from roll_backend.agentic.sandbox import SandboxLimits, run_python
+from roll_backend.agentic.sandbox import Sandbox, SandboxLimits, make_sandbox
 from roll_backend.errors import UserCodeError
 from roll_backend.rewards.user_functions import import_user_module, is_file_path, source_file
 
@@ -54,12 +54,14 @@ def tool_schema(tool: Tool) -> dict:
 
 
 class PythonCodeTool:
-    """Runs the model's Python in the sandbox (sandbox.py) and returns its output, or its error as a ToolError."""
+    """Runs the model's Python in the sandbox (agentic/sandbox/) and returns its output, or its error as a ToolError.
+    Made where the sandbox cannot run, it refuses to start (SandboxUnavailable says why and what to set)."""
 
     name = "python"
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits()):
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), sandbox: Sandbox | None = None):
         self.limits = limits
+        self.sandbox = sandbox if sandbox is not None else make_sandbox()
         self.description = (
             "Run Python 3 code and return what it prints (stdout) or its error. Each call starts a fresh "
             "interpreter: print what you need to see. No network, no subprocesses, files only in its working "
@@ -72,7 +74,7 @@ class PythonCodeTool:
         }
 
     def __call__(self, code: str) -> str:
-        result = run_python(code, self.limits)
+        result = self.sandbox.run_python(code, self.limits)
         if not result.ok:
             raise ToolError(result.as_tool_message())
         return result.as_tool_message()

@@ -1,29 +1,21 @@
-"""Runs model-written Python in a fresh, limited subprocess and reports what happened in words a model can read.
+"""Runs model-written Python in a fresh local process and reports what happened in words a model can read.
 
-Layers, outermost first:
-- OS, always: a fresh `python -I` (no user site, no PYTHON* variables, no cwd on sys.path) in a private temporary
-  directory (deleted afterwards), a minimal environment (PATH, HOME, TMPDIR, LANG: no inherited secrets), stdin
-  closed, its own session (the whole process group is killed at the wall-clock deadline or on an output flood),
-  rlimits: CPU time (whole seconds, then SIGKILL), address space (MemoryError), file size, no core files, and,
-  when the trainer is not root, a process count.
-- OS, when the machine allows it: `unshare -rn` (detected once per process) puts the child in a new user and
-  network namespace: no network interface but a downed loopback, and no capabilities of the host's user.
-- Python: an audit hook (sandbox_prelude.py, installed before the user code is compiled) refuses sockets that
-  connect, bind or resolve names; process creation (fork, exec, spawn, subprocess, multiprocessing); ctypes, cffi
-  and native modules written into the directory; writes, renames, removals and directory opens outside it;
-  signals to other processes; raising rlimits. A refusal raises `SandboxViolation` (a PermissionError) in the
-  child, and the parent turns that into this module's error message.
+The process starts either inside the bubblewrap boundary (bubblewrap.py: namespaces, a minimal read-only root, a
+capped tmpfs, seccomp) or, only when named (`backend: process`), as a plain subprocess in a private temporary
+directory with `unshare -rn` where the machine allows it. Both then get the same layers from the prelude (prelude.py):
+rlimits (CPU seconds then SIGKILL, address space, file size, no core files, with processes allowed a process count)
+and an audit hook that turns refused operations into clear messages. The supervisor here reads stdout and stderr
+up to their caps, kills the process group at the wall-clock deadline or on an output flood, and reaps the child
+with its CPU time.
 
-Known limits, honestly: audit hooks are not a security boundary (CPython says so): code that reaches the hook's
-state through frames or the garbage collector, or corrupts the interpreter, gets past them. What holds then is the
-OS layer: CPU, memory and wall time, process-group kill, the namespace when present. As root the kernel does not
-enforce RLIMIT_NPROC and file permissions do not stop writes, so run tool workers as an unprivileged user where
-you can. RLIMIT_FSIZE bounds each file, not their total. With `max_processes > 0`, started programs are native and
-unhooked; a child that leaves the process group (setsid) outlives the kill.
+The audit hook is not a boundary (CPython says so): without bubblewrap, code that corrupts the interpreter or
+calls native code the hook does not see gets past it, and what holds is the rlimits, the wall clock and the
+namespace when present. That is why the process backend must be chosen by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -40,9 +32,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roll_backend.agentic.sandbox import bubblewrap, seccomp
+from roll_backend.agentic.sandbox.limits import STDERR_TAIL_CHARS, SandboxLimits, SandboxResult
+
 logger = logging.getLogger(__name__)
 
-PRELUDE = Path(__file__).with_name("sandbox_prelude.py")
+PRELUDE = Path(__file__).with_name("prelude.py")
 MAIN_FILE = "main.py"  # the prelude's name for the user's code (tracebacks show it)
 READ_CHUNK = 65536
 POLL_S = 0.05  # how often the supervisor looks at the clock while the child is quiet
@@ -51,70 +46,9 @@ THREAD_ALLOWANCE = 32  # RLIMIT_NPROC counts threads too: room for the code's ow
 # The kernel kills at its sampled CPU time; wait4's rusage reports less under contention (0.95 s for a 1 s limit
 # on a busy 2-core machine), so a SIGKILL with this fraction of the limit used is the CPU limit.
 CPU_ACCOUNTING_FRACTION = 0.8
-STDERR_TAIL_CHARS = 2000  # how much of stderr a tool message shows
 # The prelude's refusal as Python prints it; found anywhere in a failed run's stderr, since a library may wrap it
 # (urllib's URLError shows it as the exception "during handling" of which its own was raised).
 _VIOLATION = re.compile(r"^(?:SandboxViolation|SandboxBlockedImport): (.+)$", re.M)
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """What one sandboxed run may use. `max_processes=0`: the code may not start processes at all."""
-
-    wall_s: float = 10.0
-    cpu_s: float = 5.0
-    memory_mb: int = 512  # address space (RLIMIT_AS), so virtual memory: the interpreter itself takes ~30 MB
-    max_processes: int = 0
-    output_bytes: int = 8192  # per stream (stdout, stderr); past it the run is stopped
-    network: bool = False
-    file_mb: int = 64  # the largest file the code may write (RLIMIT_FSIZE)
-
-    def __post_init__(self):
-        problems = []
-        for name, low in (("wall_s", 0.0), ("cpu_s", 0.0)):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > low):
-                problems.append(f"sandbox.{name}={value!r} must be a positive number of seconds")
-        for name, low, hint in (
-            ("memory_mb", 64, "the interpreter alone needs ~30 MB of address space; give at least 64"),
-            ("max_processes", 0, "0 forbids starting processes; give a count >= 0"),
-            ("output_bytes", 1, "give the bytes of stdout/stderr a tool message may carry, >= 1"),
-            ("file_mb", 0, "give the largest file size in MB, >= 0"),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"sandbox.{name}={value!r} is out of range; {hint}")
-        if not isinstance(self.network, bool):
-            problems.append(f"sandbox.network={self.network!r} must be true or false")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-@dataclass
-class SandboxResult:
-    """One run: its (capped) output, exit code (negative: the signal that ended it; None: the supervisor stopped
-    it), wall time, and `error`: None on success, else a short message for the model."""
-
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    seconds: float
-    error: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def as_tool_message(self) -> str:
-        """What the model sees: stdout, then the error and the tail of stderr. Bounded by the output cap."""
-        parts = [self.stdout.rstrip("\n")] if self.stdout.strip() else []
-        if self.error is not None:
-            parts.append(f"Error: {self.error}")
-        stderr = self.stderr.rstrip("\n")
-        if stderr:
-            tail = stderr if len(stderr) <= STDERR_TAIL_CHARS else "..." + stderr[-STDERR_TAIL_CHARS:]
-            parts.append(f"stderr:\n{tail}")
-        return "\n".join(parts) if parts else "(no output)"
 
 
 @dataclass
@@ -129,37 +63,73 @@ class _Run:
     flooded: bool = False
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` in a fresh sandboxed interpreter (see the module docstring); its process group is killed and its
-    directory removed before this returns."""
-    root = tempfile.mkdtemp(prefix="roll_sandbox_")
-    try:
-        Path(root, MAIN_FILE).write_text(code, encoding="utf-8")
-        command = [
-            *_namespace_prefix(limits.network),
-            sys.executable,
-            "-I",
-            str(PRELUDE),
-            json.dumps(_child_config(limits)),
-        ]
-        started = time.monotonic()
-        child = subprocess.Popen(
-            command,
-            cwd=root,
-            env=_child_env(root),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: one killpg ends it and its children
-        )
-        run = _supervise(child, limits, deadline=started + limits.wall_s)
-        seconds = time.monotonic() - started
-    finally:
-        _remove_tree(root)
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), backend: str = "bubblewrap") -> SandboxResult:
+    """Run `code` in a fresh interpreter under `backend` (bubblewrap, or process when named); everything it started
+    is killed and its files are gone before this returns."""
+    if backend == "bubblewrap":
+        with _bubblewrap_run(code, limits) as (command, pass_fds):
+            run, seconds = _start_and_supervise(
+                command, limits, cwd=None, env=_child_env(bubblewrap.WORKDIR), **pass_fds
+            )
+        run.exit_code = _signal_from_bwrap(run.exit_code)
+    else:
+        root = tempfile.mkdtemp(prefix="roll_sandbox_")
+        try:
+            Path(root, MAIN_FILE).write_text(code, encoding="utf-8")
+            command = [*_namespace_prefix(limits.network), sys.executable, "-I", str(PRELUDE), _config_json(limits)]
+            run, seconds = _start_and_supervise(command, limits, cwd=root, env=_child_env(root))
+        finally:
+            _remove_tree(root)
     stdout = run.stdout.decode("utf-8", errors="replace")
     stderr = run.stderr.decode("utf-8", errors="replace")
     exit_code = None if run.timed_out or run.flooded else run.exit_code  # None: the supervisor stopped it
     return SandboxResult(stdout, stderr, exit_code, seconds, _describe_failure(run, stderr, limits))
+
+
+@contextlib.contextmanager
+def _bubblewrap_run(code: str, limits: SandboxLimits):
+    """The bwrap command for one run and the descriptors it reads: the seccomp program (a pipe) and the code (an
+    unlinked temporary file, so nothing stays on the host's disk)."""
+    program = seccomp.filter_program(processes=limits.max_processes > 0)
+    read_end, write_end = os.pipe()
+    with tempfile.TemporaryFile() as source:
+        try:
+            os.write(write_end, program)  # a few hundred bytes: far below a pipe's buffer
+            os.close(write_end)
+            source.write(code.encode("utf-8"))
+            source.flush()
+            source.seek(0)
+            command = bubblewrap.command(limits, read_end, source.fileno(), PRELUDE, _child_config(limits))
+            yield command, {"pass_fds": (read_end, source.fileno())}
+        finally:
+            os.close(read_end)
+
+
+def _start_and_supervise(command: list[str], limits: SandboxLimits, cwd, env, pass_fds=()) -> tuple[_Run, float]:
+    started = time.monotonic()
+    child = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=pass_fds,
+        start_new_session=True,  # its own process group: one killpg ends it and its children
+    )
+    run = _supervise(child, limits, deadline=started + limits.wall_s)
+    return run, time.monotonic() - started
+
+
+def _signal_from_bwrap(code: int | None) -> int | None:
+    """bwrap exits with 128 + N when the code died of signal N; report it as Popen would (-N)."""
+    if code is not None and 128 < code <= 128 + 64:
+        return -(code - 128)
+    return code
+
+
+def _config_json(limits: SandboxLimits) -> str:
+    return json.dumps(_child_config(limits))
 
 
 def _child_config(limits: SandboxLimits) -> dict:

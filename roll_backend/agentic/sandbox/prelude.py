@@ -1,8 +1,8 @@
 """What the sandboxed interpreter runs before the user's code: OS limits, then an audit hook, then `main.py`.
 
-Started by `sandbox.run_python` as `python -I sandbox_prelude.py '<config json>'` inside the sandbox directory.
+Started by `sandbox.local.run_python` as `python -I prelude.py '<config json>'` inside the sandbox directory.
 Standard library only (it runs isolated and imports nothing from roll_backend). The audit hook is a Python-level
-guard; sandbox.py's docstring says what it does and does not hold against.
+guard, a second layer with clear messages; the boundary is bubblewrap's (sandbox/bubblewrap.py).
 """
 
 import builtins
