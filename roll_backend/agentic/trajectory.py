@@ -6,10 +6,16 @@ start with the rendering the engine saw plus the sampled text (the prefix proper
 tokenised and appended (loss mask 0). A template that renders earlier turns differently once a new message arrives
 (Qwen3 drops earlier reasoning, a template that trims replies) breaks the property: `TemplateBreak` names the turn,
 and the caller stops or starts a new segment (a new row whose prompt is the re-rendered conversation).
+
+Message contents are data, never markup: text an environment, a tool or a user wrote that spells a special token
+(`<|im_start|>user ...`) is tokenised as plain text, so it cannot forge a turn. Only the template's own text becomes
+special tokens (the contents are located by rendering the messages with placeholders in their place).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +87,7 @@ class ChatTurns:
         self.tools = list(tools) if tools else None
         self.on_break = on_break
         self.eos_ids = _end_of_turn_ids(tokenizer)
+        self._specials: re.Pattern | None = None
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         kwargs = {"tools": self.tools} if self.tools else {}
@@ -89,9 +96,14 @@ class ChatTurns:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's spelling in it stays characters."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
     def start(self, messages: Sequence[Mapping[str, Any]]) -> Conversation:
+        messages = [dict(m) for m in messages]
         rendered = self.render(messages)
-        return Conversation([dict(m) for m in messages], rendered, [Segment(self.encode(rendered))])
+        return Conversation(messages, rendered, [Segment(self._encode_after([], messages, "", rendered))])
 
     def empty(self) -> Conversation:
         """A trajectory that never reached the engine (its environment failed at reset): one token, nothing trained."""
@@ -118,6 +130,49 @@ class ChatTurns:
         conv.stopped_on_eos = stopped
         return text
 
+    def _encode_after(self, earlier: list[dict], new: list[dict], seen: str, rendered: str) -> list[int]:
+        """The ids of `rendered` after `seen` (the template's text of `earlier + new`): the template's markup as
+        tokens, the new messages' contents as plain text."""
+        text = rendered[len(seen) :]
+        specials = self._special_texts()
+        carriers = [  # the model's own replies are its sampled tokens, not data to guard
+            i
+            for i, m in enumerate(new)
+            if m.get("role") != "assistant" and isinstance(m.get("content"), str) and specials.search(m["content"])
+        ]
+        if not carriers:
+            return self.encode(text)
+        mark_of = {i: f"ROLLDATA{secrets.token_hex(8)}" for i in carriers}  # letters and digits: templates keep them
+        marks = {mark: i for i, mark in mark_of.items()}
+        template = self.render(
+            earlier + [dict(m, content=mark_of[i]) if i in mark_of else m for i, m in enumerate(new)]
+        )
+        ids, rebuilt = [], ""
+        for piece in re.split(f"({'|'.join(marks)})", template[len(seen) :] if template.startswith(seen) else ""):
+            if piece in marks:
+                content = new[marks[piece]]["content"]
+                ids += self.encode_text(content)
+                rebuilt += content
+            elif piece:
+                ids += self.encode(piece)
+                rebuilt += piece
+        if rebuilt == text:
+            return ids
+        # The template changes contents (trims them, say): spell the markup in them apart, render and encode that.
+        spelled_apart = lambda content: specials.sub(lambda match: "\u200b".join(match.group(0)), content)
+        safe = [dict(m, content=spelled_apart(m["content"])) if i in mark_of else m for i, m in enumerate(new)]
+        return self.encode(self.render(earlier + safe)[len(seen) :])
+
+    def _special_texts(self) -> re.Pattern:
+        """A pattern matching any special token's spelling (built once)."""
+        if self._specials is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            spellings = {token.content for token in added.values() if getattr(token, "special", False)}
+            spellings |= set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+            spellings = sorted((s for s in spellings if s), key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, spellings)) if spellings else r"(?!)")
+        return self._specials
+
     def extend(self, conv: Conversation, new_messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Append messages after the last assistant turn; returns the ids inserted (loss mask 0).
 
@@ -140,11 +195,11 @@ class ChatTurns:
             if self.on_break == "error":
                 raise TemplateBreak(message)
             conv.messages, conv.rendered = messages, rendered
-            conv.segments.append(Segment(self.encode(rendered)))
+            conv.segments.append(Segment(self._encode_after([], messages, "", rendered)))
             conv.breaks += 1
             conv.stopped_on_eos = False
             return []
-        inserted = self.encode(rendered[len(seen) :])
+        inserted = self._encode_after(conv.messages, messages[len(conv.messages) :], seen, rendered)
         conv.current.append(inserted, sampled=False)
         conv.messages, conv.rendered = messages, rendered
         conv.stopped_on_eos = False
