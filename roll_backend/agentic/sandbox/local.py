@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roll_backend.agentic.sandbox import bubblewrap, seccomp
+from roll_backend.agentic.sandbox import bubblewrap, cgroups, seccomp
 from roll_backend.agentic.sandbox.limits import STDERR_TAIL_CHARS, SandboxLimits, SandboxResult
 
 logger = logging.getLogger(__name__)
@@ -67,10 +67,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), backend: str 
     """Run `code` in a fresh interpreter under `backend` (bubblewrap, or process when named); everything it started
     is killed and its files are gone before this returns."""
     if backend == "bubblewrap":
-        with _bubblewrap_run(code, limits) as (command, pass_fds):
-            run, seconds = _start_and_supervise(
-                command, limits, cwd=None, env=_child_env(bubblewrap.WORKDIR), **pass_fds
-            )
+        with _bubblewrap_run(code, limits) as (command, pass_fds), _process_cap(limits) as procs:
+            if procs is not None:  # the first process joins the capped cgroup, then becomes bwrap
+                command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *command]
+            env = _child_env(bubblewrap.WORKDIR)
+            run, seconds = _start_and_supervise(command, limits, cwd=None, env=env, **pass_fds)
         run.exit_code = _signal_from_bwrap(run.exit_code)
     else:
         root = tempfile.mkdtemp(prefix="roll_sandbox_")
@@ -103,6 +104,17 @@ def _bubblewrap_run(code: str, limits: SandboxLimits):
             yield command, {"pass_fds": (read_end, source.fileno())}
         finally:
             os.close(read_end)
+
+
+@contextlib.contextmanager
+def _process_cap(limits: SandboxLimits):
+    """Under root with processes allowed, a pids cgroup (RLIMIT_NPROC does not bind root); else nothing is needed:
+    the seccomp filter forbids processes, or RLIMIT_NPROC counts the sandbox's own user namespace."""
+    if limits.max_processes == 0 or os.geteuid() != 0:
+        yield None
+        return
+    with cgroups.pids_limited(limits.max_processes + THREAD_ALLOWANCE + 2) as procs:  # + bwrap and the interpreter
+        yield procs
 
 
 def _start_and_supervise(command: list[str], limits: SandboxLimits, cwd, env, pass_fds=()) -> tuple[_Run, float]:

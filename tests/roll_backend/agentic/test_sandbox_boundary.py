@@ -263,3 +263,30 @@ def test_a_missing_library_or_backend_is_named():
         SandboxSettings(backend="docker")
     with pytest.raises(ValueError, match="needs agentic.sandbox.url"):
         make_sandbox(SandboxSettings(backend="remote"))
+
+
+def test_processes_allowed_by_the_limits_are_counted():
+    """With max_processes > 0 a fork bomb stops at the cap (threads count too: the allowance beside it), under root
+    through a pids cgroup (RLIMIT_NPROC does not bind root), which is gone afterwards."""
+    from roll_backend.agentic.sandbox.local import THREAD_ALLOWANCE
+
+    code = textwrap.dedent(
+        """
+        import subprocess
+        started = 0
+        try:
+            for _ in range(500):
+                subprocess.Popen(["sleep", "30"])
+                started += 1
+        except OSError as exc:
+            print("refused", exc.errno)
+        print(started)
+        """
+    )
+    result = run_python(code, UNHOOKED)
+    refused, started = result.stdout.split("\n")[:2]
+    assert refused == "refused 11" and 0 < int(started) <= UNHOOKED.max_processes + THREAD_ALLOWANCE
+    if os.geteuid() == 0:
+        from roll_backend.agentic.sandbox.cgroups import _own_pids_cgroup
+
+        assert not list(_own_pids_cgroup().glob(f"roll_sandbox_{os.getpid()}_*"))
