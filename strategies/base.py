@@ -157,10 +157,17 @@ class RolloutStrategy(Strategy):
 
     # ---- one request at a time (multi-turn rollouts: roll_backend.agentic drives these) -------------------
     def add_request(
-        self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None, meta_info=None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        seed: int | None,
+        meta_info=None,
+        updates_possible: bool = True,
     ) -> None:
         """Queue one sample of `max_tokens` at most, continuing `prompt_ids`, with the call's sampling settings
-        (`meta_info` as given to `generate`)."""
+        (`meta_info` as given to `generate`). `updates_possible=False` promises that no weight update comes before
+        it finishes (a generate call's turns): the engine may then skip keeping its partial state."""
         raise NotImplementedError(f"{type(self).__name__} does not take single requests")
 
     def step(self) -> list[FinishedRequest]:

@@ -82,6 +82,7 @@ class _Call:
     agent_sessions: list[str] = field(default_factory=list)  # agent mode: one session per worker running its share
     started: float = field(default_factory=time.perf_counter)
     engine_seconds: float = 0.0  # the loop's engine time when the call was admitted
+    streaming: bool = False  # a streaming admission: weight updates may come while its turns run
 
     @property
     def done(self) -> bool:
@@ -151,7 +152,7 @@ class AgenticRollout:
             batch = batch.select_idxs(real)
             batch.pop(batch_keys=[keys.DISPATCH_PADDING])
         if len(batch):
-            call = self._admit(batch, n, max_tokens, temperature)
+            call = self._admit(batch, n, max_tokens, temperature, streaming=True)
             # Rows of several admissions go back together: theirs carry no per-call meta (steps, seeds).
             call.batch = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info={})
             self.stream_calls.append(call)
@@ -188,11 +189,11 @@ class AgenticRollout:
         return batch, self.loop.busy()
 
     # ---- admissions and the loop -----------------------------------------------------------------------------
-    def _admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> _Call:
+    def _admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float, streaming: bool = False) -> _Call:
         base_seed = batch.meta_info.get(keys.META_SAMPLING_SEED)
         per_turn = min(self.config.max_tokens_per_turn or max_tokens, max_tokens)
         seed = base_seed if temperature > 0 else None
-        call = _Call(batch, dict(batch.meta_info), seed, max_tokens, per_turn)
+        call = _Call(batch, dict(batch.meta_info), seed, max_tokens, per_turn, streaming=streaming)
         call_id = next(self._ids)
         call.trajectories = [
             Trajectory(
@@ -351,7 +352,9 @@ class _Loop:
         seed = None
         if call.seed is not None:
             seed = (call.seed * 1_000_003 + traj.index * 7919 + traj.conv.turns * 104_729) % (2**31 - 1)
-        self.engine.add_request(request_id, segment.context(), room, seed, call.meta_info)
+        self.engine.add_request(
+            request_id, segment.context(), room, seed, call.meta_info, updates_possible=call.streaming
+        )
         self.on_engine[request_id] = traj
 
     def _replied(self, traj: Trajectory, request) -> None:

@@ -327,7 +327,13 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     # ---- one request at a time (multi-turn rollouts) ---------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_ids: list[int], max_tokens: int, seed: int | None, meta_info=None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        seed: int | None,
+        meta_info=None,
+        updates_possible: bool = True,
     ) -> None:
         """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`. It goes
         through the streaming session: a weight update while it runs treats it as streaming requests are treated, and
@@ -336,7 +342,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         turn = dataclasses.replace(
             sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()
         )
-        self.stream.add_turn(request_id, prompt_ids, turn)
+        self.stream.add_turn(request_id, prompt_ids, turn, partial=updates_possible)
 
     def step(self) -> list[FinishedRequest]:
         self.stream.step()

@@ -79,6 +79,7 @@ class _Request:
     sample: _Sample
     origin: str  # the caller's id: a group's sample "g{key}-{j}", or a turn's request id
     group: int | None = None  # the streaming group's key; None for a turn (`add_turn`)
+    partial: bool = True  # its tokens arrive each step (an update may come while it runs); else all at its end
 
 
 class StreamingSession:
@@ -134,11 +135,14 @@ class StreamingSession:
                 request = _Request(ids, dataclasses.replace(one, seed=sample.seed), sample, f"g{key}-{j}", key)
                 self._add(request.origin, request)
 
-    def add_turn(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig) -> None:
-        """One sample (`sampling.n` must be 1) continuing `prompt_ids`; `take_finished_turns` returns it."""
+    def add_turn(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig, partial: bool = True) -> None:
+        """One sample (`sampling.n` must be 1) continuing `prompt_ids`; `take_finished_turns` returns it. With
+        `partial=False` (no weight update before it ends) its output comes once, at its end: a step's bookkeeping
+        does not grow with the requests in flight."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already on the engine")
-        self._add(request_id, _Request(list(prompt_ids), sampling, _Sample(seed=sampling.seed), request_id))
+        sample = _Sample(seed=sampling.seed)
+        self._add(request_id, _Request(list(prompt_ids), sampling, sample, request_id, partial=partial))
 
     def _add(self, engine_id: str, request: _Request) -> None:
         """Put `request` on the engine from where its sample stands (a resubmission continues after its tokens)."""
@@ -154,7 +158,8 @@ class StreamingSession:
                 min_tokens=max(sampling.min_tokens - done, 0),
                 seed=None if sample.seed is None else sample.seed + RESUBMIT_SEED_STRIDE * sample.resubmits,
             ),
-            output_kind=RequestOutputKind.DELTA,  # each step's new tokens only: we keep the partial state
+            # each step's new tokens only (we keep the partial state), or the whole sample once at its end
+            output_kind=RequestOutputKind.DELTA if request.partial else RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_ids + sample.token_ids, cache_salt=self.salt())
         self.engine.add_request(engine_id, prompt, params, lora_request=self.strategy.lora_request)
@@ -228,6 +233,7 @@ class StreamingSession:
         """Weights were just loaded (between two steps): adopt `version` and treat the requests in flight by mode."""
         if in_flight not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"in_flight={in_flight!r}: use one of {PARTIAL_ROLLOUT_MODES}")
+        self._check_partial_state()
         if version is not None:
             self.version = version
         running = list(self.requests)
@@ -247,12 +253,22 @@ class StreamingSession:
         """`load()` puts a new LoRA adapter on the engine with requests in flight: a request keeps the LoRARequest it
         was added with, so they are aborted first (the old adapter is then free to go) and added again under the new
         one after `load()`, continuing after their tokens so far (partial_rollout: resubmit)."""
+        self._check_partial_state()
         requests = self._abort(list(self.requests))
         load()
         if version is not None:
             self.version = version
         self.stats["partial_resumed_requests"] += sum(1 for request in requests if request.sample.token_ids)
         self._add_again(requests)
+
+    def _check_partial_state(self) -> None:
+        whole = [rid for rid, request in self.requests.items() if not request.partial]
+        if whole:
+            raise RuntimeError(
+                f"a weight update arrived while {len(whole)} requests added with updates_possible=False were running "
+                f"(e.g. {whole[0]!r}); their tokens cannot be attributed to versions: add them with "
+                "updates_possible=True (streaming) or update between generate calls"
+            )
 
     def _abort(self, running: list[str]) -> list[_Request]:
         if running:
