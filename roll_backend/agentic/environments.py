@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import inspect
 import math
 import numbers
@@ -29,6 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
+from roll_backend.agentic.sandbox import Sandbox, SandboxLimits, SandboxSettings, make_sandbox
 from roll_backend.errors import UserCodeError
 from roll_backend.rewards.user_functions import (
     RewardFunctionSpec,
@@ -148,13 +150,18 @@ def _top_level_classes(source: Path) -> list[str] | None:
 # ---- building and calling ------------------------------------------------------------------------------------
 
 
-def make_env(spec: EnvSpec) -> TextEnv:
+def make_env(spec: EnvSpec, sandbox: SandboxSettings = SandboxSettings()) -> TextEnv:
     """The environment `spec` names, built fresh. Unknown ids or names raise ValueError; the environment's own code
-    raising while loading or building raises UserCodeError naming `spec.label`."""
+    raising while loading or building raises UserCodeError naming `spec.label`. GEM environments run the code a
+    model writes in `sandbox` (patches.gem_sandbox)."""
     problems = spec.problems("env")
     if problems:
         raise ValueError(problems[0])
     kwargs = dict(spec.kwargs)
+    if spec.gem is not None:  # outside the try below: a sandbox that cannot run is not the environment's fault
+        from roll_backend.patches import gem_sandbox
+
+        gem_sandbox.apply(functools.partial(run_in_sandbox, make_sandbox(sandbox)))
     try:
         if spec.gem is not None:
             import gem
@@ -178,6 +185,13 @@ def make_env(spec: EnvSpec) -> TextEnv:
             "(observation, reward, terminated, truncated, info)"
         )
     return env
+
+
+def run_in_sandbox(sandbox: Sandbox, code: str, stdin: str, timeout_s: float | None) -> tuple[bool, str, str]:
+    """gem-llm's code-runner contract over `sandbox`: (success, stdout, stderr with the sandbox's error last)."""
+    limits = SandboxLimits() if timeout_s is None else SandboxLimits(wall_s=float(timeout_s))
+    result = sandbox.run_python(code, limits, stdin)
+    return result.ok, result.stdout, result.stderr if result.ok else f"{result.stderr}\n{result.error}".lstrip("\n")
 
 
 def reset_env(env: TextEnv, seed: int | None = None, task: dict | None = None, label: str | None = None):

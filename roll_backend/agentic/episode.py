@@ -70,7 +70,7 @@ class Episode:
 
     def __init__(self, spec: EpisodeSpec):
         self.spec = spec
-        self.env = make_env(spec.env) if spec.env is not None else None
+        self.env = make_env(spec.env, spec.sandbox) if spec.env is not None else None
         self.toolbox = ToolBox(build_tools(spec.tools, spec.sandbox), spec.tool_timeout_s) if spec.tools else None
 
     def tool_schemas(self) -> list[dict]:

@@ -24,7 +24,7 @@ class Sandbox(Protocol):
     """Runs one program; never raises for what the program does (that is the result's `error`), only
     SandboxUnavailable when the sandbox itself cannot run."""
 
-    def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult: ...
+    def run_python(self, code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult: ...
 
 
 class LocalSandbox:
@@ -39,10 +39,10 @@ class LocalSandbox:
             bubblewrap.interpreter()
             seccomp.filter_program(processes=False)
 
-    def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult:
+    def run_python(self, code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
         from roll_backend.agentic.sandbox.local import run_python as run_local
 
-        return run_local(code, limits, self.backend)
+        return run_local(code, limits, self.backend, stdin)
 
 
 def make_sandbox(settings: SandboxSettings = SandboxSettings()) -> Sandbox:
@@ -55,7 +55,7 @@ def make_sandbox(settings: SandboxSettings = SandboxSettings()) -> Sandbox:
 
 
 def run_python(
-    code: str, limits: SandboxLimits = SandboxLimits(), settings: SandboxSettings = SandboxSettings()
+    code: str, limits: SandboxLimits = SandboxLimits(), settings: SandboxSettings = SandboxSettings(), stdin: str = ""
 ) -> SandboxResult:
-    """Run `code` once in the sandbox `settings` name (for environments and tools of your own that run code)."""
-    return make_sandbox(settings).run_python(code, limits)
+    """Run `code` once (reading `stdin`) in the sandbox `settings` name (for your own environments and tools)."""
+    return make_sandbox(settings).run_python(code, limits, stdin)

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 WORKDIR = "/sandbox"
 PRELUDE_AT = "/opt/roll_sandbox/prelude.py"
+STDIN_AT = "/opt/roll_sandbox/stdin"
 SANDBOX_UID = 65534  # "nobody" inside the sandbox's user namespace
 SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache",)  # where the dynamic loader finds libraries (paths only)
@@ -94,8 +95,11 @@ def _namespace_flags(network: bool) -> list[str]:
     return flags + ["--new-session", "--die-with-parent", "--as-pid-1", "--hostname", "sandbox"]
 
 
-def command(limits: SandboxLimits, seccomp_fd: int, code_fd: int, prelude: Path, config: dict) -> list[str]:
-    """The bwrap argv that runs `prelude` (then the code from `code_fd`, as main.py) under the boundary."""
+def command(
+    limits: SandboxLimits, seccomp_fd: int, code_fd: int, stdin_fd: int, prelude: Path, config: dict
+) -> list[str]:
+    """The bwrap argv that runs `prelude` (then the code from `code_fd`, as main.py, its input from `stdin_fd`)
+    under the boundary."""
     python = interpreter()
     argv = [check_available(), *_namespace_flags(limits.network), "--ro-bind", "/usr", "/usr"]
     for path in SYSTEM_DIRS:
@@ -121,6 +125,7 @@ def command(limits: SandboxLimits, seccomp_fd: int, code_fd: int, prelude: Path,
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
     argv += ["--perms", "1777", "--size", str(limits.disk_mb * 2**20), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp"]
     argv += ["--ro-bind", str(prelude), PRELUDE_AT, "--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/main.py"]
+    argv += ["--perms", "0444", "--file", str(stdin_fd), STDIN_AT]
     # The root and the folders bwrap made are owned by the sandbox's user: read-only, so only the capped tmpfs takes
     # writes.
     argv += ["--remount-ro", "/", "--chdir", WORKDIR, "--seccomp", str(seccomp_fd)]

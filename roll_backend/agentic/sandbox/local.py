@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 PRELUDE = Path(__file__).with_name("prelude.py")
 MAIN_FILE = "main.py"  # the prelude's name for the user's code (tracebacks show it)
+STDIN_FILE = ".stdin"  # the process backend: the run's standard input, beside main.py
 READ_CHUNK = 65536
 POLL_S = 0.05  # how often the supervisor looks at the clock while the child is quiet
 DRAIN_S = 0.5  # after the main process exits, how long a child that left its process group may hold the pipes
@@ -63,11 +64,13 @@ class _Run:
     flooded: bool = False
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), backend: str = "bubblewrap") -> SandboxResult:
-    """Run `code` in a fresh interpreter under `backend` (bubblewrap, or process when named); everything it started
-    is killed and its files are gone before this returns."""
+def run_python(
+    code: str, limits: SandboxLimits = SandboxLimits(), backend: str = "bubblewrap", stdin: str = ""
+) -> SandboxResult:
+    """Run `code` (reading `stdin`) in a fresh interpreter under `backend` (bubblewrap, or process when named);
+    everything it started is killed and its files are gone before this returns."""
     if backend == "bubblewrap":
-        with _bubblewrap_run(code, limits) as (command, pass_fds), _process_cap(limits) as procs:
+        with _bubblewrap_run(code, limits, stdin) as (command, pass_fds), _process_cap(limits) as procs:
             if procs is not None:  # the first process joins the capped cgroup, then becomes bwrap
                 command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *command]
             env = _child_env(bubblewrap.WORKDIR)
@@ -77,7 +80,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), backend: str 
         root = tempfile.mkdtemp(prefix="roll_sandbox_")
         try:
             Path(root, MAIN_FILE).write_text(code, encoding="utf-8")
-            command = [*_namespace_prefix(limits.network), sys.executable, "-I", str(PRELUDE), _config_json(limits)]
+            Path(root, STDIN_FILE).write_text(stdin, encoding="utf-8")
+            config = json.dumps(_child_config(limits, stdin=STDIN_FILE))
+            command = [*_namespace_prefix(limits.network), sys.executable, "-I", str(PRELUDE), config]
             run, seconds = _start_and_supervise(command, limits, cwd=root, env=_child_env(root))
         finally:
             _remove_tree(root)
@@ -88,20 +93,22 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), backend: str 
 
 
 @contextlib.contextmanager
-def _bubblewrap_run(code: str, limits: SandboxLimits):
-    """The bwrap command for one run and the descriptors it reads: the seccomp program (a pipe) and the code (an
-    unlinked temporary file, so nothing stays on the host's disk)."""
+def _bubblewrap_run(code: str, limits: SandboxLimits, stdin: str):
+    """The bwrap command for one run and the descriptors it reads: the seccomp program (a pipe), the code and its
+    input (unlinked temporary files, so nothing stays on the host's disk)."""
     program = seccomp.filter_program(processes=limits.max_processes > 0)
     read_end, write_end = os.pipe()
-    with tempfile.TemporaryFile() as source:
+    with tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as given:
         try:
             os.write(write_end, program)  # a few hundred bytes: far below a pipe's buffer
             os.close(write_end)
-            source.write(code.encode("utf-8"))
-            source.flush()
-            source.seek(0)
-            command = bubblewrap.command(limits, read_end, source.fileno(), PRELUDE, _child_config(limits))
-            yield command, {"pass_fds": (read_end, source.fileno())}
+            for file, text in ((source, code), (given, stdin)):
+                file.write(text.encode("utf-8"))
+                file.flush()
+                file.seek(0)
+            config = _child_config(limits, stdin=bubblewrap.STDIN_AT)
+            command = bubblewrap.command(limits, read_end, source.fileno(), given.fileno(), PRELUDE, config)
+            yield command, {"pass_fds": (read_end, source.fileno(), given.fileno())}
         finally:
             os.close(read_end)
 
@@ -140,11 +147,7 @@ def _signal_from_bwrap(code: int | None) -> int | None:
     return code
 
 
-def _config_json(limits: SandboxLimits) -> str:
-    return json.dumps(_child_config(limits))
-
-
-def _child_config(limits: SandboxLimits) -> dict:
+def _child_config(limits: SandboxLimits, stdin: str) -> dict:
     cpu = math.ceil(limits.cpu_s)
     memory = limits.memory_mb * 2**20
     rlimits = {
@@ -156,7 +159,7 @@ def _child_config(limits: SandboxLimits) -> dict:
     if os.geteuid() != 0:  # the kernel exempts root; for others it counts every task of the uid, so add theirs
         nproc = _tasks_of_uid(os.geteuid()) + limits.max_processes + THREAD_ALLOWANCE
         rlimits["RLIMIT_NPROC"] = (nproc, nproc)
-    return {"limits": rlimits, "network": limits.network, "processes": limits.max_processes > 0}
+    return {"limits": rlimits, "network": limits.network, "processes": limits.max_processes > 0, "stdin": stdin}
 
 
 def _child_env(root: str) -> dict[str, str]:

@@ -28,14 +28,14 @@ class RemoteSandbox:
         self.request_timeout_s = settings.request_timeout_s
         self.slots = threading.BoundedSemaphore(settings.max_concurrent)
 
-    def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult:
+    def run_python(self, code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
         body = {
             "code": code,
             "language": "python",
             "run_timeout": limits.wall_s,
             "compile_timeout": limits.wall_s,
             "memory_limit_MB": limits.memory_mb,
-            "stdin": "",
+            "stdin": stdin,
         }
         request = urllib.request.Request(
             self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"

@@ -201,3 +201,27 @@ def test_env_spec_problems_for_user_files(user_env_file, tmp_path):
     (unnamed,) = EnvSpec(path=user_env_file, name="MyEnv").problems("agentic.env")
     assert "agentic.env.name='MyEnv'" in unnamed
     assert unnamed.endswith("classes there: BrokenEnv, CountdownEnv, SeedOnlyEnv")
+
+
+def test_gem_runs_model_code_in_our_sandbox(tmp_path):
+    """gem-llm's own code runner (its code environments' tests, its python tool) goes through roll-backend's sandbox
+    once a GEM environment is built: the code's output comes back, and the host's files and network are out of
+    reach (gem's default would run it as a plain subprocess)."""
+    import importlib
+
+    from roll_backend.agentic.environments import EnvSpec, make_env
+    from roll_backend.patches.gem_sandbox import GEM_MODULES
+
+    make_env(EnvSpec(gem="game:GuessTheNumber-v0-easy"))
+    for name in GEM_MODULES:
+        assert getattr(importlib.import_module(name).run_python, "roll_backend_sandbox", False), name
+    from gem.tools.python_code_tool import PythonCodeTool as GemPythonTool
+    from gem.utils.sandbox import run_python as gem_run_python
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    code = f"```python\nprint(6 * 7)\nprint(open({str(secret)!r}).read())\n```"
+    _, _, text, _ = GemPythonTool(timeout=5).execute_action(code)  # (valid, has_error, observation, parsed action)
+    assert "42" in text and "hunter2" not in text and "FileNotFoundError" in text, text
+    ok, stdout, _ = gem_run_python("import sys\nprint(sys.stdin.read()[::-1])", "none", stdin="abc", timeout=5)
+    assert ok and stdout == "cba\n"  # a code environment's test input arrives on stdin
