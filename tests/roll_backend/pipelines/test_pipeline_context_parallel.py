@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from router_tools import tie_routers
 
 from roll_backend.config.loader import load_config
@@ -75,5 +76,7 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
     # the rollout's (the gap without replay), while the actor replaying the rollout's routes matches it.
     assert first["actor/moe/log_probs_route_agreement"] < 0.99, first
     assert first["reference/moe/log_probs_route_agreement"] < 0.99, first
-    assert first["reference/rollout_logprob_gap"] > 100 * first["actor/rollout_logprob_gap"], first
-    assert first["reference/rollout_logprob_gap"] > 1e-3, first
+    # Far above both the replaying actor's gap and float32 rounding of a log-prob (eps x a magnitude of ~10): how
+    # far above depends on how many routes the CPU's rounding flips (7.5e-4 to 1.8e-3 on the CPUs seen).
+    rounding = torch.finfo(torch.float32).eps * 10
+    assert first["reference/rollout_logprob_gap"] > 100 * max(first["actor/rollout_logprob_gap"], rounding), first
