@@ -61,13 +61,13 @@ class RolloutWorker(Worker):
             self.agentic.close()
             self.agentic = None
         if agentic is not None:
-            config = self._strategy().config
+            strategy = self._strategy()
             self.agentic = AgenticRollout(
-                self.strategy,
-                self.strategy.tokenizer,
+                strategy,
+                strategy.tokenizer,
                 agentic,
-                max_model_len=config.max_model_len,
-                prompt_width=config.max_prompt_length,
+                max_model_len=strategy.max_model_len,
+                prompt_width=strategy.max_prompt_length,
             )
 
     @register(Dispatch.DP_MP_COMPUTE)
@@ -138,7 +138,7 @@ class RolloutWorker(Worker):
             sampling = self._strategy().sampling_for(prompts.meta_info)
             self.agentic.stream_admit(prompts, sampling.n, sampling.max_tokens, sampling.temperature)
             return
-        self._strategy().stream.admit(prompts)
+        self._strategy().stream_admit(prompts)
 
     @register(Dispatch.ONE_TO_ALL)
     def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
@@ -147,8 +147,8 @@ class RolloutWorker(Worker):
         up to `max_steps` steps of the trajectories' loop (roll_backend.agentic.rollout), groups of trajectories."""
         if self.agentic is not None:
             finished, unfinished = self.agentic.stream_run(max_steps)
-            return finished, unfinished, self._strategy().stream.take_stats()
-        return self._strategy().stream.run(max_steps)
+            return finished, unfinished, self._strategy().stream_stats()
+        return self._strategy().stream_run(max_steps)
 
     @register(Dispatch.DP_MP_COMPUTE)
     def probe_log_probs(self, batch: DataProto) -> DataProto:

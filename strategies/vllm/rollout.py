@@ -53,6 +53,14 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.llm = None
         self.stream = StreamingSession(self)  # streaming mode's requests in flight, and the weights' version
 
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def max_prompt_length(self) -> int | None:
+        return self.config.max_prompt_length
+
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
         os.environ.update(engine_environment(self.config, self.device))
@@ -350,6 +358,15 @@ class VllmRolloutStrategy(RolloutStrategy):
             FinishedRequest(request_id, s.token_ids, s.log_probs, s.finish_reason, s.versions)
             for request_id, s in self.stream.take_finished_turns()
         ]
+
+    def stream_admit(self, prompts: DataProto) -> None:
+        self.stream.admit(prompts)
+
+    def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
+        return self.stream.run(max_steps)
+
+    def stream_stats(self) -> dict[str, float]:
+        return self.stream.take_stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.llm_engine.has_unfinished_requests()
