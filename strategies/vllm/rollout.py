@@ -54,6 +54,11 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.stream = StreamingSession(self)  # streaming mode's requests in flight, and the weights' version
 
     @property
+    def tp(self) -> int:
+        """The engine's tensor parallelism: the role's layout (1 for an engine built outside a role)."""
+        return self.layout.tp if self.layout is not None else 1
+
+    @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
@@ -77,7 +82,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             model=config.model_path,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
-            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_size=self.tp,
             seed=config.seed,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -100,12 +105,6 @@ class VllmRolloutStrategy(RolloutStrategy):
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
-            tp = getattr(self.layout, "tp", config.tensor_parallel_size)
-            if tp != config.tensor_parallel_size:
-                raise ValueError(
-                    f"rollout tensor_parallel_size={config.tensor_parallel_size} but the role's layout has tp={tp}; "
-                    "make them equal so each TP group of the role holds one engine."
-                )
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
