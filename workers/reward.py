@@ -119,9 +119,7 @@ class RewardWorker(Worker):
 
 def _real_rows(batch: DataProto) -> np.ndarray:
     """Indices of the rows that are not dispatch padding."""
-    if keys.DISPATCH_PADDING in batch.batch.keys():
-        return np.flatnonzero(~batch.batch[keys.DISPATCH_PADDING].numpy().astype(bool))
-    return np.arange(len(batch))
+    return np.flatnonzero(~batch.padding_mask().numpy())
 
 
 def reward_rows(batch: DataProto, indices: np.ndarray) -> RewardRows:

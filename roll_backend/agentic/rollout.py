@@ -147,10 +147,7 @@ class AgenticRollout:
     def stream_admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> None:
         """Start n trajectories per prompt row; `stream_run` returns them by group once all n ended. Rows the DP
         split repeated (keys.DISPATCH_PADDING) are not played."""
-        if batch.batch is not None and keys.DISPATCH_PADDING in batch.batch.keys():
-            real = (~batch.batch[keys.DISPATCH_PADDING].bool()).nonzero().flatten().tolist()
-            batch = batch.select_idxs(real)
-            batch.pop(batch_keys=[keys.DISPATCH_PADDING])
+        batch = batch.without_padding()
         if len(batch):
             call = self._admit(batch, n, max_tokens, temperature, streaming=True)
             # Rows of several admissions go back together: theirs carry no per-call meta (steps, seeds).
