@@ -24,7 +24,7 @@ from tensordict import TensorDict
 
 from roll_backend import keys
 from roll_backend.protocol import disk as protocol_disk
-from roll_backend.protocol import rows as row_math
+from roll_backend.protocol import row_index as row_math
 from roll_backend.protocol import tensordict_format
 from roll_backend.protocol.columns import (
     as_non_tensor_column,

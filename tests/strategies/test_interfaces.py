@@ -16,7 +16,7 @@ ROLE_INTERFACES = {
     "workers/reference.py": "InferStrategy",
     "workers/reward_model.py": "InferStrategy",
     "workers/rollout.py": "RolloutStrategy",
-    "roll_backend/agentic/rollout.py": "RolloutStrategy",  # drives the rollout role's engine, turn by turn
+    "roll_backend/agentic/multi_turn.py": "RolloutStrategy",  # drives the rollout role's engine, turn by turn
 }
 # How each module names the strategy object it holds.
 STRATEGY_REFERENCES = {"strategy", "_strategy", "engine"}

@@ -239,7 +239,7 @@ def test_sampling_config_validation_and_overrides():
 
 
 def test_engine_environment_comes_from_config():
-    from roll_backend.strategies.vllm.rollout import engine_environment
+    from roll_backend.strategies.vllm.strategy import engine_environment
 
     config = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
     assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}

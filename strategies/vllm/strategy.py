@@ -24,7 +24,7 @@ from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm import adapters
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
-from roll_backend.strategies.vllm.streaming import Sampled, StreamingSession, token_versions
+from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             )
 
     def rollout_rows(self, groups, elapsed: float) -> DataProto:
-        """Streaming: finished groups (strategies/vllm/streaming.py) in `generate`'s layout, with each token's
+        """Streaming: finished groups (strategies/vllm/stream_session.py) in `generate`'s layout, with each token's
         weight version in TOKEN_POLICY_VERSION."""
         batch = DataProto.concat([group.row for group in groups])
         cached = [
@@ -384,7 +384,7 @@ class VllmRolloutStrategy(RolloutStrategy):
 
         Each yielded tensor must stay valid after the next one is yielded (no reused gather buffer).
         `version`: the trainer version of these weights (stamped on the tokens sampled from now on). Streaming
-        requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/streaming.py);
+        requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/stream_session.py);
         without them the prefix cache is reset: its cached keys/values were computed with the old weights.
         """
         loaded = 0
