@@ -215,7 +215,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = schedule.run_pipeline(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes)
+        stored = schedule.forward_backward(
+            self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes
+        )
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
