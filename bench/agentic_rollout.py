@@ -42,11 +42,11 @@ def main() -> None:
     from roll_backend import keys
     from roll_backend.agentic.config import AgenticConfig
     from roll_backend.agentic.environments import EnvSpec
-    from roll_backend.agentic.rollout import AgenticRollout
+    from roll_backend.agentic.multi_turn import AgenticRollout
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
     from roll_backend.protocol import DataProto
     from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-    from roll_backend.strategies.vllm.rollout import VllmRolloutStrategy
+    from roll_backend.strategies.vllm.strategy import VllmRolloutStrategy
 
     total = args.turns * args.turn_tokens
     with tempfile.TemporaryDirectory() as folder:

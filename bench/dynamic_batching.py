@@ -56,7 +56,7 @@ def response_lengths(count: int, seed: int) -> np.ndarray:
 def rl_batch(lengths: np.ndarray, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """64-token prompts, right-padded responses of `lengths`, random advantages and old log-probs."""
     from roll_backend import keys
-    from roll_backend.algorithms.tokens import sequence_columns
+    from roll_backend.protocol.sequences import sequence_columns
 
     gen = torch.Generator().manual_seed(seed)
     rows, width = len(lengths), MAX_RESPONSE

@@ -129,9 +129,49 @@ class TrainStrategy(Strategy):
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket)."""
 
+    @abc.abstractmethod
+    def parameter_counts(self) -> dict[str, int]:
+        """{"parameters": the model's, "trainable_parameters": those the optimizer updates}, each counted once over
+        every parallel split (the same on every rank)."""
+
+    @abc.abstractmethod
+    def param_grad_norms(self, prefix: str = "") -> dict[str, float]:
+        """This rank's per-parameter gradient norms after the last train step, for names starting with `prefix`."""
+
+    # ---- LoRA adapters (backends without adapters keep these defaults) --------------------------------------
+    def adapter_tensors(self, what: str = "adapter_tensors") -> dict[str, torch.Tensor] | None:
+        """The adapters' full tensors by PEFT name (every rank joins the gathers; rank 0 gets them, others None).
+        `what` names the caller in the error a backend without adapters raises."""
+        raise NotImplementedError(f"{type(self).__name__} trains no adapters: {what} needs lora")
+
+    def peft_config(self) -> Any:
+        """The adapters' peft.LoraConfig (target modules, rank, alpha) for an engine that serves them."""
+        raise NotImplementedError(f"{type(self).__name__} trains no adapters")
+
+    def export_peft(self, out_dir: str) -> list[str] | None:
+        """The adapters as a PEFT folder in `out_dir`; the tensor names written (None on ranks that did not write)."""
+        raise NotImplementedError(f"{type(self).__name__} trains no adapters")
+
 
 class RolloutStrategy(Strategy):
     """A generation backend for one rank of the rollout role: sample responses, take new weights, probe log-probs."""
+
+    tokenizer: Any  # the model's Hugging Face tokenizer (chat template included), set by `initialize`
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """The longest prompt + response the engine holds."""
+
+    @property
+    @abc.abstractmethod
+    def max_prompt_length(self) -> int | None:
+        """The prompt width rollout rows share (None: each call's longest prompt)."""
+
+    @abc.abstractmethod
+    def sampling_for(self, meta_info: Mapping[str, Any]) -> Any:
+        """The sampling settings of a call (the config's, with a batch's meta_info overrides): an object with at
+        least `n`, `max_tokens` and `temperature`."""
 
     @abc.abstractmethod
     def initialize(self) -> None:
@@ -154,6 +194,31 @@ class RolloutStrategy(Strategy):
     @abc.abstractmethod
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts: [B, T_resp] float32."""
+
+    def load_adapter(
+        self,
+        tensors: dict[str, torch.Tensor],
+        peft_config: Any,
+        version: int | None = None,
+        in_flight: str | None = None,
+    ) -> int:
+        """Serve these LoRA adapters (PEFT-named tensors and their peft.LoraConfig) from now on, in place of the last
+        ones; returns how many tensors were loaded. `version` and `in_flight` as for `update_weights`."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve adapters")
+
+    # ---- streaming (async_generation.mode: streaming): requests stay on the engine across calls ----------------
+    def stream_admit(self, prompts: DataProto) -> None:
+        """Start n samples per prompt row; `stream_run` returns them by group once all n finished."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
+        """Up to `max_steps` engine steps: (the groups that finished, in rollout layout with each token's weight
+        version, or None; whether requests remain; counters since the last call or `stream_stats`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def stream_stats(self) -> dict[str, float]:
+        """The streaming counters since the last call (engine steps, requests resumed across an update, ...)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     # ---- one request at a time (multi-turn rollouts: roll_backend.agentic drives these) -------------------
     def add_request(

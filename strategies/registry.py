@@ -8,7 +8,7 @@ from typing import Any
 STRATEGIES: dict[str, str] = {
     "megatron_train": "roll_backend.strategies.megatron.train:MegatronTrainStrategy",
     "megatron_infer": "roll_backend.strategies.megatron.infer:MegatronInferStrategy",
-    "vllm_rollout": "roll_backend.strategies.vllm.rollout:VllmRolloutStrategy",
+    "vllm_rollout": "roll_backend.strategies.vllm.strategy:VllmRolloutStrategy",
 }
 
 # The typed config class of each strategy (modules without heavy imports).

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import place_on_last_token
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import place_on_last_token
 from roll_backend.rewards.registry import builtin_weights, get_reward_fn
 from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, FunctionScorer, RewardFunctionSpec, RewardRows
 
@@ -119,9 +119,7 @@ class RewardWorker(Worker):
 
 def _real_rows(batch: DataProto) -> np.ndarray:
     """Indices of the rows that are not dispatch padding."""
-    if keys.DISPATCH_PADDING in batch.batch.keys():
-        return np.flatnonzero(~batch.batch[keys.DISPATCH_PADDING].numpy().astype(bool))
-    return np.arange(len(batch))
+    return np.flatnonzero(~batch.padding_mask().numpy())
 
 
 def reward_rows(batch: DataProto, indices: np.ndarray) -> RewardRows:

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import at_last_token, last_token_index, place_on_last_token
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import at_last_token, last_token_index, place_on_last_token
 from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
 
 

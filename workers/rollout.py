@@ -55,25 +55,25 @@ class RolloutWorker(Worker):
     def set_agentic(self, agentic) -> None:
         """Generate multi-turn trajectories with this AgenticConfig from now on (None: single-turn samples); e.g. a
         driver script validating on another environment. The previous environments' workers are shut down."""
-        from roll_backend.agentic.rollout import AgenticRollout
+        from roll_backend.agentic.multi_turn import AgenticRollout
 
         if self.agentic is not None:
             self.agentic.close()
             self.agentic = None
         if agentic is not None:
-            config = self._strategy().config
+            strategy = self._strategy()
             self.agentic = AgenticRollout(
-                self.strategy,
-                self.strategy.tokenizer,
+                strategy,
+                strategy.tokenizer,
                 agentic,
-                max_model_len=config.max_model_len,
-                prompt_width=config.max_prompt_length,
+                max_model_len=strategy.max_model_len,
+                prompt_width=strategy.max_prompt_length,
             )
 
     @register(Dispatch.DP_MP_COMPUTE)
     def generate(self, batch: DataProto) -> DataProto:
         """Prompts -> n responses each, with log-probs, masks and uids (see VllmRolloutStrategy.generate); with
-        `agentic`, n multi-turn trajectories each (roll_backend.agentic.rollout)."""
+        `agentic`, n multi-turn trajectories each (roll_backend.agentic.multi_turn)."""
         if self.agentic is not None:
             sampling = self._strategy().sampling_for(batch.meta_info)
             return self.agentic.generate(batch, sampling.n, sampling.max_tokens, sampling.temperature)
@@ -129,7 +129,7 @@ class RolloutWorker(Worker):
         loaded = self._strategy().load_adapter(tensors, peft_config, version=version, in_flight=in_flight)
         return {"tensors": loaded, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
-    # ---- streaming (roll_backend/pipelines/streaming.py drives these; strategies/vllm/streaming.py holds the state)
+    # ---- streaming (pipelines/streaming.py drives these; strategies/vllm/stream_session.py holds the state)
     @register(Dispatch.DP_MP_COMPUTE)
     def stream_admit(self, prompts: DataProto) -> None:
         """Start n samples per prompt (split over DP ranks and seeded as `generate` splits and seeds); they come
@@ -138,17 +138,17 @@ class RolloutWorker(Worker):
             sampling = self._strategy().sampling_for(prompts.meta_info)
             self.agentic.stream_admit(prompts, sampling.n, sampling.max_tokens, sampling.temperature)
             return
-        self._strategy().stream.admit(prompts)
+        self._strategy().stream_admit(prompts)
 
     @register(Dispatch.ONE_TO_ALL)
     def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
         """Up to `max_steps` engine steps: (this rank's groups that finished, in rollout layout with per-token
         versions, or None; whether requests remain on the engine; counters since the last call). With `agentic`:
-        up to `max_steps` steps of the trajectories' loop (roll_backend.agentic.rollout), groups of trajectories."""
+        up to `max_steps` steps of the trajectories' loop (roll_backend.agentic.multi_turn), groups of trajectories."""
         if self.agentic is not None:
             finished, unfinished = self.agentic.stream_run(max_steps)
-            return finished, unfinished, self._strategy().stream.take_stats()
-        return self._strategy().stream.run(max_steps)
+            return finished, unfinished, self._strategy().stream_stats()
+        return self._strategy().stream_run(max_steps)
 
     @register(Dispatch.DP_MP_COMPUTE)
     def probe_log_probs(self, batch: DataProto) -> DataProto:

@@ -38,7 +38,8 @@ def build_strategy(path: str, section: Any, model_path: str, problems: list[str]
         return None
     known = {f.name for f in dataclasses.fields(cls)} | set(LAYOUT_KEYS)
     for key in [k for k in settings if k not in known]:
-        problems.append(f"{path}.{key}: unknown key for strategy {name!r}; {suggest(str(key), sorted(known))}")
+        hint = suggest(str(key), sorted(known), getattr(cls, "KEY_EQUIVALENTS", None))
+        problems.append(f"{path}.{key}: unknown key for strategy {name!r}; {hint}")
         settings.pop(key)
     layout_settings = {k: settings.pop(k) for k in LAYOUT_KEYS if k in settings}
     layout = build(ParallelLayout, layout_settings, path, problems)

@@ -17,7 +17,10 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
-def suggest(key: str, known: list[str]) -> str:
+def suggest(key: str, known: list[str], equivalents: dict[str, str] | None = None) -> str:
+    """The hint for an unknown key: its equivalent here when it is another name for a known one, else the closest."""
+    if equivalents and key in equivalents:
+        return f"write {equivalents[key]} instead"
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
 

@@ -196,7 +196,7 @@ def _as_prompt(text: Any, apply_chat_template: bool) -> str | list[dict[str, str
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[dict[str, str]]) -> list[int]:
-    """Token ids as the rollout will see them (strategies/vllm/rollout.py: encode_prompt)."""
+    """Token ids as the rollout will see them (strategies/vllm/strategy.py: encode_prompt)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=False)
     ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)

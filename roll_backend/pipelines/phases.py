@@ -16,12 +16,12 @@ from roll_backend.algorithms import (
     postprocess_rewards,
     rollout_correction,
 )
-from roll_backend.algorithms.tokens import place_on_last_token
 from roll_backend.config.schema import AlgorithmConfig, DistillationConfig, PipelineConfig, RewardConfig
 from roll_backend.distributed.worker_group import GroupFuture, WorkerGroup
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import place_on_last_token
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
 from roll_backend.workers.reference import ReferenceWorker

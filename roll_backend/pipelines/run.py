@@ -4,7 +4,10 @@ and resume. The step itself is in rl_step.py, the loops in driver.py and async_l
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+
+import psutil
 
 from roll_backend import roles
 from roll_backend.algorithms import make_kl_controller
@@ -71,8 +74,10 @@ class PipelineRun:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timeouts = config.fault_tolerance.timeouts
         self.run_metrics = run_metrics if run_metrics is not None else {}
+        groups_started = time.monotonic()
         with phase_deadline(self.timeouts, roles.STARTUP):
             self.groups: RoleGroups = build_role_groups(config)
+        groups_seconds = time.monotonic() - groups_started
         self.first_step = 1
         self.history = history if history is not None else StepHistory()
         # Trainer updates applied so far, and the version the rollout engine holds (equal in synchronous mode).
@@ -99,6 +104,14 @@ class PipelineRun:
                     None if val_prompts is None else Validation(config, val_prompts, self.output_dir, self.first_step)
                 )
             self.history.resumed(self.first_step - 1)
+            # From the process's start (imports included) to the first step: what a user waits before training.
+            self.startup_seconds = time.time() - psutil.Process().create_time()
+            logger.info(
+                "ready for step %d %.1f s after the process started (groups started in %.1f s)",
+                self.first_step,
+                self.startup_seconds,
+                groups_seconds,
+            )
         except BaseException:
             self.groups.shutdown()
             raise
@@ -115,6 +128,8 @@ class PipelineRun:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {**metrics, **self.run_metrics, **self.model_metrics, **self.data.metrics()}
+        if step == self.first_step:
+            metrics["timing/startup_s"] = self.startup_seconds
         if step:  # (step 0: validation before training, no training batch)
             metrics |= self.data.step_metrics(step, self.config.rollout_batch_size)
         self.history.append({"step": step, **metrics})

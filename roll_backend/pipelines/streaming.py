@@ -4,7 +4,7 @@ go to a bounded buffer as soon as their n samples finish, and the trainer takes 
 A driver thread (the pump) admits prompts and steps the engines a few steps per call (RolloutWorker.stream_admit /
 stream_run); the trainer thread trains and syncs the weights, which the rollout ranks load between two of the
 pump's calls with the requests in flight kept, recomputed or resubmitted (`partial_rollout`, see
-strategies/vllm/streaming.py). Rollout ranks stay single-threaded Ray actors: Ray runs their calls one at a time.
+strategies/vllm/stream_session.py). Rollout ranks stay single-threaded Ray actors: Ray runs their calls one at a time.
 
 Staleness is bounded per sample (AReaL's rule): prompts are admitted a step's batch at a time, while the groups
 consumed, held and pending stay under (engine version + max_staleness + 1) x rollout_batch_size, so in admission

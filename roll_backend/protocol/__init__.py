@@ -1,6 +1,6 @@
 """DataProto, the batch every controller <-> worker call carries; `roll_backend.protocol` is its public import path.
 
-data_proto.py holds the class, columns.py what a column may be, rows.py which rows an op takes (indexes, padding,
+data_proto.py holds the class, columns.py what a column may be, row_index.py which rows an op takes (indexes, padding,
 chunks, groups, repeats, unfolding), merge.py how parts join (concat/union), shared.py the zero-copy pickling of
 tensors, disk.py the pickle-free file format, tensordict_format.py the TensorDict form (verl's), errors.py the
 errors (verl-catchable).

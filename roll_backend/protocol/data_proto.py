@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from roll_backend import keys
 from roll_backend.protocol import disk as protocol_disk
-from roll_backend.protocol import rows as row_math
+from roll_backend.protocol import row_index as row_math
 from roll_backend.protocol import tensordict_format
 from roll_backend.protocol.columns import (
     as_non_tensor_column,
@@ -227,6 +228,24 @@ class DataProto:
         index = row_math.row_index(idxs, len(self))
         index_t = torch.from_numpy(index)
         return self._map_rows(len(index), lambda t: t.index_select(0, index_t.to(t.device)), lambda a: a[index])
+
+    # ----- dispatch padding: rows the DP split repeated to divide the batch evenly (keys.DISPATCH_PADDING) -----
+
+    def padding_mask(self) -> torch.Tensor:
+        """[B] bool, True on the rows the dispatcher repeated (all False when the batch has no padding column)."""
+        if self.batch is not None and keys.DISPATCH_PADDING in self.batch.keys():
+            return self.batch[keys.DISPATCH_PADDING].bool().cpu()
+        return torch.zeros(len(self), dtype=torch.bool)
+
+    def without_padding(self, keep_rows: bool = False) -> DataProto:
+        """The batch without the padding column and (unless `keep_rows`) without the rows it marks; the one way to
+        drop dispatch padding. Shares tensors where no row is dropped."""
+        if self.batch is None or keys.DISPATCH_PADDING not in self.batch.keys():
+            return self
+        padded = self.padding_mask()
+        rows = self.select_idxs(~padded.numpy()) if bool(padded.any()) and not keep_rows else self.select()
+        rows.pop(batch_keys=[keys.DISPATCH_PADDING])
+        return rows
 
     # ----- column operations (verl names) -----
 

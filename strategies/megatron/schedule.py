@@ -68,7 +68,7 @@ def attach_head(strategy) -> None:
     strategy.mtp_loss = MtpLoss(unwrap(strategy.model[-1]), depths, strategy.arch.vocab_size) if depths else None
 
 
-def run_pipeline(
+def forward_backward(
     chunks: list,
     capture: HeadCapture,
     micro_batches: list[MicroBatch],
@@ -180,7 +180,7 @@ def forward_per_token(
 
     set_train_mode(model, False)
     with torch.no_grad():
-        stored = run_pipeline(model, capture, micro_batches, True, mtp, collect, routes)
+        stored = forward_backward(model, capture, micro_batches, True, mtp, collect, routes)
         recorded = recorded_routes(routes, micro_batches, batch, device) if routes is not None else None
     metrics = routes.replayer.pop_metrics("moe/log_probs_") if routes is not None else {}
     if not is_last_stage():

@@ -161,14 +161,15 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
     def _with_global_counts(self, batch: DataProto) -> DataProto:
         """The batch with the dispatcher's padding rows out of the loss mask, and the DP mini-batch's loss token
         and sequence counts in its meta_info (what the loss function normalises by)."""
-        tensors = dict(batch.batch.items())
-        if keys.DISPATCH_PADDING in tensors:
+        padded = batch.padding_mask()
+        tensors = dict(batch.without_padding(keep_rows=True).batch.items())
+        if padded.any():
             # Rows the dispatcher repeated to split the batch evenly over DP: padding, like a micro-batch's zero rows
             # (out of the loss, the token count, MoE routing statistics and the MTP loss).
-            keep = ~tensors.pop(keys.DISPATCH_PADDING).bool()
+            keep = ~padded
             for name in (keys.RESPONSE_MASK, keys.ATTENTION_MASK):
                 if name in tensors:
-                    tensors[name] = tensors[name] * keep[:, None].to(tensors[name].dtype)
+                    tensors[name] = tensors[name] * keep[:, None].to(tensors[name].device, tensors[name].dtype)
         batch = DataProto.from_dict(
             tensors=tensors, non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info)
         )
@@ -214,7 +215,9 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = schedule.run_pipeline(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes)
+        stored = schedule.forward_backward(
+            self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes
+        )
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)

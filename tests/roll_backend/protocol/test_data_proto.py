@@ -7,8 +7,10 @@ import pytest
 import torch
 from dataproto_batches import make_batch
 
+from roll_backend import keys
 from roll_backend.keys import INPUT_IDS, OLD_LOG_PROBS, UID
 from roll_backend.protocol import (
+    DataProto,
     DataProtoItem,
 )
 
@@ -74,3 +76,20 @@ def test_to_device_and_size_summary():
     tensor_bytes = sum(v.numel() * v.element_size() for v in data.batch.values())
     assert data.nbytes == tensor_bytes + sum(v.nbytes for v in data.non_tensor_batch.values())
     assert data.size_summary().startswith("DataProto: 4 rows")
+
+
+def test_dispatch_padding_is_dropped_one_way():
+    """`without_padding` drops the rows the DP split repeated and their marker column (or the column alone with
+    keep_rows); a batch without padding is returned as it is."""
+    batch = DataProto.from_dict(
+        tensors={"x": torch.arange(4), keys.DISPATCH_PADDING: torch.tensor([False, False, True, True])},
+        non_tensors={"text": np.array(list("abcd"), dtype=object)},
+    )
+    assert batch.padding_mask().tolist() == [False, False, True, True]
+    real = batch.without_padding()
+    assert real.batch["x"].tolist() == [0, 1] and list(real.non_tensor_batch["text"]) == ["a", "b"]
+    assert keys.DISPATCH_PADDING not in real.batch.keys() and keys.DISPATCH_PADDING in batch.batch.keys()
+    kept = batch.without_padding(keep_rows=True)
+    assert kept.batch["x"].tolist() == [0, 1, 2, 3] and keys.DISPATCH_PADDING not in kept.batch.keys()
+    plain = DataProto.from_dict(tensors={"x": torch.arange(3)})
+    assert plain.without_padding() is plain and plain.padding_mask().tolist() == [False] * 3

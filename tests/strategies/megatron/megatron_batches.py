@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import sequence_columns
+from roll_backend.protocol.sequences import sequence_columns
 
 PROMPT_LEN = 7
 RESPONSE_LEN = 5

@@ -19,9 +19,9 @@ from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_m
 from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import at_last_token
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model, tokenizer_for
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import at_last_token
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
 from roll_backend.strategies.megatron.hf_export import (
     INDEX_FILE,

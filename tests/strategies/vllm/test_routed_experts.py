@@ -15,8 +15,8 @@ from router_checks import hf_routes
 from roll_backend import keys
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 SPEC = TinyModelSpec(family="qwen3_moe", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, seed=4)

@@ -14,8 +14,8 @@ from roll_backend import keys
 from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model, default_corpus
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
-from roll_backend.strategies.vllm.rollout import left_pad
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
 VLLM_TINY = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, seed=2)

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad, sequence_columns
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm import adapters
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
-from roll_backend.strategies.vllm.streaming import Sampled, StreamingSession, token_versions
+from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,19 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.llm = None
         self.stream = StreamingSession(self)  # streaming mode's requests in flight, and the weights' version
 
+    @property
+    def tp(self) -> int:
+        """The engine's tensor parallelism: the role's layout (1 for an engine built outside a role)."""
+        return self.layout.tp if self.layout is not None else 1
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def max_prompt_length(self) -> int | None:
+        return self.config.max_prompt_length
+
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
         os.environ.update(engine_environment(self.config, self.device))
@@ -69,7 +82,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             model=config.model_path,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
-            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_size=self.tp,
             seed=config.seed,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -92,12 +105,6 @@ class VllmRolloutStrategy(RolloutStrategy):
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
-            tp = getattr(self.layout, "tp", config.tensor_parallel_size)
-            if tp != config.tensor_parallel_size:
-                raise ValueError(
-                    f"rollout tensor_parallel_size={config.tensor_parallel_size} but the role's layout has tp={tp}; "
-                    "make them equal so each TP group of the role holds one engine."
-                )
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
@@ -233,7 +240,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             )
 
     def rollout_rows(self, groups, elapsed: float) -> DataProto:
-        """Streaming: finished groups (strategies/vllm/streaming.py) in `generate`'s layout, with each token's
+        """Streaming: finished groups (strategies/vllm/stream_session.py) in `generate`'s layout, with each token's
         weight version in TOKEN_POLICY_VERSION."""
         batch = DataProto.concat([group.row for group in groups])
         cached = [
@@ -351,6 +358,15 @@ class VllmRolloutStrategy(RolloutStrategy):
             for request_id, s in self.stream.take_finished_turns()
         ]
 
+    def stream_admit(self, prompts: DataProto) -> None:
+        self.stream.admit(prompts)
+
+    def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
+        return self.stream.run(max_steps)
+
+    def stream_stats(self) -> dict[str, float]:
+        return self.stream.take_stats()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine.llm_engine.has_unfinished_requests()
 
@@ -368,7 +384,7 @@ class VllmRolloutStrategy(RolloutStrategy):
 
         Each yielded tensor must stay valid after the next one is yielded (no reused gather buffer).
         `version`: the trainer version of these weights (stamped on the tokens sampled from now on). Streaming
-        requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/streaming.py);
+        requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/stream_session.py);
         without them the prefix cache is reset: its cached keys/values were computed with the old weights.
         """
         loaded = 0

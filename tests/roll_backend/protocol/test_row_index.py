@@ -1,4 +1,4 @@
-"""roll_backend/protocol/rows.py through DataProto: chunk/split, repeats, reorder, grouping, mini-batches, padding,
+"""roll_backend/protocol/row_index.py through DataProto: chunk/split, repeats, reorder, grouping, mini-batches, padding,
 and unfolding columns into rows."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ One loop per rank holds every trajectory in flight, admitted by calls: a `genera
 advances the loop until they are done; in streaming mode (async_generation.mode: streaming) `stream_admit` admits
 and `stream_run` advances the loop a bounded number of steps and returns the groups whose trajectories all ended.
 A trajectory may then span weight updates: its turns in flight are kept, recomputed or resubmitted by the engine
-(strategies/vllm/streaming.py), and each sampled token carries the version that sampled it.
+(strategies/vllm/stream_session.py), and each sampled token carries the version that sampled it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from roll_backend.agentic.agent_server import AgentRunner, CompletionRequest, Co
 from roll_backend.agentic.config import AgenticConfig
 from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.agentic.episode import Episode, EpisodeSpec, Outcome
-from roll_backend.agentic.rows import env_seed, tasks_of, trajectory_metrics, trajectory_rows
 from roll_backend.agentic.tools import parse_tool_calls
 from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBreak
+from roll_backend.agentic.trajectory_rows import env_seed, tasks_of, trajectory_metrics, trajectory_rows
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
 
@@ -147,10 +147,7 @@ class AgenticRollout:
     def stream_admit(self, batch: DataProto, n: int, max_tokens: int, temperature: float) -> None:
         """Start n trajectories per prompt row; `stream_run` returns them by group once all n ended. Rows the DP
         split repeated (keys.DISPATCH_PADDING) are not played."""
-        if batch.batch is not None and keys.DISPATCH_PADDING in batch.batch.keys():
-            real = (~batch.batch[keys.DISPATCH_PADDING].bool()).nonzero().flatten().tolist()
-            batch = batch.select_idxs(real)
-            batch.pop(batch_keys=[keys.DISPATCH_PADDING])
+        batch = batch.without_padding()
         if len(batch):
             call = self._admit(batch, n, max_tokens, temperature, streaming=True)
             # Rows of several admissions go back together: theirs carry no per-call meta (steps, seeds).

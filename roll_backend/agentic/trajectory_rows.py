@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from roll_backend import keys
-from roll_backend.algorithms.tokens import left_pad, sequence_columns
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.sequences import left_pad, sequence_columns
 
 
 def trajectory_rows(

@@ -114,15 +114,9 @@ class StreamingSession:
         strategy.check_prompt_lengths(prompt_ids, sampling)
         if batch.meta_info.get(keys.META_SAMPLING_SEED) is not None:
             strategy.engine.collective_rpc("reseed_sampler", args=(int(batch.meta_info[keys.META_SAMPLING_SEED]),))
-        tensors = batch.batch
-        padding = (
-            tensors[keys.DISPATCH_PADDING].tolist()
-            if tensors is not None and keys.DISPATCH_PADDING in tensors.keys()
-            else [False] * len(batch)
-        )
+        padding = batch.padding_mask().tolist()  # padded rows are generated, as the synchronous path does, not returned
         rows = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info={})
-        if tensors is not None and keys.DISPATCH_PADDING in tensors.keys():
-            rows = rows.select(batch_keys=[k for k in tensors.keys() if k != keys.DISPATCH_PADDING])
+        rows = rows.without_padding(keep_rows=True)
         one = dataclasses.replace(sampling, n=1)
         for index, ids in enumerate(prompt_ids):
             key = next(self.keys)
