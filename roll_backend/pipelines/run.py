@@ -47,6 +47,19 @@ def ensure_model(config: PipelineConfig) -> None:
     build_tiny_model(config.model_path, spec)
 
 
+def _report_startup(first_step: int, groups_seconds: float) -> float:
+    """Seconds from the process's start (imports included) to the first step, what a user waits before training;
+    logged with the groups' share."""
+    seconds = time.time() - psutil.Process().create_time()
+    logger.info(
+        "ready for step %d %.1f s after the process started (groups started in %.1f s)",
+        first_step,
+        seconds,
+        groups_seconds,
+    )
+    return seconds
+
+
 class PipelineRun:
     """Everything one run holds: groups, data, KL controller, tracker; `step_numbers()` are the steps left to run.
     `run_metrics` are added to every step's row (the restart supervisor's counters, kept by reference: it updates
@@ -104,14 +117,7 @@ class PipelineRun:
                     None if val_prompts is None else Validation(config, val_prompts, self.output_dir, self.first_step)
                 )
             self.history.resumed(self.first_step - 1)
-            # From the process's start (imports included) to the first step: what a user waits before training.
-            self.startup_seconds = time.time() - psutil.Process().create_time()
-            logger.info(
-                "ready for step %d %.1f s after the process started (groups started in %.1f s)",
-                self.first_step,
-                self.startup_seconds,
-                groups_seconds,
-            )
+            self.startup_seconds = _report_startup(self.first_step, groups_seconds)
         except BaseException:
             self.groups.shutdown()
             raise

@@ -215,9 +215,8 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = schedule.forward_backward(
-            self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes
-        )
+        run = schedule.forward_backward
+        stored = run(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
