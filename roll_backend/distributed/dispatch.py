@@ -115,7 +115,7 @@ def _collect_dp(coords: Sequence[RankCoords], outputs: list, context: dict):
         # A method may return k rows per input row (e.g. n samples per prompt): the padding scales with it.
         rows_per_input = len(merged) // (context["input_len"] + pad_size)
         merged = unpad_dataproto(merged, pad_size * rows_per_input)
-    return merged.without_padding()
+    return merged.without_padding(keep_rows=True)  # (unpadded above; the balanced collect reorders first)
 
 
 def _mark_padding(padded: DataProto, real_rows: int) -> DataProto:
