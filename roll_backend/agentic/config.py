@@ -119,8 +119,31 @@ class AgenticConfig:
                     f"{where}.tools[{index}].builtin={tool.builtin!r} is unknown; choose one of "
                     f"{', '.join(sorted(BUILTIN_TOOLS))} or give path + name"
                 )
+            elif tool.builtin == "python":
+                problems += _sandbox_limit_problems(tool.kwargs, f"{where}.tools[{index}].kwargs")
             elif tool.path is not None:
                 problems += check_spec(RewardFunctionSpec(path=tool.path, name=tool.name), f"{where}.tools[{index}]")
         if self.agent is not None:
             problems += check_spec(RewardFunctionSpec(path=self.agent.path, name=self.agent.name), f"{where}.agent")
         return problems
+
+
+def _sandbox_limit_problems(kwargs: dict[str, Any], where: str) -> list[str]:
+    """What is wrong with the python tool's sandbox limits (unknown keys, ranges, libraries not installed here)."""
+    import dataclasses
+    import importlib.util
+
+    from roll_backend.agentic.sandbox import SandboxLimits
+
+    known = [f.name for f in dataclasses.fields(SandboxLimits)]
+    unknown = [key for key in kwargs if key not in known]
+    if unknown:
+        return [f"{where}: unknown sandbox limit(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"]
+    try:
+        limits = SandboxLimits(**kwargs)
+    except (TypeError, ValueError) as exc:
+        return [f"{where}: {exc}"]
+    missing = [name for name in limits.libraries if importlib.util.find_spec(name) is None]
+    if missing:
+        return [f"{where}.libraries: {', '.join(missing)} not installed here; install them or drop them from the list"]
+    return []

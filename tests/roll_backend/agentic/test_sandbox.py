@@ -238,3 +238,18 @@ def test_limits_are_validated_with_the_field_and_value():
         SandboxLimits(memory_mb=8)
     with pytest.raises(ValueError, match=r"sandbox.max_processes=-1 .*; sandbox.output_bytes=0"):
         SandboxLimits(max_processes=-1, output_bytes=0)
+
+
+def test_the_python_tools_limits_are_checked_before_the_run_starts():
+    from roll_backend.agentic.config import AgenticConfig
+    from roll_backend.config.typed import build
+
+    def problems(kwargs: dict) -> list[str]:
+        return build(AgenticConfig, {"tools": [{"builtin": "python", "kwargs": kwargs}]}).problems()
+
+    assert problems({"wall_s": 3, "libraries": ["numpy"]}) == []
+    [unknown] = problems({"librarys": ["numpy"]})
+    assert unknown.startswith("agentic.tools[0].kwargs: unknown sandbox limit(s) 'librarys'; known: wall_s, ")
+    assert problems({"cpu_s": 0}) == ["agentic.tools[0].kwargs: sandbox.cpu_s=0 must be a positive number of seconds"]
+    [missing] = problems({"libraries": ["numpy", "no_such_module_xyz"]})
+    assert missing.startswith("agentic.tools[0].kwargs.libraries: no_such_module_xyz not installed here")
