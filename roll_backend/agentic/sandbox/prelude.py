@@ -218,7 +218,9 @@ def hide_prelude_frames(shown: traceback.TracebackException, seen: set[int]) -> 
 def main() -> None:
     config = json.loads(sys.argv[1])
     if config.get("stdin"):  # the run's input: what the code reads from standard input (fd 0, for native reads too)
-        os.dup2(os.open(config["stdin"], os.O_RDONLY), 0)
+        given = os.open(config["stdin"], os.O_RDONLY)
+        os.dup2(given, 0)
+        os.close(given)
     apply_limits(config["limits"])
     if not config["processes"]:
         block_process_creation()

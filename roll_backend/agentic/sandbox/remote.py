@@ -75,6 +75,6 @@ def _result(reply: dict, limits: SandboxLimits, seconds: float, url: str) -> San
     elif exit_code:
         last_line = stderr.rstrip().rsplit("\n", 1)[-1].strip()
         error = f"exited with code {exit_code}: {last_line}" if last_line else f"exited with code {exit_code}"
-    elif status not in ("Finished", None) or reply.get("status") == "Failed" and exit_code is None:
+    elif status not in ("Finished", None) or (reply.get("status") == "Failed" and exit_code is None):
         error = f"the remote run ended with {status or reply.get('status')}: {reply.get('message') or ''}".strip()
     return SandboxResult(stdout, stderr, exit_code, seconds, error)
