@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=96)
     parser.add_argument("--latency", type=float, default=0.05, help="seconds per environment step")
     parser.add_argument("--workers", type=int, default=16, help="environment worker processes")
+    parser.add_argument("--worker-threads", type=int, default=None, help="calls one worker runs at once (default: agentic's)")
+    parser.add_argument("--no-kv-sessions", action="store_true", help="every turn a new request (agentic.keep_kv_between_turns: false)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     announce()
@@ -65,6 +67,8 @@ def main() -> None:
             max_turns=args.turns,
             max_tokens_per_turn=args.turn_tokens,
             workers=args.workers,
+            keep_kv_between_turns=not args.no_kv_sessions,
+            **({} if args.worker_threads is None else {"worker_threads": args.worker_threads}),
         )
         rollout = AgenticRollout(strategy, strategy.tokenizer, agentic, max_model_len=1024)
         prompts = DataProto.from_dict(

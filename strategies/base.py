@@ -229,11 +229,17 @@ class RolloutStrategy(Strategy):
         seed: int | None,
         meta_info=None,
         updates_possible: bool = True,
+        session: str | None = None,
     ) -> None:
         """Queue one sample of `max_tokens` at most, continuing `prompt_ids`, with the call's sampling settings
         (`meta_info` as given to `generate`). `updates_possible=False` promises that no weight update comes before
-        it finishes (a generate call's turns): the engine may then skip keeping its partial state."""
+        it finishes (a generate call's turns): the engine may then skip keeping its partial state. Requests naming
+        the same `session` (one trajectory's turns, each extending the last one's prompt and reply) may keep their
+        KV cache between them until `end_session`; the sampled tokens are the engine's either way."""
         raise NotImplementedError(f"{type(self).__name__} does not take single requests")
+
+    def end_session(self, session: str) -> None:
+        """The trajectory of `session` ended: release what the engine kept for it (nothing, by default)."""
 
     def step(self) -> list[FinishedRequest]:
         """Advance the engine by one scheduling step; the requests that finished in it."""
@@ -255,3 +261,4 @@ class FinishedRequest:
     log_probs: list[float]
     finish_reason: str  # "stop" (an end token) or "length" (max_tokens)
     versions: list[int] | None = None  # each token's weight version (trainer updates applied), where known
+    computed_prompt_tokens: int | None = None  # prompt tokens the engine computed for it (not from its cache)

@@ -77,6 +77,12 @@ class AgenticConfig:
     on_env_error: str = "end_trajectory"  # an env/tool/agent that raises or times out: end it (counted) or "raise"
     on_template_break: str = "error"  # a chat template that re-renders earlier turns: stop, or "new_segment"
     workers: int = 2  # subprocesses hosting environments, tools and agents (per rollout rank)
+    # calls one worker runs at once, each in a thread and for a different trajectory: environments and tools that
+    # wait (web requests, sandboxes, services) overlap; 1 for environments that are not thread-safe
+    worker_threads: int = 8
+    # a generate call's trajectory keeps its KV cache on the engine between turns (each turn computes only what
+    # was inserted since the last); false: every turn is a new request that reuses full cached blocks only
+    keep_kv_between_turns: bool = True
     sandbox: SandboxSettings = SandboxSettings()  # where model-written code runs: bubblewrap | remote | process
 
     def __post_init__(self):
@@ -94,7 +100,7 @@ class AgenticConfig:
         ):
             if value not in choices:
                 raise ValueError(f"agentic.{name}={value!r}; choose one of {', '.join(choices)}")
-        for name in ("max_turns", "workers"):
+        for name in ("max_turns", "workers", "worker_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agentic.{name}={getattr(self, name)}; it must be >= 1")
         if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:

@@ -6,8 +6,11 @@ Trade-offs:
   (SIGKILL to the worker's process group, so what the environment started dies too), as does a worker's own death
   (segfault, os._exit): every session on that worker ends, its calls fail with kind "worker_died", and a fresh worker
   takes the slot at once, so new sessions work.
-- Each worker runs one call at a time; calls to sessions on different workers run concurrently. A call's deadline
-  starts when it is sent to its worker, not while it waits behind another call to the same worker.
+- Each worker runs up to `concurrency` calls at once, each in a thread of its own and for a different session (one
+  session's calls run one after another, in order); calls to sessions on different workers run concurrently. Threads
+  let environments that wait (a tool, a web request, a sandbox) overlap inside one process, as ROLL runs each
+  environment in a thread; `concurrency=1` is for environments that are not thread-safe. A call's deadline starts
+  when it is sent to its worker, not while it waits behind other calls.
 - Arguments and return values cross a pipe, so they must pickle. Errors come back as text (type, message, traceback
   tail) inside a SessionError, never as the user's exception object, which may not pickle.
 - Workers fork from multiprocessing's forkserver: a small clean process (it preloads only the driver's `__main__`, as
@@ -20,6 +23,7 @@ Trade-offs:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -61,24 +65,35 @@ class SessionError(UserCodeError):
 # ---- the worker process ---------------------------------------------------------------------------------------
 
 
-def _serve(conn, factory: Callable) -> None:
-    """A worker's loop: receive (request_id, session_id, op, args), run it, send (request_id, ok, value or error)."""
+def _serve(conn, factory: Callable, concurrency: int = 1) -> None:
+    """A worker's loop: receive (request_id, session_id, op, args), run it (in a thread of `concurrency`; the host
+    sends one call per session at a time), send (request_id, ok, value or error)."""
     os.setpgrp()  # its own process group: killing the worker kills what its sessions started too
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     sessions: dict[str, object] = {}
+    send_lock = threading.Lock()
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency) if concurrency > 1 else None
     while True:
         try:
-            request_id, session_id, op, args = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
-            return  # the host closed the pipe, or is gone
-        try:
-            reply = (request_id, True, _run(sessions, factory, session_id, op, args))
-        except BaseException as exc:  # user code: any failure, SystemExit included, goes back to the caller as text
-            reply = (request_id, False, _describe(exc))
+            return  # the host closed the pipe, or is gone (the process then exits without joining threads)
+        if pool is None:
+            _answer(conn, send_lock, sessions, factory, *request)
+        else:
+            pool.submit(_answer, conn, send_lock, sessions, factory, *request)
+
+
+def _answer(conn, send_lock: threading.Lock, sessions: dict, factory: Callable, request_id, session_id, op, args):
+    try:
+        reply = (request_id, True, _run(sessions, factory, session_id, op, args))
+    except BaseException as exc:  # user code: any failure, SystemExit included, goes back to the caller as text
+        reply = (request_id, False, _describe(exc))
+    with send_lock:
         try:
             conn.send(reply)
         except (EOFError, OSError):
-            return
+            return  # the host is gone: the main loop's recv ends the worker
         except Exception as exc:  # the return value does not pickle
             conn.send((request_id, False, f"returned {type(reply[2]).__name__}, which cannot be sent back: {exc}"))
 
@@ -120,6 +135,7 @@ class _Request:
     args: tuple  # (method, args, kwargs) for "call"
     timeout_s: float
     future: Future = field(default_factory=Future)
+    deadline: float = float("inf")  # time.monotonic() by which it must answer, once sent
 
     @property
     def what(self) -> str:
@@ -133,18 +149,26 @@ class _Worker:
     conn: multiprocessing.connection.Connection
     sessions: set[str] = field(default_factory=set)
     queue: deque[_Request] = field(default_factory=deque)
-    inflight: _Request | None = None
-    deadline: float = float("inf")  # time.monotonic() by which `inflight` must answer
+    inflight: dict[int, _Request] = field(default_factory=dict)  # sent, not answered: request id -> request
+    unsent: list[_Request] = field(default_factory=list)  # taken from the queue, to be sent by the monitor
+
+    def pending(self) -> list[_Request]:
+        return [*self.inflight.values(), *self.queue]
 
 
 class SessionHost:
     """Sessions (objects that `factory()` builds inside a worker process) spread over `num_workers` processes; calls
     to their methods return Futures and run under a per-call deadline that a monitor thread enforces."""
 
-    def __init__(self, factory: Callable, num_workers: int, label: str, start_method: str = "forkserver"):
+    def __init__(
+        self, factory: Callable, num_workers: int, label: str, start_method: str = "forkserver", concurrency: int = 1
+    ):
         if num_workers < 1:
             raise ValueError(f"{label}: num_workers={num_workers}; a session host needs at least 1 worker")
+        if concurrency < 1:
+            raise ValueError(f"{label}: concurrency={concurrency}; a worker runs at least 1 call at a time")
         self.label = label
+        self.concurrency = concurrency
         self._factory = factory
         self._context = multiprocessing.get_context(start_method)
         self._lock = threading.Lock()
@@ -177,7 +201,7 @@ class SessionHost:
             if session_id in self._sessions:
                 raise ValueError(f"[{self.label}] session {session_id!r} is open already; close it first")
             self._lost.pop(session_id, None)
-            worker = min(self._workers, key=lambda w: (len(w.sessions), len(w.queue) + bool(w.inflight), w.index))
+            worker = min(self._workers, key=lambda w: (len(w.sessions), len(w.queue) + len(w.inflight), w.index))
             worker.sessions.add(session_id)
             self._sessions[session_id] = worker
             return self._enqueue(worker, session_id, "open", (), timeout_s)
@@ -205,7 +229,7 @@ class SessionHost:
         """Kill every worker (and what it started); pending calls fail with kind "worker_died". Idempotent."""
         with self._lock:
             self._stopped.set()
-            pending = [r for w in self._workers for r in ([w.inflight] if w.inflight else []) + list(w.queue)]
+            pending = [r for w in self._workers for r in w.pending()]
             self._wake()
         if threading.current_thread() is not self._monitor:  # shutdown() may run in a future's callback
             self._monitor.join()
@@ -238,7 +262,7 @@ class SessionHost:
     def _start_worker(self, index: int) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
-            target=_serve, args=(child_conn, self._factory), name=f"{self.label} worker {index}", daemon=False
+            target=_serve, args=(child_conn, self._factory, self.concurrency), name=f"{self.label} worker {index}", daemon=False
         )
         process.start()
         child_conn.close()
@@ -270,7 +294,7 @@ class SessionHost:
             logger.exception("[%s] session monitor failed", self.label)
             with self._lock:
                 self._stopped.set()
-                pending = [r for w in self._workers for r in ([w.inflight] if w.inflight else []) + list(w.queue)]
+                pending = [r for w in self._workers for r in w.pending()]
             problem = f"failed: the host's monitor thread died ({type(exc).__name__}: {exc})"
             _resolve([(r.future, self._error(r, "worker_died", problem)) for r in pending])
 
@@ -280,10 +304,10 @@ class SessionHost:
             if self._stopped.is_set():
                 return False
             workers = list(self._workers)
-            to_send = [w for w in workers if w.inflight is None and self._next_request(w)]
-        done = [failure for worker in to_send if (failure := self._send(worker)) is not None]
+            to_send = [w for w in workers if self._next_requests(w)]
+        done = [failure for worker in to_send for failure in self._send(worker)]
         try:  # whatever happens below, the futures already settled get their outcome
-            deadline = min((w.deadline for w in workers if w.inflight is not None), default=None)
+            deadline = min((r.deadline for w in workers for r in w.inflight.values()), default=None)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             waitables = [self._wake_r, *(w.conn for w in workers), *(w.process.sentinel for w in workers)]
             ready = set(multiprocessing.connection.wait(waitables, timeout)) if not done else set()
@@ -299,42 +323,52 @@ class SessionHost:
                         self._on_reply(worker, replies[worker.index], done)
                     elif worker.process.sentinel in ready:
                         self._replace(worker, None, done)
-                    elif worker.inflight is not None and now >= worker.deadline:
-                        self._replace(worker, worker.inflight, done)
+                    elif late := [r for r in worker.inflight.values() if now >= r.deadline]:
+                        self._replace(worker, min(late, key=lambda r: r.deadline), done)
             return True
         finally:
             _resolve(done)
 
-    @staticmethod
-    def _next_request(worker: _Worker) -> bool:
-        while worker.queue:
+    def _next_requests(self, worker: _Worker) -> bool:
+        """Move the queued calls that may start now (up to `concurrency` in flight, one per session, each session's
+        in order) to `worker.unsent`, in flight from now; whether there are any."""
+        busy = {request.session_id for request in worker.inflight.values()}
+        waiting = deque()
+        while worker.queue and len(worker.inflight) < self.concurrency:
             request = worker.queue.popleft()
+            if request.session_id in busy:
+                waiting.append(request)
+                continue
             if request.future.set_running_or_notify_cancel():  # False: the caller cancelled it while queued
-                worker.inflight = request
-                worker.deadline = time.monotonic() + request.timeout_s
-                return True
-        return False
+                busy.add(request.session_id)  # later calls of its session wait for it
+                request.deadline = time.monotonic() + request.timeout_s
+                worker.inflight[request.request_id] = request
+                worker.unsent.append(request)
+        worker.queue.extendleft(reversed(waiting))
+        return bool(worker.unsent)
 
-    def _send(self, worker: _Worker) -> tuple[Future, BaseException] | None:
-        request = worker.inflight
-        try:
-            worker.conn.send((request.request_id, request.session_id, request.op, request.args))
-        except OSError:
-            return None  # the worker is dead; its sentinel reports it
-        except Exception as exc:  # the arguments do not pickle: the caller's bug, reported as is
-            with self._lock:
-                worker.inflight, worker.deadline = None, float("inf")
-            return request.future, exc
-        return None
+    def _send(self, worker: _Worker) -> list[tuple[Future, BaseException]]:
+        with self._lock:
+            requests, worker.unsent = worker.unsent, []
+        failures = []
+        for request in requests:
+            try:
+                worker.conn.send((request.request_id, request.session_id, request.op, request.args))
+            except OSError:
+                return failures  # the worker is dead; its sentinel reports it
+            except Exception as exc:  # the arguments do not pickle: the caller's bug, reported as is
+                with self._lock:
+                    worker.inflight.pop(request.request_id, None)
+                failures.append((request.future, exc))
+        return failures
 
     def _on_reply(self, worker: _Worker, reply, done: list) -> None:
         if reply is None:  # EOF: the worker died
             self._replace(worker, None, done)
             return
         request_id, ok, value = reply
-        request = worker.inflight
-        assert request is not None and request.request_id == request_id, "a worker answered a request it was not sent"
-        worker.inflight, worker.deadline = None, float("inf")
+        request = worker.inflight.pop(request_id, None)
+        assert request is not None, "a worker answered a request it was not sent"
         if ok:
             done.append((request.future, value))
             return
@@ -361,7 +395,7 @@ class SessionHost:
             self._sessions.pop(session_id, None)
             self._lost[session_id] = f"{where} {cause}"
         others = sorted(worker.sessions - {late.session_id} if late else worker.sessions)
-        for request in ([worker.inflight] if worker.inflight else []) + list(worker.queue):
+        for request in worker.pending():
             if request is late:
                 error = self._error(
                     request,

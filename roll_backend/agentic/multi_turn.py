@@ -58,6 +58,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0
+    later_turn_input_tokens: int = 0  # what the engine computed to start turns 2, 3, ... (the rest: its KV cache)
     done: bool = False
     turns: ChatTurns | None = None  # agent mode: the chat template with the tools of the agent's requests
     pending: CompletionRequest | None = None  # agent mode: the request on the engine
@@ -109,7 +110,7 @@ class AgenticRollout:
                 sandbox=config.sandbox,
             )
             factory = functools.partial(Episode, spec)
-        self.host = SessionHost(factory, config.workers, label=_label(config))
+        self.host = SessionHost(factory, config.workers, label=_label(config), concurrency=config.worker_threads)
         schemas = None
         if config.tools:  # built in a worker: loading user tools runs their code
             self.host.open(SCHEMA_SESSION)
@@ -349,12 +350,15 @@ class _Loop:
         seed = None
         if call.seed is not None:
             seed = (call.seed * 1_000_003 + traj.index * 7919 + traj.conv.turns * 104_729) % (2**31 - 1)
+        session = traj.session if self.config.keep_kv_between_turns and not call.streaming else None
         self.engine.add_request(
-            request_id, segment.context(), room, seed, call.meta_info, updates_possible=call.streaming
+            request_id, segment.context(), room, seed, call.meta_info, updates_possible=call.streaming, session=session
         )
         self.on_engine[request_id] = traj
 
     def _replied(self, traj: Trajectory, request) -> None:
+        if traj.conv.turns:  # not the first turn (a plain prompt, which prefix caching shares across trajectories)
+            traj.later_turn_input_tokens += request.computed_prompt_tokens or 0
         if traj.pending is not None:  # agent mode: the answer goes back to the agent's HTTP request
             text = traj.turns.add_sampled(traj.conv, request.token_ids, request.log_probs, request.versions)
             payload = completion_payload(
@@ -406,6 +410,7 @@ class _Loop:
 
     def _finish(self, traj: Trajectory) -> None:
         traj.done = True
+        self.engine.end_session(traj.session)
         if traj.conv is None:  # the environment failed at reset (or the agent asked nothing): an empty row
             traj.conv = self.rollout.turns.empty()
         if self.server is None:
@@ -491,6 +496,7 @@ class _Loop:
             self.engine.abort_requests(list(self.on_engine))
         for call in self.calls:
             for traj in call.trajectories:
+                self.engine.end_session(traj.session)
                 if traj.pending is not None:
                     traj.pending.reply.set_result((500, {"error": {"message": "the rollout stopped"}}))
                     traj.pending = None

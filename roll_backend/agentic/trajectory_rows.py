@@ -85,6 +85,10 @@ def trajectory_metrics(trajs: list, reward_mode: str) -> dict[str, float]:
         "agentic/env_errors_count": float(sum(t.error is not None for t in trajs)),
         "agentic/template_breaks_count": float(sum(t.conv.breaks for t in trajs)),
         "agentic/env_seconds": float(sum(t.env_seconds for t in trajs)),
+        # tokens the engine computed to start a turn after the first: its inserted messages + 1 where the
+        # trajectory keeps its KV cache (agentic.keep_kv_between_turns), more where only full blocks are reused
+        "agentic/later_turn_input_tokens_mean": sum(t.later_turn_input_tokens for t in trajs)
+        / max(sum(max(t.conv.turns - 1, 0) for t in trajs), 1),
     }
 
 

@@ -341,20 +341,25 @@ class VllmRolloutStrategy(RolloutStrategy):
         seed: int | None,
         meta_info=None,
         updates_possible: bool = True,
+        session: str | None = None,
     ) -> None:
         """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`. It goes
         through the streaming session: a weight update while it runs treats it as streaming requests are treated, and
-        each of its tokens records its version."""
+        each of its tokens records its version. A `session` of a generate call's turns keeps its KV cache between
+        turns (StreamingSession.add_turn); a seeded session draws its later turns from its first turn's generator."""
         sampling = self.sampling_for(meta_info or {})
         turn = dataclasses.replace(
             sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()
         )
-        self.stream.add_turn(request_id, prompt_ids, turn, partial=updates_possible)
+        self.stream.add_turn(request_id, prompt_ids, turn, partial=updates_possible, session=session)
+
+    def end_session(self, session: str) -> None:
+        self.stream.end_session(session)
 
     def step(self) -> list[FinishedRequest]:
         self.stream.step()
         return [
-            FinishedRequest(request_id, s.token_ids, s.log_probs, s.finish_reason, s.versions)
+            FinishedRequest(request_id, s.token_ids, s.log_probs, s.finish_reason, s.versions, s.computed_prompt_tokens)
             for request_id, s in self.stream.take_finished_turns()
         ]
 

@@ -11,7 +11,10 @@ gave it: nothing is rescored, which is what the per-token rollout correction nee
 
 The single requests of multi-turn rollouts (`add_turn`, one per assistant turn: roll_backend.agentic drives them)
 live here too, so a turn in flight at an update is kept, recomputed or resubmitted like a group's sample and its
-tokens carry their versions.
+tokens carry their versions. A generate call's turns (no update can come while they run) may name a session: the
+turns of one trajectory then continue one resumable vLLM request (vLLM's streaming input), which keeps the KV cache of
+the conversation so far between turns, its last, partly filled block included: a turn computes only the tokens
+inserted since the last one (prefix caching alone recomputes the partial block and needs a fresh request per turn).
 
 The engine runs in this process and only advances inside `step()`: between two calls nothing runs, so no pause
 is needed. `LLM.generate` drains every request on the engine, so while requests are in flight the log-prob probe
@@ -20,6 +23,7 @@ and a validation `generate` go through `add_request` + `step()` here instead (`s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import time
@@ -44,6 +48,7 @@ class Sampled:
     finish_reason: str | None = None  # "stop" | "length"; None while the request runs
     text: str | None = None  # vLLM's text where stop strings needed its detokenizer; else decoded later
     versions: list[int] | None = None
+    computed_prompt_tokens: int | None = None  # a turn's prompt tokens the engine computed (not from its KV cache)
 
 
 @dataclass
@@ -80,6 +85,20 @@ class _Request:
     origin: str  # the caller's id: a group's sample "g{key}-{j}", or a turn's request id
     group: int | None = None  # the streaming group's key; None for a turn (`add_turn`)
     partial: bool = True  # its tokens arrive each step (an update may come while it runs); else all at its end
+    session: str | None = None  # the KV session it continues (`add_turn(session=)`), if any
+    skip: int = 0  # a session's output holds every turn's tokens so far: this many are earlier turns'
+    new_input: int | None = None  # a session's turn: the tokens it gave the engine (the rest was kept)
+
+
+@dataclass
+class _KvSession:
+    """A trajectory's resumable request on the engine: its KV cache stays between turns."""
+
+    engine_id: str  # the id we gave vLLM (its outputs carry it)
+    internal_id: str  # vLLM's id of the request, which the next turn's input must name
+    tokens: list[int]  # the conversation the engine holds: its last turn's prompt and sampled tokens
+    busy: bool = True  # a turn is running
+    sampled: int = 0  # tokens its turns sampled so far (vLLM's final output of a turn repeats them first)
 
 
 class StreamingSession:
@@ -93,9 +112,10 @@ class StreamingSession:
         self.requests: dict[str, _Request] = {}  # engine request id -> its request
         self.finished_turns: list[tuple[str, _Sample]] = []  # (turn id, sample) finished since the last take
         self.side: dict[str, object | None] = {}  # probe / validation request id -> its final output
+        self.kv_sessions: dict[str, _KvSession] = {}  # a trajectory's id -> its resumable request
         self.keys = itertools.count()
         self.version = 0  # the trainer version of the weights the engine holds
-        self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0}
+        self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0, "turn_input_tokens": 0}
 
     @property
     def engine(self):
@@ -129,14 +149,88 @@ class StreamingSession:
                 request = _Request(ids, dataclasses.replace(one, seed=sample.seed), sample, f"g{key}-{j}", key)
                 self._add(request.origin, request)
 
-    def add_turn(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig, partial: bool = True) -> None:
+    def add_turn(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        partial: bool = True,
+        session: str | None = None,
+    ) -> None:
         """One sample (`sampling.n` must be 1) continuing `prompt_ids`; `take_finished_turns` returns it. With
         `partial=False` (no weight update before it ends) its output comes once, at its end: a step's bookkeeping
-        does not grow with the requests in flight."""
+        does not grow with the requests in flight. A `session` (partial=False only) continues the session's last
+        turn on the engine when `prompt_ids` extend that turn's prompt and sampled tokens; otherwise the session
+        starts over from `prompt_ids`. `end_session` releases it."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already on the engine")
-        sample = _Sample(seed=sampling.seed)
-        self._add(request_id, _Request(list(prompt_ids), sampling, sample, request_id, partial=partial))
+        request = _Request(list(prompt_ids), sampling, _Sample(seed=sampling.seed), request_id, partial=partial)
+        if session is None or partial or sampling.stop:  # vLLM's streaming input takes no stop strings
+            self.stats["turn_input_tokens"] += len(prompt_ids)
+            self._add(request_id, request)
+            return
+        request.session = session
+        self._continue(session, request)
+
+    def _continue(self, session: str, request: _Request) -> None:
+        known = self.kv_sessions.get(session)
+        if known is not None and known.busy:
+            raise ValueError(f"session {session!r} has a turn running")
+        prompt = request.prompt_ids
+        if known is not None and len(prompt) > len(known.tokens) and prompt[: len(known.tokens)] == known.tokens:
+            # The engine computed every token it holds but the last sampled one, which the new input repeats.
+            new_input = prompt[len(known.tokens) - 1 :]
+        else:
+            if known is not None:  # the conversation was rewritten (a new segment): start the session over
+                self.end_session(session)
+            known = _KvSession(engine_id=f"{session}-kv{next(self.keys)}", internal_id="", tokens=[])
+            self.kv_sessions[session] = known
+            new_input = prompt
+        self.stats["turn_input_tokens"] += len(new_input)
+        engine_request = self._session_input(known, new_input, request.sampling)
+        known.tokens, known.busy = list(prompt), True
+        # a session's first input is a plain prompt (prefix caching counts its cached part); later ones are new tokens
+        request.skip, request.new_input = known.sampled, len(new_input) if known.sampled else None
+        # In process, the output processor and the scheduler would share the prompt list and both extend it with
+        # the next input (AsyncLLM's engine core gets a serialised copy): the output processor gets its own.
+        own = copy.copy(engine_request)
+        own.prompt_token_ids = list(new_input)
+        self.engine.output_processor.add_request(own, None, None, 0)
+        self.engine.engine_core.add_request(engine_request)
+        self.requests[known.engine_id] = request
+
+    def _session_input(self, known: _KvSession, new_input: list[int], sampling: SamplingConfig):
+        """vLLM's request for a session's next input, as vllm.v1.engine.async_llm adds streaming input: the first
+        gets vLLM's internal id, the next ones name it (LLMEngine.add_request would make each a new request)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.engine
+        params = self.strategy.vllm_params(sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+        request = engine.input_processor.process_inputs(
+            known.internal_id or known.engine_id,
+            TokensPrompt(prompt_token_ids=new_input, cache_salt=self.salt()),
+            params,
+            supported_tasks=engine.get_supported_tasks(),
+            lora_request=self.strategy.lora_request,
+            resumable=True,
+        )
+        if known.internal_id:
+            request.external_req_id = known.engine_id
+        else:
+            engine.input_processor.assign_request_id(request)
+            known.internal_id = request.request_id
+        return request
+
+    def end_session(self, session: str) -> None:
+        """Release a session's request and KV cache (its trajectory ended); a turn still running is aborted."""
+        known = self.kv_sessions.pop(session, None)
+        if known is None:
+            return
+        self.engine.abort_request([known.engine_id])
+        request = self.requests.pop(known.engine_id, None)
+        if request is not None:
+            self.finished_turns = [(origin, s) for origin, s in self.finished_turns if origin != request.origin]
 
     def _add(self, engine_id: str, request: _Request) -> None:
         """Put `request` on the engine from where its sample stands (a resubmission continues after its tokens)."""
@@ -175,18 +269,34 @@ class StreamingSession:
             request = self.requests[output.request_id]
             sample = request.sample
             completion = output.outputs[0]
-            new_ids = list(completion.token_ids)
+            new_ids = list(completion.token_ids[request.skip :])
+            steps = (completion.logprobs or [])[request.skip :]
             sample.token_ids += new_ids
-            sample.log_probs += [step[token].logprob for step, token in zip(completion.logprobs or [], new_ids)]
+            sample.log_probs += [step[token].logprob for step, token in zip(steps, new_ids)]
             sample.versions += [self.version] * len(new_ids)
-            sample.text += completion.text or ""
+            if request.session is None:  # a session's text spans its turns (its turns take no stop strings)
+                sample.text += completion.text or ""
             if sample.cached_tokens is None:
                 sample.cached_tokens = output.num_cached_tokens or 0
-            if output.finished:
-                sample.finish_reason = completion.finish_reason or "length"
-                del self.requests[output.request_id]
-                if request.group is None:
-                    self.finished_turns.append((request.origin, sample))
+            # a session's turn ends with a finish reason while its request stays on the engine for the next input
+            if output.finished or (request.session is not None and completion.finish_reason is not None):
+                self._turn_ended(output.request_id, request, completion.finish_reason)
+
+    def _turn_ended(self, engine_id: str, request: _Request, finish_reason: str | None) -> None:
+        sample = request.sample
+        sample.finish_reason = finish_reason or "length"
+        if request.new_input is not None:
+            sample.computed_prompt_tokens = request.new_input
+        else:
+            sample.computed_prompt_tokens = len(request.prompt_ids) - (sample.cached_tokens or 0)
+        del self.requests[engine_id]
+        if request.session is not None:
+            known = self.kv_sessions[request.session]
+            known.tokens += sample.token_ids
+            known.sampled += len(sample.token_ids)
+            known.busy = False
+        if request.group is None:
+            self.finished_turns.append((request.origin, sample))
 
     def take_finished_turns(self) -> list[tuple[str, Sampled]]:
         finished, self.finished_turns = self.finished_turns, []
@@ -194,6 +304,9 @@ class StreamingSession:
 
     def abort_turns(self, request_ids: list[str]) -> None:
         wanted = set(request_ids)
+        sessions = [r.session for r in self.requests.values() if r.session is not None and r.origin in wanted]
+        for session in sessions:
+            self.end_session(session)
         engine_ids = [
             rid for rid, request in self.requests.items() if request.group is None and request.origin in wanted
         ]
@@ -256,11 +369,12 @@ class StreamingSession:
         self._add_again(requests)
 
     def _check_partial_state(self) -> None:
-        whole = [rid for rid, request in self.requests.items() if not request.partial]
+        # idle sessions too: the KV cache they keep was computed by the weights being replaced
+        whole = [rid for rid, request in self.requests.items() if not request.partial] + list(self.kv_sessions)
         if whole:
             raise RuntimeError(
                 f"a weight update arrived while {len(whole)} requests added with updates_possible=False were running "
-                f"(e.g. {whole[0]!r}); their tokens cannot be attributed to versions: add them with "
+                f"or kept their KV cache (e.g. {whole[0]!r}); their tokens cannot be attributed to versions: add them with "
                 "updates_possible=True (streaming) or update between generate calls"
             )
 
@@ -276,6 +390,8 @@ class StreamingSession:
 
     def abort_all(self) -> int:
         """Drop every request and group (shutdown, or a driver that starts over); returns how many groups went."""
+        for session in list(self.kv_sessions):
+            self.end_session(session)
         if self.requests:
             self.engine.abort_request(list(self.requests))
         dropped = len(self.groups)

@@ -157,6 +157,31 @@ def test_a_gem_game_runs_from_yaml_by_id(rollout):
     assert metric(batch, "agentic/env_errors_count") == 0
 
 
+def test_a_trajectory_keeps_its_kv_cache_between_turns_and_samples_the_same(rollout):
+    """Greedy FrozenLake twice: without agentic.keep_kv_between_turns every turn is a new request that reuses full
+    cached blocks only; with it (the default) a trajectory's turns continue one resumable vLLM request and give the
+    engine exactly what was inserted since the last turn plus its last sampled token (whose KV was never computed).
+    The same tokens come back, with log-probs equal up to float32 rounding (KV computed while decoding vs in a
+    prefill). One trajectory: greedy copies of it would find each other's blocks in the prefix cache."""
+    lake = build(AgenticConfig, yaml.safe_load(LAKE_YAML))
+    batch = prompts([{}])
+    batch.meta_info |= {"temperature": 0.0, "n": 1}
+    fresh = generate(rollout, dataclasses.replace(lake, keep_kv_between_turns=False), batch)
+    kept = generate(rollout, lake, batch)
+    assert metric(kept, "agentic/turns_mean") > 1  # the game went on past the first turn
+    assert torch.equal(kept.batch[keys.RESPONSES], fresh.batch[keys.RESPONSES])
+    mask = kept.batch[keys.RESPONSE_MASK].bool()
+    log_probs = keys.ROLLOUT_LOG_PROBS
+    assert torch.allclose(kept.batch[log_probs][mask], fresh.batch[log_probs][mask], atol=1e-4)
+    width = kept.batch[keys.PROMPTS].shape[1]
+    inserted = (kept.batch[keys.ATTENTION_MASK][:, width:].bool() & ~mask).sum(-1)
+    turns = [sum(value == 1 for value, _, _ in runs(row.tolist())) for row in mask.int()]
+    later_turns = sum(turns) - len(turns)
+    exact = (float(inserted.sum()) + later_turns) / later_turns
+    assert metric(kept, "agentic/later_turn_input_tokens_mean") == pytest.approx(exact)
+    assert metric(fresh, "agentic/later_turn_input_tokens_mean") >= exact  # the last block's tokens again
+
+
 def test_engine_and_trainer_log_probs_match_the_sampled_ones(lake_batch, rollout, make_group, model_dir):
     rollout_log_probs = lake_batch.batch[keys.ROLLOUT_LOG_PROBS]
     mask = lake_batch.batch[keys.RESPONSE_MASK].bool()

@@ -4,6 +4,7 @@ raise, miss their deadline or kill their worker."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import psutil
@@ -14,6 +15,7 @@ from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.errors import UserCodeError
 
 LABEL = "test env"
+_BARRIERS: dict[int, threading.Barrier] = {}  # in a worker process: one barrier per party count
 
 
 class Counter:
@@ -36,6 +38,15 @@ class Counter:
 
     def fail(self):
         raise ValueError("the environment broke")
+
+    def meet(self, parties: int, timeout_s: float) -> int:
+        """Wait for `parties` sessions of this worker to call meet at once: only concurrent calls get through."""
+        return _BARRIERS.setdefault(parties, threading.Barrier(parties)).wait(timeout_s)
+
+    def append(self, item: int, pause_s: float = 0.0) -> list[int]:
+        time.sleep(pause_s)
+        self.items = [*getattr(self, "items", []), item]
+        return self.items
 
     def unpicklable(self):
         return lambda: None
@@ -85,6 +96,31 @@ def test_sessions_on_different_workers_run_concurrently(host):
     futures = [host.call(session_id, "sleep", 0.5, timeout_s=10) for session_id in ("a", "b")]
     (start_a, end_a), (start_b, end_b) = [future.result(timeout=30) for future in futures]
     assert max(start_a, start_b) < min(end_a, end_b)  # the two sleeps overlapped
+
+
+def test_one_worker_runs_calls_of_different_sessions_at_once_and_each_session_in_order():
+    with SessionHost(Counter, num_workers=1, label=LABEL, concurrency=3) as host:
+        _open(host, "a", "b", "c")
+        # three calls that return only when all three are inside the worker together (a barrier, no timing)
+        futures = [host.call(session_id, "meet", 3, 20.0, timeout_s=30) for session_id in ("a", "b", "c")]
+        assert sorted(future.result(timeout=60) for future in futures) == [0, 1, 2]
+        # one session's calls never overlap and keep their order, even when the first one is slower
+        ordered = [host.call("a", "append", item, 0.2 if item == 0 else 0.0, timeout_s=30) for item in range(4)]
+        assert [future.result(timeout=60) for future in ordered][-1] == [0, 1, 2, 3]
+
+
+def test_a_late_call_fails_every_call_in_flight_on_its_worker():
+    with SessionHost(Counter, num_workers=1, label=LABEL, concurrency=2) as host:
+        _open(host, "slow", "waiting")
+        pid = _call(host, "slow", "pid")
+        waiting = host.call("waiting", "sleep", 30, timeout_s=60)
+        error = _error(host, "slow", "sleep", 30, timeout_s=0.5)
+        assert error.kind == "timeout" and "ending the other sessions on it too ('waiting')" in str(error)
+        with pytest.raises(SessionError, match="was killed because session 'slow' sleep"):
+            waiting.result(timeout=30)
+        assert not alive(pid)
+    with pytest.raises(ValueError, match="concurrency=0"):
+        SessionHost(Counter, num_workers=1, label=LABEL, concurrency=0)
 
 
 def test_a_raising_method_is_reported_and_the_session_goes_on(host):
