@@ -165,7 +165,7 @@ def roll_backend_step_seconds(config, steps: int) -> tuple[list[float], list[dic
     import ray
 
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.loops.rl_step import rl_step
     from roll_backend.pipelines.run import PipelineRun
 
     # Ray starts its workers at nice 15, while TRL runs in this (nice 0) process: on a shared machine

@@ -23,7 +23,7 @@ from grpo_step import FULL, QUICK, bench_inputs, placement, roll_backend_config
 def run_mode(config, name: str) -> dict[str, float]:
     """The timed steps' mean train and sync seconds and sync bytes, and the ranks' peak resident memory (GiB)."""
     from roll_backend.distributed.worker import Worker
-    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.loops.rl_step import rl_step
     from roll_backend.pipelines.run import PipelineRun
 
     start = time.perf_counter()

@@ -21,7 +21,7 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
-from roll_backend.pipelines.offline_data import OfflineDataset
+from roll_backend.pipelines.data.offline_datasets import OfflineDataset
 from roll_backend.strategies.megatron.config import MegatronInferConfig, MegatronTrainConfig, OptimizerSettings
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker

@@ -51,8 +51,8 @@ def _load(config_path: str, overrides: list[str], recipe_check: bool = False):
     from roll_backend.config.loader import load_config
     from roll_backend.config.model_folders import describes_only
     from roll_backend.config.typed import ConfigError
-    from roll_backend.pipelines.data import DataError, driver_tokenizer
-    from roll_backend.pipelines.prompts import check_data, load_validation_prompts
+    from roll_backend.pipelines.data.prompt_dataset import DataError, driver_tokenizer
+    from roll_backend.pipelines.data.prompts import check_data, load_validation_prompts
 
     try:
         config = load_config(config_path, overrides, recipe_check)
@@ -71,7 +71,7 @@ def _load(config_path: str, overrides: list[str], recipe_check: bool = False):
 def _check_resume(config_path: str, config) -> None:
     """Log the checkpoint `checkpoint.resume` will load (and those auto skips), or stop on an incomplete one, before
     Ray starts. Not in submit: the checkpoints are where the job runs, and its `run` checks them there."""
-    from roll_backend.pipelines.checkpoint import CheckpointError, resume_checkpoint
+    from roll_backend.pipelines.services.checkpoint import CheckpointError, resume_checkpoint
 
     try:
         resume_checkpoint(config.checkpoint.resume, config.output_dir)
@@ -131,7 +131,7 @@ def eval_target(config_path: str, overrides: list[str]):
     run's own metrics stay as they are."""
     import dataclasses
 
-    from roll_backend.pipelines.checkpoint import CheckpointError, resume_checkpoint
+    from roll_backend.pipelines.services.checkpoint import CheckpointError, resume_checkpoint
 
     chosen = [item.split("=", 1)[1] for item in overrides if item.startswith("checkpoint=")]
     config = _load(config_path, [item for item in overrides if not item.startswith("checkpoint=")])

@@ -1,6 +1,6 @@
 """Errors the whole package shares. `NotRestartableError`: raise it (or a subclass) for a problem that an automatic
 restart cannot fix (bad config or data, a user function raising, a failed weight-sync probe); the restart
-supervisor (pipelines/recovery.py) then stops the run with its message instead of restarting."""
+supervisor (pipelines/services/recovery.py) then stops the run with its message instead of restarting."""
 
 from __future__ import annotations
 

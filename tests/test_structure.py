@@ -323,6 +323,22 @@ def test_backends_imported_only_in_their_homes():
         pytest.fail(f"backend imports outside their homes ({homes}):\n" + "\n".join(offenders), pytrace=False)
 
 
+# Module names a backend or layer may each have its own of; every other name says what one module holds.
+SHARED_MODULE_NAMES = {"config", "errors", "registry"}
+
+
+def test_module_names_are_not_reused():
+    by_name: dict[str, list[str]] = {}
+    for module in source_modules().values():
+        leaf = module.name.rsplit(".", 1)[-1]
+        if leaf not in SHARED_MODULE_NAMES:
+            by_name.setdefault(leaf, []).append(module.rel)
+    reused = {leaf: rels for leaf, rels in sorted(by_name.items()) if len(rels) > 1}
+    if reused:
+        lines = "\n".join(f"  {leaf}: {', '.join(sorted(rels))}" for leaf, rels in reused.items())
+        pytest.fail(f"module (or package) names used twice; name each for what it holds:\n{lines}", pytrace=False)
+
+
 def test_no_module_over_600_lines():
     offenders = sorted((m.line_count, m.rel) for m in source_modules().values() if m.line_count > MAX_MODULE_LINES)
     listing = "\n".join(f"  {rel}: {count} lines" for count, rel in reversed(offenders))

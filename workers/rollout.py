@@ -129,7 +129,7 @@ class RolloutWorker(Worker):
         loaded = self._strategy().load_adapter(tensors, peft_config, version=version, in_flight=in_flight)
         return {"tensors": loaded, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
-    # ---- streaming (pipelines/streaming.py drives these; strategies/vllm/stream_session.py holds the state)
+    # ---- streaming (pipelines/loops/streaming.py drives these; strategies/vllm/stream_session.py holds the state)
     @register(Dispatch.DP_MP_COMPUTE)
     def stream_admit(self, prompts: DataProto) -> None:
         """Start n samples per prompt (split over DP ranks and seeded as `generate` splits and seeds); they come

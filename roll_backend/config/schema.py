@@ -165,9 +165,9 @@ class ReasoningGymData:
 
 @dataclass(frozen=True)
 class SyntheticDataConfig:
-    """A generated prompt set (see roll_backend.pipelines.data): the demo's task, no files needed."""
+    """A generated prompt set (see roll_backend.pipelines.data.prompt_dataset): the demo's task, no files needed."""
 
-    task: str = "copy_digit"  # the generated task (roll_backend/pipelines/synthetic_tasks.py)
+    task: str = "copy_digit"  # the generated task (roll_backend/pipelines/data/synthetic_tasks.py)
     num_prompts: int = 512  # prompts generated
     seed: int = 0  # seed of the generated prompts
 
@@ -353,7 +353,7 @@ class PerfConfig:
 class PipelineConfig:
     """A whole run. `pipeline` picks the control loop: grpo (no critic) or ppo (critic + GAE); `agentic` (GRPO's loop
     over multi-turn trajectories) needs the `agentic` section, which grpo and ppo also take. The offline pipelines
-    (sft, reward_model, dpo; pipelines/offline.py) train actor_train on a dataset, without a rollout."""
+    (sft, reward_model, dpo; pipelines/loops/offline.py) train actor_train on a dataset, without a rollout."""
 
     # "grpo" (no critic), "ppo" (critic + GAE), "agentic" (grpo with the `agentic` section); offline: "sft",
     # "reward_model" (actor_train learns a value head from preference pairs) or "dpo" (with a reference role)

@@ -1,4 +1,10 @@
-"""PPO and GRPO control loops, checkpoint/resume, metrics, automatic restart.
+"""PPO and GRPO control loops, checkpoint/resume, metrics, automatic restart, split by job:
+
+- `loops/`: one RL step (`rl_step`), the one-step off-policy and streaming loops, the offline trainers, and the
+  phases they share;
+- `data/`: prompt datasets and mixtures, rows and their checks, offline datasets, generated tasks;
+- `services/`: checkpoints, loggers and tracking, validation, per-phase performance, the restart supervisor;
+- here: the run's state (`run`), its role groups (`groups`) and the driver (`driver.run_pipeline`, `evaluate`).
 
 The loops are imported on first use, so the data and config checks (roll_backend.pipelines.data) load
 without Ray: `roll-backend validate` checks the prompts and starts nothing heavy.
@@ -17,7 +23,7 @@ def __getattr__(name: str):
 
         return evaluate
     if name == "run_with_restarts":
-        from roll_backend.pipelines.recovery import run_with_restarts
+        from roll_backend.pipelines.services.recovery import run_with_restarts
 
         return run_with_restarts
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

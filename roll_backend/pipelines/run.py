@@ -13,14 +13,14 @@ from roll_backend import roles
 from roll_backend.algorithms import make_kl_controller
 from roll_backend.config.loader import config_to_yaml
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.pipelines import checkpoint as ckpt
-from roll_backend.pipelines import phases
+from roll_backend.pipelines.services import checkpoint as ckpt
+from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.groups import RoleGroups, build_role_groups
-from roll_backend.pipelines.offline import OfflineValidation
-from roll_backend.pipelines.offline_data import offline_datasets
-from roll_backend.pipelines.perf import PhasePerf
-from roll_backend.pipelines.tracking import MetricsTracker, phase_deadline
-from roll_backend.pipelines.validation import Validation
+from roll_backend.pipelines.loops.offline import OfflineValidation
+from roll_backend.pipelines.data.offline_datasets import offline_datasets
+from roll_backend.pipelines.services.phase_perf import PhasePerf
+from roll_backend.pipelines.services.tracking import MetricsTracker, phase_deadline
+from roll_backend.pipelines.services.validation import Validation
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
@@ -70,7 +70,7 @@ class PipelineRun:
     ):
         from transformers import AutoTokenizer
 
-        from roll_backend.pipelines.prompts import load_validation_prompts, training_prompts
+        from roll_backend.pipelines.data.prompts import load_validation_prompts, training_prompts
 
         self.config = config
         self.output_dir = Path(config.output_dir)

@@ -13,7 +13,7 @@ REWARDS: Mapping[str, RewardFn] = {
     "exact_match": exact_match.score,
     "format_boxed": format_rules.boxed_score,
     "format_think_answer": format_rules.think_answer_score,
-    "copy_digit": copy_digit.score,  # the default demo's synthetic task (roll_backend.pipelines.synthetic_tasks)
+    "copy_digit": copy_digit.score,  # the default demo's synthetic task (roll_backend.pipelines.data.synthetic_tasks)
 }
 
 

@@ -4,7 +4,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import AlgorithmConfig
-from roll_backend.pipelines.phases import is_on_policy, needs_old_log_probs
+from roll_backend.pipelines.loops.phases import is_on_policy, needs_old_log_probs
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorLossConfig, actor_loss
 

@@ -106,7 +106,7 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
     from types import SimpleNamespace
 
     from roll_backend.errors import UserCodeError
-    from roll_backend.pipelines.phases import score
+    from roll_backend.pipelines.loops.phases import score
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
     def answer_length(data_source, solution_str, ground_truth, extra_info=None):  # pickled by value to the workers
@@ -151,7 +151,7 @@ def test_user_functions_mixed_with_a_builtin_and_a_driver_callable(make_group, u
 def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user_rewards_file):
     from types import SimpleNamespace
 
-    from roll_backend.pipelines.phases import score
+    from roll_backend.pipelines.loops.phases import score
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
     config = RewardWorkerConfig(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from roll_backend import cli
-from roll_backend.pipelines import checkpoint as ckpt
+from roll_backend.pipelines.services import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"

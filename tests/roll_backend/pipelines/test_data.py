@@ -8,9 +8,9 @@ import pytest
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, SyntheticDataConfig
 from roll_backend.models.tiny import build_char_tokenizer
-from roll_backend.pipelines.data import PromptDataset
-from roll_backend.pipelines.data_rows import DataError
-from roll_backend.pipelines.synthetic_tasks import COPY_DIGIT_ALPHABET, generate_task
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset
+from roll_backend.pipelines.data.rows import DataError
+from roll_backend.pipelines.data.synthetic_tasks import COPY_DIGIT_ALPHABET, generate_task
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from cli_checks import assert_refused_before_ray
 
 from roll_backend.config.schema import DataConfig
 from roll_backend.models.tiny import build_char_tokenizer
-from roll_backend.pipelines.data import PromptDataset
-from roll_backend.pipelines.data_rows import DataError
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset
+from roll_backend.pipelines.data.rows import DataError
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"  # char tokenizer "0123456789 copy"
 

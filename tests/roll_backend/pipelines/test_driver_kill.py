@@ -22,7 +22,7 @@ from process_checks import describe, wait_until_gone
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_with_restarts
-from roll_backend.pipelines.tracking import read_metrics
+from roll_backend.pipelines.services.tracking import read_metrics
 
 
 def rows_written(output_dir) -> int:

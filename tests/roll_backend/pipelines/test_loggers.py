@@ -12,8 +12,8 @@ import pytest
 from roll_backend.config.loader import load_config
 from roll_backend.config.schema import LoggingConfig
 from roll_backend.config.typed import ConfigError
-from roll_backend.pipelines.loggers import RUN_ID_FILE, mlflow_tracking_uri
-from roll_backend.pipelines.tracking import MetricsTracker, read_metrics
+from roll_backend.pipelines.services.loggers import RUN_ID_FILE, mlflow_tracking_uri
+from roll_backend.pipelines.services.tracking import MetricsTracker, read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"

@@ -47,7 +47,7 @@ def test_reward_model_learns_the_preferences_and_exports_a_classifier(reward_mod
     # The export is a transformers reward model that orders the held-out pairs as well.
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from roll_backend.pipelines.synthetic_tasks import generate_task
+    from roll_backend.pipelines.data.synthetic_tasks import generate_task
 
     export = output / "reward_model_hf"
     model = AutoModelForSequenceClassification.from_pretrained(export).eval()

@@ -5,7 +5,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import AlgorithmConfig
-from roll_backend.pipelines.phases import advantages, drop_uniform_groups
+from roll_backend.pipelines.loops.phases import advantages, drop_uniform_groups
 from roll_backend.protocol import DataProto
 
 
@@ -28,7 +28,7 @@ def test_dynamic_sampling_drops_only_groups_whose_rewards_are_all_equal():
 
 
 def test_refill_keeps_the_first_groups_in_the_order_they_came():
-    from roll_backend.pipelines.dynamic_sampling import first_groups
+    from roll_backend.pipelines.loops.dynamic_sampling import first_groups
 
     batch = scored_batch([1, 0, 2, 3, 0, 1, 5, 4], ["c", "c", "a", "a", "b", "b", "d", "d"])
     kept = first_groups(batch, 2)

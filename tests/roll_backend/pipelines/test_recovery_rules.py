@@ -15,9 +15,9 @@ from roll_backend.distributed.dispatch import DispatchError
 from roll_backend.distributed.placement import PlacementError
 from roll_backend.distributed.worker_group import GroupBrokenError, GroupTimeoutError, RankDiedError, RankRaisedError
 from roll_backend.errors import NotRestartableError
-from roll_backend.pipelines.phases import WeightSyncError
-from roll_backend.pipelines.recovery import RESTARTS, SECONDS_LOST, RestartClock, TimedHistory, is_restartable
-from roll_backend.pipelines.tracking import MetricsTracker, read_metrics
+from roll_backend.pipelines.loops.phases import WeightSyncError
+from roll_backend.pipelines.services.recovery import RESTARTS, SECONDS_LOST, RestartClock, TimedHistory, is_restartable
+from roll_backend.pipelines.services.tracking import MetricsTracker, read_metrics
 
 
 def test_lost_or_stuck_ranks_restart_and_nothing_else_does():

@@ -13,7 +13,7 @@ import pytest
 
 from roll_backend import keys
 from roll_backend.config.loader import load_config
-from roll_backend.pipelines import checkpoint as ckpt
+from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines import run_pipeline, run_with_restarts
 from roll_backend.protocol import DataProto
 

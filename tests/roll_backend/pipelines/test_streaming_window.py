@@ -13,8 +13,8 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.loader import load_config
-from roll_backend.pipelines.phases import step_seed
-from roll_backend.pipelines.streaming import StreamingLoop, rollout_metrics_of, split_groups, token_staleness_metrics
+from roll_backend.pipelines.loops.phases import step_seed
+from roll_backend.pipelines.loops.streaming import StreamingLoop, rollout_metrics_of, split_groups, token_staleness_metrics
 from roll_backend.protocol import DataProto
 
 N = 2  # samples per prompt
@@ -154,7 +154,7 @@ def test_dynamic_sampling_drops_uniform_groups_as_taken_and_admits_more(monkeypa
     """Groups whose samples all score alike are dropped as the trainer takes them; the room they leave lets the pump
     admit more prompts, and the trainer takes more groups until the batch is full, scoring at most
     max_generation_rounds x rollout_batch_size groups a step (then it trains on what it kept)."""
-    from roll_backend.pipelines import streaming
+    from roll_backend.pipelines.loops import streaming
 
     scores = {2: [1.0, 1.0], 3: [0.0, 1.0], 4: [0.0, 0.0], 5: [1.0, 0.0]}  # per position, one per sample
 

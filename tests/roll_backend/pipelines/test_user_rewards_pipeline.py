@@ -13,7 +13,7 @@ import torch
 from roll_backend.config.loader import load_config
 from roll_backend.errors import UserCodeError
 from roll_backend.pipelines import run_pipeline
-from roll_backend.pipelines.checkpoint import latest_checkpoint, load_driver_state
+from roll_backend.pipelines.services.checkpoint import latest_checkpoint, load_driver_state
 
 PROMPTS = [{"prompt": f"copy: {d}", "answer": str(d), "data_source": "copy", "level": d % 3} for d in range(10)]
 ROWS_PER_STEP = 4 * 4  # rollout_batch_size * num_return_sequences_in_group
@@ -140,8 +140,8 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
 
     from roll_backend import keys
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_reward_model
-    from roll_backend.pipelines import phases
-    from roll_backend.pipelines.rl_step import rl_step
+    from roll_backend.pipelines.loops import phases
+    from roll_backend.pipelines.loops.rl_step import rl_step
     from roll_backend.pipelines.run import PipelineRun
     from roll_backend.workers.critic import CriticWorker
 

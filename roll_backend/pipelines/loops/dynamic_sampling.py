@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from roll_backend import keys, roles
-from roll_backend.pipelines import phases
-from roll_backend.pipelines.tracking import PhaseTimer
+from roll_backend.pipelines.loops import phases
+from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)

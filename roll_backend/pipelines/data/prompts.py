@@ -11,8 +11,8 @@ import numpy as np
 
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
-from roll_backend.pipelines.data import PromptDataset, driver_tokenizer
-from roll_backend.pipelines.data_mixture import PromptMixture
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset, driver_tokenizer
+from roll_backend.pipelines.data.mixture import PromptMixture
 from roll_backend.protocol import DataProto
 
 
@@ -31,7 +31,7 @@ def check_data(config: PipelineConfig):
     if tokenizer is None:
         return None
     if config.offline:  # examples or pairs, with their validation set
-        from roll_backend.pipelines.offline_data import offline_datasets
+        from roll_backend.pipelines.data.offline_datasets import offline_datasets
 
         return offline_datasets(config, tokenizer)[0]
     return training_prompts(config.data, tokenizer, config.seed)

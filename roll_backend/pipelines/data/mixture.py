@@ -26,8 +26,8 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, TrainSource
-from roll_backend.pipelines.data import PromptDataset
-from roll_backend.pipelines.data_rows import DataError
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset
+from roll_backend.pipelines.data.rows import DataError
 from roll_backend.protocol import DataProto
 
 # Mixed into the seeds of the mixture's own randomness (split offsets, batch order, each file's epoch order), so it

@@ -13,8 +13,8 @@ import numpy as np
 
 from roll_backend import keys
 from roll_backend.config.schema import PAIR_PIPELINES, DataConfig, PipelineConfig
-from roll_backend.pipelines.data import PromptDataset, encode_prompt
-from roll_backend.pipelines.data_rows import DataError
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset, encode_prompt
+from roll_backend.pipelines.data.rows import DataError
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import left_pad, right_pad, sequence_columns
 

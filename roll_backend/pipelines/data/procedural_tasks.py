@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from difflib import get_close_matches
 
-from roll_backend.pipelines.data_rows import DataError, Rows
+from roll_backend.pipelines.data.rows import DataError, Rows
 from roll_backend.rewards.procedural import EXTRA_INFO_KEY
 
 

@@ -13,7 +13,7 @@ import yaml
 from roll_backend import roles
 from roll_backend.config.schema import LoggingConfig, PhaseTimeouts
 from roll_backend.distributed.deadlines import deadline_scope
-from roll_backend.pipelines.loggers import LOGGERS, LogTarget, StepLogger
+from roll_backend.pipelines.services.loggers import LOGGERS, LogTarget, StepLogger
 
 
 def phase_deadline(timeouts: PhaseTimeouts | None, name: str):

@@ -20,12 +20,12 @@ from roll_backend import keys, roles
 from roll_backend.algorithms import masked_mean
 from roll_backend.algorithms.preference import bradley_terry_loss, dpo_loss, pair_loss_row_weights
 from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
-from roll_backend.pipelines import phases
+from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.groups import RoleGroups
-from roll_backend.pipelines.offline_data import OfflineDataset
-from roll_backend.pipelines.perf import SequenceLengths
-from roll_backend.pipelines.tracking import PhaseTimer
-from roll_backend.pipelines.validation import validation_due
+from roll_backend.pipelines.data.offline_datasets import OfflineDataset
+from roll_backend.pipelines.services.phase_perf import SequenceLengths
+from roll_backend.pipelines.services.tracking import PhaseTimer
+from roll_backend.pipelines.services.validation import validation_due
 from roll_backend.protocol import DataProto
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.reward_model import sequence_scores, with_one_more_column

@@ -4,12 +4,12 @@ parts of it the asynchronous loop (async_loop.py) reuses."""
 from __future__ import annotations
 
 from roll_backend import keys, roles
-from roll_backend.pipelines import phases
-from roll_backend.pipelines.data_mixture import per_source_reward_metrics
-from roll_backend.pipelines.dynamic_sampling import generate_filled
-from roll_backend.pipelines.perf import SequenceLengths
+from roll_backend.pipelines.loops import phases
+from roll_backend.pipelines.data.mixture import per_source_reward_metrics
+from roll_backend.pipelines.loops.dynamic_sampling import generate_filled
+from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.run import PipelineRun
-from roll_backend.pipelines.tracking import PhaseTimer
+from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 
 PROBE_ROWS = 4  # sequences the post-sync log-prob probe scores with both engines
