@@ -37,7 +37,15 @@ CONFIG` prints the resolved config or every problem in it. "required" means the 
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its source comment: the one on its line, else the comment lines right above it."""
+    """Field name -> its source comment: the one on its line, else the comment lines right above it; a field a
+    base class declares has the base's comment."""
+    comments: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        comments |= _own_field_comments(klass)
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

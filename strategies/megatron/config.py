@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.strategies.base import RunFacts
@@ -219,19 +219,24 @@ def _raise(name: str, problems: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class MegatronInferConfig:
-    """Forward-only Megatron (reference log-probs, critic values without training). The layout comes from the worker."""
+class MegatronModelConfig:
+    """What every Megatron role declares (train and forward-only alike): the model, how a batch is cut into
+    micro-batches, the numerics, and what a forward returns. The layout comes from the worker."""
 
     model_path: str
-    # most sequences per forward pass on each data-parallel rank (fewer rows: equal smaller ones)
+    # most sequences per forward(/backward) pass on each data-parallel rank (fewer rows: equal smaller ones)
     micro_batch_size: int = 1
     # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
     # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
     # strategies/megatron/micro_batches.py.
     max_tokens_per_microbatch: int | None = None
     use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
-    temperature: float = 1.0  # log-probs use logits / temperature; batch.meta_info["temperature"] overrides it
-    compute_entropy: bool = False  # also return per-token entropy
+    # log-probs use logits / temperature (match the rollout's sampling temperature); batch.meta_info["temperature"]
+    # overrides it
+    temperature: float = 1.0
+    # per-token entropy (vocab-parallel) as well; None: the role's default (training: yes, for the loss; forward-only
+    # roles: no)
+    compute_entropy: bool | None = None
     value_head: bool = False  # critic: LM head replaced by a linear hidden -> 1
     value_head_init: str = "fresh"  # or "score_head": load a reward model's trained score head (VALUE_HEAD_INITS)
     mtp_num_layers: int = 0  # multi-token-prediction layers of the model (0: none)
@@ -251,7 +256,19 @@ class MegatronInferConfig:
     # Testing only: load gate and up swapped, a deliberately wrong mapping that parity tests must catch.
     test_swap_gate_up: bool = False
 
+    ENTROPY_BY_DEFAULT: ClassVar[bool] = False
+
     def __post_init__(self):
+        if self.compute_entropy is None:
+            object.__setattr__(self, "compute_entropy", self.ENTROPY_BY_DEFAULT)
+
+
+@dataclass(frozen=True)
+class MegatronInferConfig(MegatronModelConfig):
+    """Forward-only Megatron (reference log-probs, critic values without training, reward model scores)."""
+
+    def __post_init__(self):
+        super().__post_init__()
         _raise("megatron_infer config", _settings_problems(self))
 
     def for_run(self, run: RunFacts) -> MegatronInferConfig:
@@ -308,37 +325,20 @@ class LoRASettings:
 
 
 @dataclass(frozen=True)
-class MegatronTrainConfig:
-    """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler; the layout comes from the worker."""
+class MegatronTrainConfig(MegatronModelConfig):
+    """Megatron training (actor or critic): DDP + Megatron optimizer + scheduler, on MegatronModelConfig's model."""
 
-    model_path: str
-    # most sequences per forward/backward pass on each data-parallel rank (fewer rows: equal smaller ones)
-    micro_batch_size: int = 1
-    # Token budget: rows are grouped into micro-batches of at most this many padded tokens per rank (a longer
-    # sequence gets one of its own); None: micro-batches of micro_batch_size rows. See
-    # strategies/megatron/micro_batches.py.
-    max_tokens_per_microbatch: int | None = None
-    use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
     total_steps: int = 1000  # used for the decay horizon when lr_schedule.decay_steps is None
-    temperature: float = 1.0  # log-probs use logits / temperature (match the rollout's sampling temperature)
-    compute_entropy: bool = True  # hand the loss function per-token entropy (vocab-parallel) as well
-    value_head: bool = False  # critic: LM head replaced by a linear hidden -> 1
-    value_head_init: str = "fresh"  # critic from a reward model: "score_head" (see VALUE_HEAD_INITS)
-    mtp_num_layers: int = 0  # multi-token-prediction layers trained with the model (0: none)
     mtp_loss_scaling_factor: float = 0.1  # weight of the MTP loss
-    seed: int = 42  # Megatron's initialisation seed
-    params_dtype: str = "float32"  # float32, bfloat16 or float16
-    transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
     recompute_activations: bool = False  # recompute each layer's activations in backward (less memory, more compute)
-    use_torch_compile: bool = False  # see MegatronInferConfig
-    first_stage_layers: int | None = None  # see MegatronInferConfig
-    last_stage_layers: int | None = None  # see MegatronInferConfig
-    router_replay: str | None = None  # see MegatronInferConfig
     lora: LoRASettings | None = None  # train LoRA adapters on a frozen base (None: every parameter trains)
 
+    ENTROPY_BY_DEFAULT: ClassVar[bool] = True  # the loss may use it (entropy bonus, metrics)
+
     def __post_init__(self):
+        super().__post_init__()
         _raise(
             "megatron_train config",
             _settings_problems(self) + _training_settings_problems(self) + _lora_problems(self),

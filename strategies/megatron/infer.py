@@ -32,9 +32,7 @@ class MegatronInferStrategy(MegatronCallContext, InferStrategy):
 
     def initialize(self) -> None:
         # One model chunk per virtual pipeline stage (a single one without vpp).
-        self.model, self.arch, self.hf_config = build_model_chunks(
-            self.config, self.layout, self.device, self.config.test_swap_gate_up
-        )
+        self.model, self.arch, self.hf_config = build_model_chunks(self.config, self.layout, self.device)
         schedule.attach_head(self)
         self.route_replayer = schedule.route_replayer(self, self.model)
 

@@ -44,11 +44,11 @@ def load_hf_config(model_path: str):
     return AutoConfig.from_pretrained(model_path)
 
 
-def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: bool = False):
+def build_model_chunks(cfg, layout: ParallelLayout, device: str):
     """This rank's model chunks (one per virtual pipeline stage; one without vpp) of the model in
     `cfg.model_path`, with the HF weights loaded.
 
-    Returns (chunks, arch, hf_config). `cfg` is a MegatronInferConfig or MegatronTrainConfig.
+    Returns (chunks, arch, hf_config). `cfg` is any MegatronModelConfig (train or forward-only).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -69,7 +69,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
         params_dtype=DTYPES[cfg.params_dtype],
         use_cpu_initialization=True,  # same initial values at every TP size; the weights are loaded after
         mtp_num_layers=cfg.mtp_num_layers,
-        mtp_loss_scaling_factor=getattr(cfg, "mtp_loss_scaling_factor", 0.1),
+        mtp_loss_scaling_factor=getattr(cfg, "mtp_loss_scaling_factor", 0.1),  # training only
         value_head=cfg.value_head,
         use_transformer_engine=use_transformer_engine(cfg.transformer_impl, device),
         recompute_activations=getattr(cfg, "recompute_activations", False),
@@ -87,7 +87,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str, swap_gate_up: b
             arch,
             mpu.get_tensor_model_parallel_rank(),
             mpu.get_tensor_model_parallel_world_size(),
-            swap_gate_up=swap_gate_up,
+            swap_gate_up=cfg.test_swap_gate_up,
             seed=cfg.seed,
             value_head_from_score=cfg.value_head and cfg.value_head_init == "score_head",
             etp_rank=mpu.get_expert_tensor_parallel_rank(),
