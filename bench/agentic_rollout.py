@@ -33,8 +33,12 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=96)
     parser.add_argument("--latency", type=float, default=0.05, help="seconds per environment step")
     parser.add_argument("--workers", type=int, default=16, help="environment worker processes")
-    parser.add_argument("--worker-threads", type=int, default=None, help="calls one worker runs at once (default: agentic's)")
-    parser.add_argument("--no-kv-sessions", action="store_true", help="every turn a new request (agentic.keep_kv_between_turns: false)")
+    parser.add_argument(
+        "--worker-threads", type=int, default=None, help="calls one worker runs at once (default: agentic's)"
+    )
+    parser.add_argument(
+        "--no-kv-sessions", action="store_true", help="every turn a new request (agentic.keep_kv_between_turns: false)"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     announce()

@@ -58,8 +58,8 @@ def timed_steps(config, warmup: int, rollout_cores: list[int], trainer_cores: li
     """Run 1..max_steps in the config's mode; returns (generated tokens, wall seconds) of the steps after warm-up."""
     from roll_backend.pipelines.loops.one_step_off_policy import OneStepOffPolicyLoop
     from roll_backend.pipelines.loops.rl_step import rl_step
-    from roll_backend.pipelines.run import PipelineRun
     from roll_backend.pipelines.loops.streaming import StreamingLoop
+    from roll_backend.pipelines.run import PipelineRun
 
     mode = mode_of(config)
     loop_class = {"one_step": OneStepOffPolicyLoop, "streaming": StreamingLoop}.get(mode)

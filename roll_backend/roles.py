@@ -27,22 +27,25 @@ ROLES = (*MODEL_ROLES, REWARD)
 # ---- deadlines: one setting each under fault_tolerance.timeouts --------------------------------------------------
 STARTUP = "startup"  # start every group and load the models
 PLACEMENT = "placement"  # reserve a role's resources (Ray placement groups)
+GENERATION_DEADLINE = "generate"  # rollout calls (generate, stream_run)
+REWARD_DEADLINE = "reward"  # reward functions and reward models
+LOG_PROBS_DEADLINE = "log_probs"  # forward-only passes: log-probs, values
+TRAIN_DEADLINE = "train"  # a training step
+WEIGHT_SYNC_DEADLINE = "weight_sync"  # loading weights or adapters into the rollout
 CHECKPOINT = "checkpoint"  # save or load a checkpoint
-
-# The worker methods each deadline's calls run, for fault injection ("step k" is the k-th call of one of them on a
-# rank since it started). A deadline with no methods cannot be targeted.
-DEADLINE_METHODS: dict[str, tuple[str, ...]] = {
-    STARTUP: (),
-    PLACEMENT: (),
-    "generate": ("generate", "stream_run"),
-    "reward": ("compute_rewards",),
-    "log_probs": ("compute_log_probs", "compute_values"),
-    "train": ("train_step",),
-    "weight_sync": ("load_weight_buckets", "load_adapter"),
-    CHECKPOINT: ("save_checkpoint",),
-}
-DEADLINES = tuple(DEADLINE_METHODS)
-FAULT_PHASES = tuple(name for name, methods in DEADLINE_METHODS.items() if methods)
+DEADLINES = (
+    STARTUP,
+    PLACEMENT,
+    GENERATION_DEADLINE,
+    REWARD_DEADLINE,
+    LOG_PROBS_DEADLINE,
+    TRAIN_DEADLINE,
+    WEIGHT_SYNC_DEADLINE,
+    CHECKPOINT,
+)
+# The deadlines whose calls run worker methods (each method says its deadline: `@register(..., deadline=)`), so a
+# fault can target them ("step k": the k-th call of such a method on a rank since it started).
+FAULT_PHASES = DEADLINES[2:]
 
 
 # ---- phases of a step: timed (`timing/<phase>`), bounded by a deadline, and with a model, measured in perf/ --------
@@ -67,15 +70,15 @@ WEIGHT_SYNC = "weight_sync"
 PHASES: dict[str, Phase] = {
     phase.name: phase
     for phase in (
-        Phase(GENERATE, ACTOR_INFER, "generate"),
-        Phase(SCORE, REWARD, "reward", runs_model=False),
-        Phase(TEACHER_LOG_PROBS, TEACHER, "log_probs"),
-        Phase(REFERENCE_LOG_PROBS, REFERENCE, "log_probs"),
-        Phase(OLD_LOG_PROBS, ACTOR_TRAIN, "log_probs"),
-        Phase(VALUES, CRITIC, "log_probs"),
-        Phase(TRAIN, ACTOR_TRAIN, "train"),
-        Phase(CRITIC_TRAIN, CRITIC, "train"),
-        Phase(WEIGHT_SYNC, ACTOR_TRAIN, "weight_sync", runs_model=False),
+        Phase(GENERATE, ACTOR_INFER, GENERATION_DEADLINE),
+        Phase(SCORE, REWARD, REWARD_DEADLINE, runs_model=False),
+        Phase(TEACHER_LOG_PROBS, TEACHER, LOG_PROBS_DEADLINE),
+        Phase(REFERENCE_LOG_PROBS, REFERENCE, LOG_PROBS_DEADLINE),
+        Phase(OLD_LOG_PROBS, ACTOR_TRAIN, LOG_PROBS_DEADLINE),
+        Phase(VALUES, CRITIC, LOG_PROBS_DEADLINE),
+        Phase(TRAIN, ACTOR_TRAIN, TRAIN_DEADLINE),
+        Phase(CRITIC_TRAIN, CRITIC, TRAIN_DEADLINE),
+        Phase(WEIGHT_SYNC, ACTOR_TRAIN, WEIGHT_SYNC_DEADLINE, runs_model=False),
     )
 }
 MODEL_PHASES = tuple(name for name, phase in PHASES.items() if phase.runs_model)
@@ -85,6 +88,6 @@ def deadline_of(name: str) -> str:
     """The timeouts field bounding a phase, or `name` itself when it names a deadline (startup, checkpoint, ...)."""
     if name in PHASES:
         return PHASES[name].deadline
-    if name in DEADLINE_METHODS:
+    if name in DEADLINES:
         return name
     raise KeyError(f"{name!r} is neither a phase ({', '.join(PHASES)}) nor a deadline ({', '.join(DEADLINES)})")

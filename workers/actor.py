@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate, token_mean_share
 from roll_backend.algorithms.preference import sft_loss
 from roll_backend.distributed.dispatch import Dispatch, register
@@ -137,17 +137,17 @@ class ActorWorker(Worker):
         cfg: ActorConfig = self.config
         self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS (and ENTROPY) [B, T_resp] of the batch's responses under the current weights."""
         return self.strategy.compute_log_probs(batch)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_values(self, batch: DataProto) -> DataProto | None:
         """keys.VALUES of a value-head model (a reward model in training)."""
         return self.strategy.compute_values(batch)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.TRAIN_DEADLINE)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
         loss_fn = functools.partial(actor_loss, self.config.loss)
@@ -168,7 +168,7 @@ class ActorWorker(Worker):
                 refs.append(ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket]))
         return refs
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.CHECKPOINT)
     def save_checkpoint(self, path: str) -> None:
         self.strategy.save_checkpoint(path)
 

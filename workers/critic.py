@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.algorithms.aggregation import token_mean_share
 from roll_backend.algorithms.value_loss import value_loss
 from roll_backend.distributed.dispatch import Dispatch, register
@@ -60,12 +60,12 @@ class CriticWorker(Worker):
         cfg: CriticConfig = self.config
         self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_values(self, batch: DataProto) -> DataProto | None:
         """keys.VALUES [B, T_resp]."""
         return self.strategy.compute_values(batch)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.TRAIN_DEADLINE)
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         metrics = self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
         return metrics  # reduced over DP already; the group call returns one dict per DP rank

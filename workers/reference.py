@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from roll_backend import roles
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -29,7 +30,7 @@ class ReferenceWorker(Worker):
         cfg: ReferenceConfig = self.config
         self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         """keys.LOG_PROBS [B, T_resp] under the reference weights (the driver stores them as REF_LOG_PROBS)."""
         return self.strategy.compute_log_probs(batch)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -73,7 +73,7 @@ class RewardWorker(Worker):
             for spec in self.config.functions
         ]
 
-    @register(Dispatch.DP_MP_COMPUTE)
+    @register(Dispatch.DP_MP_COMPUTE, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
         """RESPONSE_TEXT + ANSWER + RESPONSE_MASK -> TOKEN_LEVEL_SCORES [B, T_resp] float32 (score on the last
         token).

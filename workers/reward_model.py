@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -70,7 +70,7 @@ class RewardModelWorker(Worker):
             raise ValueError("a reward model scores with a value head; set reward.strategy.value_head=True.")
         self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
-    @register(Dispatch.DP_MP_DISPATCH_FIRST)
+    @register(Dispatch.DP_MP_DISPATCH_FIRST, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto | None:
         """SEQUENCE_SCORES [B] (the value head at the last response token) and TOKEN_LEVEL_SCORES [B, T_resp]
         (that score on the last response token). None on ranks whose output is not collected."""

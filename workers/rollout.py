@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -70,7 +70,7 @@ class RolloutWorker(Worker):
                 prompt_width=strategy.max_prompt_length,
             )
 
-    @register(Dispatch.DP_MP_COMPUTE)
+    @register(Dispatch.DP_MP_COMPUTE, deadline=roles.GENERATION_DEADLINE)
     def generate(self, batch: DataProto) -> DataProto:
         """Prompts -> n responses each, with log-probs, masks and uids (see VllmRolloutStrategy.generate); with
         `agentic`, n multi-turn trajectories each (roll_backend.agentic.multi_turn)."""
@@ -94,7 +94,7 @@ class RolloutWorker(Worker):
         `in_flight` as for `load_weight_buckets`."""
         return self._strategy().update_weights(named_tensors, version=version, in_flight=in_flight)
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
     def load_weight_buckets(
         self, bucket_refs: list, version: int | None = None, in_flight: str | None = None
     ) -> dict[str, int]:
@@ -115,7 +115,7 @@ class RolloutWorker(Worker):
         loaded = self._strategy().update_weights(named(), version=version, in_flight=in_flight)
         return {"tensors": loaded, "bytes": size[0]}
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
     def load_adapter(
         self, adapter_refs: list, version: int | None = None, in_flight: str | None = None
     ) -> dict[str, int]:
@@ -140,7 +140,7 @@ class RolloutWorker(Worker):
             return
         self._strategy().stream_admit(prompts)
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.GENERATION_DEADLINE)
     def stream_run(self, max_steps: int) -> tuple[DataProto | None, bool, dict[str, float]]:
         """Up to `max_steps` engine steps: (this rank's groups that finished, in rollout layout with per-token
         versions, or None; whether requests remain on the engine; counters since the last call). With `agentic`:

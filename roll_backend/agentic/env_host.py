@@ -262,7 +262,10 @@ class SessionHost:
     def _start_worker(self, index: int) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
-            target=_serve, args=(child_conn, self._factory, self.concurrency), name=f"{self.label} worker {index}", daemon=False
+            target=_serve,
+            args=(child_conn, self._factory, self.concurrency),
+            name=f"{self.label} worker {index}",
+            daemon=False,
         )
         process.start()
         child_conn.close()

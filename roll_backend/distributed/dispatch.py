@@ -210,19 +210,22 @@ class MethodDispatch:
 
     mode: DispatchMode
     blocking: bool = True
+    deadline: str | None = None  # the fault_tolerance.timeouts setting its calls run under (roles.DEADLINES)
 
 
-def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, blocking: bool = True):
-    """Tag a Worker method so `WorkerGroup.call(Worker.method, ...)` runs it on every rank by `dispatch_mode`."""
+def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, blocking: bool = True, deadline: str | None = None):
+    """Tag a Worker method so `WorkerGroup.call(Worker.method, ...)` runs it on every rank by `dispatch_mode`;
+    `deadline` names the timeouts setting its calls run under (a fault injected in that phase fires in them)."""
     if not isinstance(dispatch_mode, DispatchMode):
         raise TypeError(f"register() takes a DispatchMode (e.g. Dispatch.DP_MP_COMPUTE), got {dispatch_mode!r}")
+    how = MethodDispatch(dispatch_mode, blocking, deadline)
 
     def tag(method):
         @functools.wraps(method)
         def run_on_rank(self, *args, **kwargs):
-            return self.run_registered(method, dispatch_mode, args, kwargs)
+            return self.run_registered(method, how, args, kwargs)
 
-        run_on_rank.dispatch = MethodDispatch(dispatch_mode, blocking)
+        run_on_rank.dispatch = how
         return run_on_rank
 
     return tag

@@ -16,9 +16,9 @@ from roll_backend import roles
 FAULT_ENV = "ROLL_BACKEND_INJECT_FAULT"
 FAULTS_OFF = "off"  # passed to a group explicitly: ignore the environment variable too (a restarted run)
 ACTIONS = ("kill", "hang", "raise")
-# A fault's phase is a deadline setting with worker methods (roll_backend.roles.DEADLINE_METHODS); "step k" is the
-# k-th call of one of them on that rank since it started (one call per step for generate/reward/weight_sync, and
-# for train when a step is one mini-batch).
+# A fault's phase is a deadline setting whose calls run worker methods (roll_backend.roles.FAULT_PHASES; each method
+# says its deadline in @register); "step k" is the k-th call of one of them on that rank since it started (one call
+# per step for generate/reward/weight_sync, and for train when a step is one mini-batch).
 
 
 class InjectedFault(RuntimeError):
@@ -78,8 +78,9 @@ class FaultTrigger:
     def __init__(self, spec: FaultSpec):
         self.spec, self.calls = spec, 0
 
-    def before_call(self, method_name: str, rank_tag: str) -> None:
-        if method_name not in roles.DEADLINE_METHODS[self.spec.phase]:
+    def before_call(self, deadline: str | None, rank_tag: str) -> None:
+        """A registered method whose calls run under `deadline` is about to run on this rank."""
+        if deadline != self.spec.phase:
             return
         self.calls += 1
         if self.calls != self.spec.step:

@@ -12,7 +12,7 @@ from typing import Any
 
 from roll_backend.distributed import parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
-from roll_backend.distributed.dispatch import Dispatch, DispatchMode, register
+from roll_backend.distributed.dispatch import Dispatch, MethodDispatch, register
 from roll_backend.distributed.faults import FaultTrigger, fault_for_rank
 from roll_backend.distributed.orphans import kill_children_with_this_process
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
@@ -147,12 +147,12 @@ class Worker:
     def rank_tag(self) -> str:
         return f"[{self.rank_where}]"
 
-    def run_registered(self, method, mode: DispatchMode, args: tuple, kwargs: dict):
+    def run_registered(self, method, how: MethodDispatch, args: tuple, kwargs: dict):
         try:
             if self._fault is not None:
-                self._fault.before_call(method.__name__, self.rank_tag)
+                self._fault.before_call(how.deadline, self.rank_tag)
             with self.call_context():
-                if mode.broadcast_in_actor:
+                if how.mode.broadcast_in_actor:
                     started = time.perf_counter()
                     args, kwargs = self._receive_batches(method.__name__, args, kwargs)
                     self.last_broadcast_seconds = time.perf_counter() - started

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from roll_backend import roles
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.pipelines.loops.one_step_off_policy import OneStepOffPolicyLoop
 from roll_backend.pipelines.loops.offline import offline_step
+from roll_backend.pipelines.loops.one_step_off_policy import OneStepOffPolicyLoop
 from roll_backend.pipelines.loops.rl_step import rl_step
-from roll_backend.pipelines.run import PipelineRun, StepHistory
 from roll_backend.pipelines.loops.streaming import StreamingLoop
+from roll_backend.pipelines.run import PipelineRun, StepHistory
 from roll_backend.pipelines.services.tracking import phase_deadline
 from roll_backend.workers.actor import ActorWorker
 

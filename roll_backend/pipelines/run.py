@@ -13,11 +13,11 @@ from roll_backend import roles
 from roll_backend.algorithms import make_kl_controller
 from roll_backend.config.loader import config_to_yaml
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.pipelines.services import checkpoint as ckpt
-from roll_backend.pipelines.loops import phases
-from roll_backend.pipelines.groups import RoleGroups, build_role_groups
-from roll_backend.pipelines.loops.offline import OfflineValidation
 from roll_backend.pipelines.data.offline_datasets import offline_datasets
+from roll_backend.pipelines.groups import RoleGroups, build_role_groups
+from roll_backend.pipelines.loops import phases
+from roll_backend.pipelines.loops.offline import OfflineValidation
+from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines.services.phase_perf import PhasePerf
 from roll_backend.pipelines.services.tracking import MetricsTracker, phase_deadline
 from roll_backend.pipelines.services.validation import Validation

@@ -374,8 +374,8 @@ class StreamingSession:
         if whole:
             raise RuntimeError(
                 f"a weight update arrived while {len(whole)} requests added with updates_possible=False were running "
-                f"or kept their KV cache (e.g. {whole[0]!r}); their tokens cannot be attributed to versions: add them with "
-                "updates_possible=True (streaming) or update between generate calls"
+                f"or kept their KV cache (e.g. {whole[0]!r}); their tokens cannot be attributed to versions: add "
+                "them with updates_possible=True (streaming) or update between generate calls"
             )
 
     def _abort(self, running: list[str]) -> list[_Request]:

@@ -45,11 +45,19 @@ def test_every_phase_names_a_role_and_a_deadline_and_fault_methods_exist():
     for phase in roles.PHASES.values():
         assert phase.role in roles.ROLES and phase.deadline in roles.DEADLINES, phase
         assert roles.deadline_of(phase.name) == phase.deadline
-    for deadline, methods in roles.DEADLINE_METHODS.items():
-        for method in methods:  # a fault targets a registered worker method of some role
-            assert any(getattr(getattr(w, method, None), "dispatch", None) for w in ROLE_WORKERS.values()), method
-        if methods:
-            assert FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{deadline}:1").phase == deadline
+    # Each worker method says the deadline its calls run under; a fault phase is one that some method runs under.
+    tagged = {
+        (worker.__name__, name): how.deadline
+        for worker in ROLE_WORKERS.values()
+        for name in dir(worker)
+        if (how := getattr(getattr(worker, name), "dispatch", None)) is not None and how.deadline is not None
+    }
+    assert set(tagged.values()) == set(roles.FAULT_PHASES)
+    assert set(roles.FAULT_PHASES) <= set(roles.DEADLINES)
+    assert tagged[("ActorWorker", "train_step")] == roles.TRAIN_DEADLINE
+    assert tagged[("RolloutWorker", "stream_run")] == roles.GENERATION_DEADLINE
+    for deadline in roles.FAULT_PHASES:
+        assert FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{deadline}:1").phase == deadline
     with pytest.raises(ValueError, match="phase 'startup' is not one of generate, reward"):
         FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{roles.STARTUP}:1")
     with pytest.raises(KeyError, match="neither a phase"):

@@ -17,8 +17,8 @@ import numpy as np
 
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
-from roll_backend.pipelines.data.rows import DataError, Rows, dropped_characters, read_rows, rows_error
 from roll_backend.pipelines.data.procedural_tasks import reasoning_gym_rows
+from roll_backend.pipelines.data.rows import DataError, Rows, dropped_characters, read_rows, rows_error
 from roll_backend.pipelines.data.synthetic_tasks import generate_task
 from roll_backend.protocol import DataProto
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
-from roll_backend.pipelines.data.prompt_dataset import PromptDataset, driver_tokenizer
 from roll_backend.pipelines.data.mixture import PromptMixture
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset, driver_tokenizer
 from roll_backend.protocol import DataProto
 
 

@@ -20,9 +20,9 @@ from roll_backend import keys, roles
 from roll_backend.algorithms import masked_mean
 from roll_backend.algorithms.preference import bradley_terry_loss, dpo_loss, pair_loss_row_weights
 from roll_backend.config.schema import AlgorithmConfig, PipelineConfig
-from roll_backend.pipelines.loops import phases
-from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.pipelines.data.offline_datasets import OfflineDataset
+from roll_backend.pipelines.groups import RoleGroups
+from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.pipelines.services.validation import validation_due

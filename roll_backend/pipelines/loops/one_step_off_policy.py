@@ -21,9 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from roll_backend import keys, roles
 from roll_backend.pipelines.loops import phases
-from roll_backend.pipelines.services.phase_perf import SequenceLengths
-from roll_backend.pipelines.loops.rl_step import mark_prepared, prepare_batch, step_perf, sync_rollout_weights, train_on_batch
+from roll_backend.pipelines.loops.rl_step import (
+    mark_prepared,
+    prepare_batch,
+    step_perf,
+    sync_rollout_weights,
+    train_on_batch,
+)
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 

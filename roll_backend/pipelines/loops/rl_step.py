@@ -4,11 +4,11 @@ parts of it the asynchronous loop (async_loop.py) reuses."""
 from __future__ import annotations
 
 from roll_backend import keys, roles
-from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.data.mixture import per_source_reward_metrics
+from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.dynamic_sampling import generate_filled
-from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 

@@ -29,9 +29,9 @@ import torch
 
 from roll_backend import keys, roles
 from roll_backend.pipelines.loops import phases
-from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.loops.rl_step import step_perf, sync_rollout_weights, train_on_batch
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer, phase_deadline
 from roll_backend.protocol import DataProto
 from roll_backend.workers.rollout import RolloutWorker

@@ -18,9 +18,9 @@ from roll_backend.config.schema import PipelineConfig
 from roll_backend.distributed.faults import remaining_faults
 from roll_backend.distributed.worker_group import GroupBrokenError, GroupTimeoutError, RankDiedError, RankRaisedError
 from roll_backend.errors import NotRestartableError
-from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines.driver import run_pipeline
 from roll_backend.pipelines.run import StepHistory
+from roll_backend.pipelines.services import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 

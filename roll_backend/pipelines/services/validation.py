@@ -14,8 +14,8 @@ import numpy as np
 from roll_backend import keys, roles
 from roll_backend.algorithms.eval_metrics import validation_metrics
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.groups import RoleGroups
+from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 from roll_backend.rewards.exact_match import extract_final_answer, normalize

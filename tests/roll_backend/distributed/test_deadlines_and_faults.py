@@ -58,9 +58,18 @@ def test_fault_specs_parse_or_say_what_is_wrong(monkeypatch):
 
 
 def test_the_trigger_fires_at_the_kth_call_of_the_phase_methods_only():
+    """The trigger counts calls of methods registered under the fault's deadline (ActorWorker's compute_log_probs
+    and compute_values run under log_probs, its train_step under train)."""
+    from roll_backend.workers.actor import ActorWorker
+
+    deadline_of = {
+        name: getattr(ActorWorker, name).dispatch.deadline
+        for name in ("train_step", "compute_log_probs", "compute_values")
+    }
     trigger = FaultTrigger(FaultSpec("raise", "actor_train", 0, "log_probs", 2))
-    trigger.before_call("train_step", "[actor_train rank 0/1]")
-    trigger.before_call("compute_log_probs", "[actor_train rank 0/1]")
+    trigger.before_call(deadline_of["train_step"], "[actor_train rank 0/1]")
+    trigger.before_call(deadline_of["compute_log_probs"], "[actor_train rank 0/1]")
+    trigger.before_call(None, "[actor_train rank 0/1]")  # a method under no deadline
     with pytest.raises(InjectedFault, match=r"\[actor_train rank 0/1\] injected fault in log_probs at call 2"):
-        trigger.before_call("compute_values", "[actor_train rank 0/1]")
-    trigger.before_call("compute_log_probs", "[actor_train rank 0/1]")  # once only
+        trigger.before_call(deadline_of["compute_values"], "[actor_train rank 0/1]")
+    trigger.before_call(deadline_of["compute_log_probs"], "[actor_train rank 0/1]")  # once only

@@ -16,13 +16,13 @@ from roll_backend.config.loader import config_to_yaml, load_config
 from roll_backend.config.schema import DataConfig, TrainSource
 from roll_backend.config.typed import ConfigError
 from roll_backend.models.tiny import build_char_tokenizer
-from roll_backend.pipelines.data.prompt_dataset import PromptDataset
 from roll_backend.pipelines.data.mixture import (
     PromptMixture,
     StreamSplit,
     per_source_prompt_metrics,
     per_source_reward_metrics,
 )
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset
 from roll_backend.pipelines.data.prompts import check_data, training_prompts
 from roll_backend.protocol import DataProto
 

@@ -12,9 +12,9 @@ import torch
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig
 from roll_backend.models.tiny import TinyModelSpec, tokenizer_for
+from roll_backend.pipelines.data.offline_datasets import OfflineDataset
 from roll_backend.pipelines.data.prompt_dataset import encode_prompt
 from roll_backend.pipelines.data.rows import DataError
-from roll_backend.pipelines.data.offline_datasets import OfflineDataset
 
 
 @pytest.fixture(scope="module")

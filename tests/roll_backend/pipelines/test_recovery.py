@@ -21,8 +21,8 @@ from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # 
 
 from roll_backend import cli
 from roll_backend.config.loader import load_config
-from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines import evaluate, run_with_restarts
+from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines.services.recovery import RESTARTS, SECONDS_LOST
 from roll_backend.pipelines.services.tracking import read_metrics
 

@@ -13,8 +13,8 @@ import pytest
 
 from roll_backend import keys
 from roll_backend.config.loader import load_config
-from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines import run_pipeline, run_with_restarts
+from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.protocol import DataProto
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")

@@ -14,7 +14,12 @@ import torch
 from roll_backend import keys
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines.loops.phases import step_seed
-from roll_backend.pipelines.loops.streaming import StreamingLoop, rollout_metrics_of, split_groups, token_staleness_metrics
+from roll_backend.pipelines.loops.streaming import (
+    StreamingLoop,
+    rollout_metrics_of,
+    split_groups,
+    token_staleness_metrics,
+)
 from roll_backend.protocol import DataProto
 
 N = 2  # samples per prompt

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from roll_backend.pipelines.data.rows import DataError
 from roll_backend.pipelines.data.procedural_tasks import reasoning_gym_rows
+from roll_backend.pipelines.data.rows import DataError
 from roll_backend.rewards.procedural import compute_score, response_answer
 
 
