@@ -82,31 +82,22 @@ class InferStrategy(Strategy):
 
     @abc.abstractmethod
     def initialize(self) -> None:
-        """Build the model and load its weights; called once after the rank joined its process groups."""
+        """Build the model and load its weights (a training backend also its optimizer and scheduler); called once
+        after the rank joined its process groups."""
 
     @abc.abstractmethod
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
-        """Per-token log-probs (and entropy if configured) of `batch`'s responses: keys.LOG_PROBS [B, T_resp]."""
+        """Per-token log-probs (and entropy if configured) of `batch`'s responses under the current weights:
+        keys.LOG_PROBS [B, T_resp] (a trainer's old_log_probs before an update)."""
 
     @abc.abstractmethod
     def compute_values(self, batch: DataProto) -> DataProto | None:
-        """Critic values of `batch`'s responses: keys.VALUES [B, T_resp]."""
+        """Critic values of `batch`'s responses under the current weights: keys.VALUES [B, T_resp]."""
 
 
-class TrainStrategy(Strategy):
-    """A training backend for one rank of a role: forward, backward, optimizer step, checkpoints, weight export."""
-
-    @abc.abstractmethod
-    def initialize(self) -> None:
-        """Build the model, the optimizer and the scheduler; load the initial weights."""
-
-    @abc.abstractmethod
-    def compute_log_probs(self, batch: DataProto) -> DataProto | None:
-        """Log-probs under the current weights (e.g. old_log_probs before an update)."""
-
-    @abc.abstractmethod
-    def compute_values(self, batch: DataProto) -> DataProto | None:
-        """Values under the current weights (critic)."""
+class TrainStrategy(InferStrategy):
+    """A training backend for one rank of a role: everything a forward-only one does, and backward, optimizer
+    step, checkpoints, weight export."""
 
     @abc.abstractmethod
     def train_step(self, batch: DataProto, loss_fn: LossFn) -> dict[str, float] | None:

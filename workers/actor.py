@@ -15,10 +15,9 @@ from roll_backend import keys, roles
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate, token_mean_share
 from roll_backend.algorithms.preference import sft_loss
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.workers.reward_model import sequence_scores
-from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
+from roll_backend.workers.strategy_host import StrategyWorker
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +124,9 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
 OBJECTIVES = {"sft": sft_objective, "pairwise": pairwise_objective}
 
 
-class ActorWorker(Worker):
+class ActorWorker(StrategyWorker):
     """One rank of the trained policy. Call `init_model` once after the group starts. `compute_log_probs` and
     `train_step` receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
-
-    def call_context(self):
-        return strategy_call_context(self.config.strategy_name, self.device)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        cfg: ActorConfig = self.config
-        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:

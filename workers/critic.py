@@ -12,9 +12,8 @@ from roll_backend import keys, roles
 from roll_backend.algorithms.aggregation import token_mean_share
 from roll_backend.algorithms.value_loss import value_loss
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
-from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
+from roll_backend.workers.strategy_host import StrategyWorker
 
 
 @dataclass(frozen=True)
@@ -48,17 +47,9 @@ def critic_loss(cfg: CriticLossConfig, per_token: dict[str, torch.Tensor], micro
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": token_mean_share(clipfrac.detach(), mask, global_tokens)}
 
 
-class CriticWorker(Worker):
+class CriticWorker(StrategyWorker):
     """One rank of the critic. Call `init_model` once after the group starts. `compute_values` and `train_step`
     receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
-
-    def call_context(self):
-        return strategy_call_context(self.config.strategy_name, self.device)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        cfg: CriticConfig = self.config
-        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED, deadline=roles.LOG_PROBS_DEADLINE)
     def compute_values(self, batch: DataProto) -> DataProto | None:

@@ -9,10 +9,9 @@ import torch
 
 from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import at_last_token, last_token_index, place_on_last_token
-from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
+from roll_backend.workers.strategy_host import StrategyWorker
 
 
 @dataclass(frozen=True)
@@ -56,19 +55,13 @@ def sequence_scores(values: torch.Tensor, extended_response_mask: torch.Tensor) 
     return at_last_token(values[:, 1:], extended_response_mask[:, :-1])
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(StrategyWorker):
     """One rank of a reward model. Call `init_model` once after the group starts. `compute_rewards` receives its
     batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST)."""
 
-    def call_context(self):
-        return strategy_call_context(self.config.strategy_name, self.device)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        cfg: RewardModelConfig = self.config
-        if not getattr(cfg.strategy, "value_head", False):
+    def check_config(self) -> None:
+        if not getattr(self.config.strategy, "value_head", False):
             raise ValueError("a reward model scores with a value head; set reward.strategy.value_head=True.")
-        self.strategy = start_strategy(cfg.strategy_name, cfg.strategy, self.layout, self.device)
 
     @register(Dispatch.DP_MP_DISPATCH_FIRST, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.worker import Worker
 from roll_backend.strategies.registry import create_strategy, strategy_class
 
 
@@ -18,3 +20,19 @@ def start_strategy(name: str, config: Any, layout, device: str):
 def strategy_call_context(name: str, device: str) -> contextlib.AbstractContextManager:
     """The context strategy `name` needs around every call on `device` (Megatron on CPU: its device mode)."""
     return strategy_class(name).call_context(device)
+
+
+class StrategyWorker(Worker):
+    """A role whose ranks each run one strategy: `config.strategy_name` built from `config.strategy`. Call
+    `init_model` once after the group starts; every call runs in the strategy's context."""
+
+    def call_context(self):
+        return strategy_call_context(self.config.strategy_name, self.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.check_config()
+        self.strategy = start_strategy(self.config.strategy_name, self.config.strategy, self.layout, self.device)
+
+    def check_config(self) -> None:
+        """A role's own rule on its strategy's config, before the model is built (none by default)."""
