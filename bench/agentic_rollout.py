@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument(
         "--no-kv-sessions", action="store_true", help="every turn a new request (agentic.keep_kv_between_turns: false)"
     )
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     announce()
     sys.path.insert(0, str(BENCH_DIR))  # the env workers import _slow_env

@@ -102,6 +102,10 @@ class VllmRolloutStrategy(RolloutStrategy):
             engine_kwargs["block_size"] = block_size
         if self.device != "cpu":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        else:
+            from roll_backend.patches import vllm_cpu_seeded_sampling
+
+            vllm_cpu_seeded_sampling.apply()  # seeded requests (every multi-turn turn) without a per-row round trip
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
