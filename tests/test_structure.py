@@ -43,7 +43,7 @@ FORBIDDEN_LAYER_IMPORTS = {
 # Third-party backends and the only packages/modules allowed to import them.
 BACKEND_HOMES = {
     "megatron": (f"{PACKAGE}.strategies.megatron", f"{PACKAGE}.patches", f"{PACKAGE}.distributed.parallel"),
-    "vllm": (f"{PACKAGE}.strategies.vllm", f"{PACKAGE}.patches"),
+    "vllm": (f"{PACKAGE}.strategies.vllm",),
 }
 
 

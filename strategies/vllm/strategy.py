@@ -102,10 +102,6 @@ class VllmRolloutStrategy(RolloutStrategy):
             engine_kwargs["block_size"] = block_size
         if self.device != "cpu":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        else:
-            from roll_backend.patches import vllm_cpu_seeded_sampling
-
-            vllm_cpu_seeded_sampling.apply()  # seeded requests (every multi-turn turn) without a per-row round trip
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
@@ -350,7 +346,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         """One sample with the call's sampling settings (meta_info as for `generate`), at most `max_tokens`. It goes
         through the streaming session: a weight update while it runs treats it as streaming requests are treated, and
         each of its tokens records its version. A `session` of a generate call's turns keeps its KV cache between
-        turns (StreamingSession.add_turn); a seeded session draws its later turns from its first turn's generator."""
+        turns (StreamingSession.add_turn); each turn samples from its own seed either way."""
         sampling = self.sampling_for(meta_info or {})
         turn = dataclasses.replace(
             sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens), seed=seed, stop=()

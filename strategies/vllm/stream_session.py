@@ -197,6 +197,8 @@ class StreamingSession:
         own.prompt_token_ids = list(new_input)
         self.engine.output_processor.add_request(own, None, None, 0)
         self.engine.engine_core.add_request(engine_request)
+        if known.sampled and request.sampling.seed is not None:  # vLLM keeps a session's first generator
+            self.strategy.engine.collective_rpc("reseed_request", args=(known.internal_id, request.sampling.seed))
         self.requests[known.engine_id] = request
 
     def _session_input(self, known: _KvSession, new_input: list[int], sampling: SamplingConfig):

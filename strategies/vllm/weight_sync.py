@@ -84,6 +84,13 @@ class VllmWeightSyncExtension:
         # prefill ("CPU Generator does not use offset").
         torch.manual_seed(seed)
 
+    def reseed_request(self, request_id: str, seed: int) -> None:
+        """A resumable request's next input samples as a new request seeded `seed` would: one trajectory's turn
+        draws from its own seed whether or not the trajectory kept its KV cache (StreamingSession.add_turn)."""
+        state = self.model_runner.requests.get(request_id)
+        if state is not None and state.generator is not None:
+            state.generator.manual_seed(seed)
+
 
 def _layer_key(name: str) -> str:
     """Group key for bucketing: a decoder layer ("model.layers.3") or the tensor's own module."""
