@@ -30,12 +30,36 @@ def call_context(device: str) -> contextlib.AbstractContextManager:
     return megatron_cpu.cpu_device_mode()
 
 
-class MegatronCallContext:
-    """Mixed into both Megatron strategies: their calls run inside `call_context`."""
+class MegatronStrategyBase:
+    """Mixed into both Megatron strategies: their config, layout and device, their MegatronEngine (built by
+    `initialize`), and the context their calls run in."""
+
+    def __init__(self, config, layout: ParallelLayout, device: str):
+        self.config, self.layout, self.device = config, layout, device
+        self.engine = None  # MegatronEngine, once initialize() ran
 
     @classmethod
     def call_context(cls, device: str) -> contextlib.AbstractContextManager:
         return call_context(device)
+
+    def ready(self, what: str):
+        """The engine, or a clear error when `what` is called before initialize()."""
+        if self.engine is None:
+            raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+        return self.engine
+
+    @property
+    def model(self) -> list | None:
+        """The model chunks (one per virtual pipeline stage), None before initialize()."""
+        return None if self.engine is None else self.engine.chunks
+
+    @property
+    def arch(self):
+        return self.ready("arch").arch
+
+    @property
+    def hf_config(self):
+        return self.ready("hf_config").hf_config
 
 
 def load_hf_config(model_path: str):

@@ -1,5 +1,6 @@
-"""The pipelined forward/backward of a Megatron strategy: Megatron's schedule over the micro-batches (interleaved
-with several model chunks), the head's output captured for the loss, and forward-only per-token outputs."""
+"""The pipelined forward/backward of Megatron model chunks: Megatron's schedule over the micro-batches (interleaved
+with several model chunks) and the head's output captured for the loss. MegatronEngine (engine.py) runs every phase
+through `forward_backward`."""
 
 from __future__ import annotations
 
@@ -9,18 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from roll_backend import keys
-from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron import lora
-from roll_backend.strategies.megatron import micro_batches as mb
-from roll_backend.strategies.megatron.builder import HFArch, unwrap
+from roll_backend.strategies.megatron.builder import unwrap
 from roll_backend.strategies.megatron.cp import slice_for_this_cp_rank
-from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.micro_batches import MicroBatch
-from roll_backend.strategies.megatron.model_setup import set_train_mode
 from roll_backend.strategies.megatron.moe import router_padding_mask
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
-from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
+from roll_backend.strategies.megatron.router_replay import RouteCall
 
 
 class HeadCapture:
@@ -53,19 +48,6 @@ class HeadCapture:
             raise RuntimeError("the model's head produced no output in this forward pass")
         output, self.output = self.output, None
         return output
-
-
-def route_replayer(strategy, chunks: list) -> RouteReplayer | None:
-    """A MoE model's RouteReplayer (route metrics always, replay as configured); None for a dense model."""
-    moe = strategy.arch.moe
-    return None if moe is None else RouteReplayer(chunks, strategy.arch.num_layers, moe.topk, strategy.device)
-
-
-def attach_head(strategy) -> None:
-    """Give a Megatron strategy its HeadCapture and, with MTP, its MtpLoss (both hook into the head's chunk)."""
-    depths = strategy.config.mtp_num_layers
-    strategy.capture = HeadCapture(strategy.model, copy=depths > 0)
-    strategy.mtp_loss = MtpLoss(unwrap(strategy.model[-1]), depths, strategy.arch.vocab_size) if depths else None
 
 
 def forward_backward(
@@ -152,93 +134,3 @@ def is_last_stage() -> bool:
     from megatron.core import parallel_state as mpu
 
     return mpu.is_pipeline_last_stage(ignore_virtual=True)
-
-
-def forward_per_token(
-    model,
-    capture: HeadCapture,
-    batch: DataProto,
-    arch: HFArch,
-    plan,
-    device: str,
-    temperature: float,
-    value_head: bool,
-    with_entropy: bool,
-    mtp: MtpLoss | None,
-    what: str,
-    routes: RouteCall | None = None,
-) -> DataProto | None:
-    """Forward-only per-token outputs of the batch's responses, in its row order; a DataProto on the last PP
-    stage, else None. `plan`: a micro_batches.BatchingPlan (fixed rows, token budget or packing). `routes`: a MoE
-    model's routes plan; recorded routes come back as keys.RECORDED_ROUTES, route metrics in meta_info."""
-    micro_batches, num_rows = mb.split(batch, plan, device, what, routes.routes if routes is not None else None)
-    temperature = float(batch.meta_info.get(keys.META_TEMPERATURE, temperature))
-
-    def collect(micro: MicroBatch, head_output: torch.Tensor):
-        outputs = per_token_outputs(micro, head_output, arch, temperature, value_head, with_entropy)
-        return torch.zeros((), device=head_output.device), {k: v.detach() for k, v in outputs.items()}
-
-    set_train_mode(model, False)
-    with torch.no_grad():
-        stored = forward_backward(model, capture, micro_batches, True, mtp, collect, routes)
-        recorded = recorded_routes(routes, micro_batches, batch, device) if routes is not None else None
-    metrics = routes.replayer.pop_metrics("moe/log_probs_") if routes is not None else {}
-    if not is_last_stage():
-        return None
-    tensors = mb.collect_rows(micro_batches, stored, num_rows)
-    if recorded is not None:
-        tensors[keys.RECORDED_ROUTES] = recorded
-    return DataProto.from_dict(tensors=tensors, meta_info={keys.META_METRICS: metrics} if metrics else None)
-
-
-def recorded_routes(routes: RouteCall, micro_batches: list[MicroBatch], batch: DataProto, device: str):
-    """[B, T, L, k] the live routes of a recording forward at each token of the batch (-1 at padding), every
-    stage's layers joined; None when the call did not record."""
-    if not routes.record:
-        return None
-    per_micro = [
-        routes.replayer.recorded_micro_routes(i, tuple(micro.input_ids.shape)) for i, micro in enumerate(micro_batches)
-    ]
-    attention = batch.batch[keys.ATTENTION_MASK]
-    shape = (*attention.shape, routes.replayer.num_layers, routes.replayer.topk)
-    placed = mb.place_per_token(micro_batches, per_micro, shape, -1)
-    placed = join_stages(placed, device)
-    return placed.masked_fill(~attention.bool()[..., None, None], -1)
-
-
-def strategy_forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
-    """Forward-only per-token outputs for a Megatron strategy (infer or train): log-probs or values."""
-    if strategy.model is None:
-        raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
-    config = strategy.config
-    if value_head != config.value_head:
-        kind = "a value head" if value_head else "an LM head"
-        raise ValueError(f"{what} needs {kind}; this strategy has value_head={config.value_head}")
-    base = contextlib.nullcontext()
-    if batch.meta_info.get(keys.META_BASE_MODEL):
-        if getattr(config, "lora", None) is None:
-            raise ValueError(
-                f"{what}: meta_info[{keys.META_BASE_MODEL!r}] asks for the base model of LoRA adapters, "
-                "and this strategy has no lora"
-            )
-        base = lora.adapters_disabled(strategy.model)
-    with base:
-        return _forward(strategy, batch, value_head, what)
-
-
-def _forward(strategy, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
-    config = strategy.config
-    return forward_per_token(
-        strategy.model,
-        strategy.capture,
-        batch,
-        strategy.arch,
-        mb.batching_plan(strategy, batch),
-        strategy.device,
-        config.temperature,
-        value_head,
-        config.compute_entropy,
-        strategy.mtp_loss,
-        what,
-        route_call(strategy, batch, training=False),
-    )

@@ -19,18 +19,17 @@ from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron import hf_export, lora, mtp, schedule, weights
-from roll_backend.strategies.megatron import micro_batches as mb
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
+from roll_backend.strategies.megatron.engine import MegatronEngine
 from roll_backend.strategies.megatron.layers import ValueHead
-from roll_backend.strategies.megatron.log_probs import per_token_outputs
-from roll_backend.strategies.megatron.model_setup import MegatronCallContext, build_model_chunks, set_train_mode
+from roll_backend.strategies.megatron.model_setup import MegatronStrategyBase, build_model_chunks, set_train_mode
 from roll_backend.strategies.megatron.router_replay import route_call
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
+class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
     """One rank of a Megatron-trained model (actor with an LM head, or critic with a value head).
 
     `train_step` runs Megatron's schedule (1F1B under PP) with the loss on the last stage; metrics come from
@@ -43,10 +42,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
     config_class = MegatronTrainConfig
 
     def __init__(self, config: MegatronTrainConfig, layout: ParallelLayout, device: str):
-        self.config = config
-        self.layout = layout
-        self.device = device
-        self.model = None
+        super().__init__(config, layout, device)
         self.steps_done = 0
 
     # ---- set-up ------------------------------------------------------------------------------------------
@@ -57,7 +53,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             finalize_model_grads,
         )
 
-        chunks, self.arch, self.hf_config = build_model_chunks(self.config, self.layout, self.device)
+        chunks, arch, hf_config = build_model_chunks(self.config, self.layout, self.device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -65,7 +61,7 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
             check_for_nan_in_grad=False,
         )
         # One DDP per model chunk (virtual pipeline stage); the first chunk's buckets sync first, as in Megatron.
-        self.model = [
+        wrapped = [
             DistributedDataParallel(
                 config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
             )
@@ -76,17 +72,16 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         model_config.finalize_model_grads_func = (
             lora.finalize_grads(finalize_model_grads) if self.config.lora is not None else finalize_model_grads
         )
-        no_sync = [model.no_sync for model in self.model]
+        no_sync = [model.no_sync for model in wrapped]
         model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        schedule.attach_head(self)
+        self.engine = MegatronEngine(self.config, self.layout, self.device, wrapped, arch, hf_config)
         self.router_metrics = None
-        if self.arch.moe is not None:
+        if arch.moe is not None:
             from roll_backend.strategies.megatron.moe import RouterMetrics
 
             self.router_metrics = RouterMetrics(
-                chunks, self.arch.num_layers, self.arch.moe.num_experts, self.arch.moe.aux_loss_coef, self.device
+                chunks, arch.num_layers, arch.moe.num_experts, arch.moe.aux_loss_coef, self.device
             )
-        self.route_replayer = schedule.route_replayer(self, chunks)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
 
@@ -131,15 +126,14 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         )
 
     def _check_ready(self, what: str) -> None:
-        if self.model is None:
-            raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
+        self.ready(what)
 
     # ---- forward only ------------------------------------------------------------------------------------
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
-        return schedule.strategy_forward(self, batch, value_head=False, what="compute_log_probs")
+        return self.ready("compute_log_probs").forward(batch, value_head=False, what="compute_log_probs")
 
     def compute_values(self, batch: DataProto) -> DataProto | None:
-        return schedule.strategy_forward(self, batch, value_head=True, what="compute_values")
+        return self.ready("compute_values").forward(batch, value_head=True, what="compute_values")
 
     # ---- training ----------------------------------------------------------------------------------------
     def _global_counts(self, batch: DataProto) -> tuple[float, float]:
@@ -194,35 +188,29 @@ class MegatronTrainStrategy(MegatronCallContext, TrainStrategy):
         """
         from megatron.core import parallel_state as mpu
 
-        self._check_ready("train_step")
+        engine = self.ready("train_step")
         # The loss reads the batch's columns beside the model's outputs: on the model's device (a rank without an
         # in-actor broadcast, e.g. DP only, gets the batch as the driver sent it, on the CPU).
         batch = self._with_global_counts(batch.to(self.device))
-        meta = batch.meta_info
-        routes = route_call(self, batch, training=True)
-        plan = mb.batching_plan(self, batch)
-        micro_batches, _ = mb.split(batch, plan, self.device, "train_step", routes.routes if routes else None)
-        temperature = float(meta.get(keys.META_TEMPERATURE, self.config.temperature))
+        routes = route_call(engine, batch, training=True)
+        micro_batches, _ = engine.split(batch, "train_step", routes)
+        spec = engine.output_spec(batch, self.config.value_head)
         undo_scaling = len(micro_batches) * mpu.get_data_parallel_world_size()
 
-        def loss_func(micro: mb.MicroBatch, head_output: torch.Tensor):
-            outputs = per_token_outputs(
-                micro, head_output, self.arch, temperature, self.config.value_head, self.config.compute_entropy
-            )
-            loss, metrics = loss_fn(outputs, micro.proto)
+        def loss_func(micro, head_output: torch.Tensor):
+            loss, metrics = loss_fn(engine.outputs(micro, head_output, spec), micro.proto)
             reported = {name: float(value) for name, value in metrics.items()}
             reported["loss"] = float(loss.detach())
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        run = schedule.forward_backward
-        stored = run(self.model, self.capture, micro_batches, False, self.mtp_loss, loss_func, routes)
+        stored = engine.forward_backward(micro_batches, loss_func, forward_only=False, routes=routes)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
         self.steps_done += 1
         real = sum(micro.has_rows for micro in micro_batches)
-        mtp_loss = self.mtp_loss.reported() if self.mtp_loss is not None else None
+        mtp_loss = engine.mtp_loss.reported() if engine.mtp_loss is not None else None
         router = self.router_metrics.pop(max(1, real)) if self.router_metrics is not None else {}
         if routes is not None:
             router |= routes.replayer.pop_metrics()
