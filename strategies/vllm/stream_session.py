@@ -115,7 +115,7 @@ class StreamingSession:
         self.kv_sessions: dict[str, _KvSession] = {}  # a trajectory's id -> its resumable request
         self.keys = itertools.count()
         self.version = 0  # the trainer version of the weights the engine holds
-        self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0, "turn_input_tokens": 0}
+        self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0}
 
     @property
     def engine(self):
@@ -166,7 +166,6 @@ class StreamingSession:
             raise ValueError(f"request {request_id!r} is already on the engine")
         request = _Request(list(prompt_ids), sampling, _Sample(seed=sampling.seed), request_id, partial=partial)
         if session is None or partial or sampling.stop:  # vLLM's streaming input takes no stop strings
-            self.stats["turn_input_tokens"] += len(prompt_ids)
             self._add(request_id, request)
             return
         request.session = session
@@ -186,7 +185,6 @@ class StreamingSession:
             known = _KvSession(engine_id=f"{session}-kv{next(self.keys)}", internal_id="", tokens=[])
             self.kv_sessions[session] = known
             new_input = prompt
-        self.stats["turn_input_tokens"] += len(new_input)
         engine_request = self._session_input(known, new_input, request.sampling)
         known.tokens, known.busy = list(prompt), True
         # a session's first input is a plain prompt (prefix caching counts its cached part); later ones are new tokens

@@ -157,15 +157,17 @@ def test_a_gem_game_runs_from_yaml_by_id(rollout):
     assert metric(batch, "agentic/env_errors_count") == 0
 
 
-def test_a_trajectory_keeps_its_kv_cache_between_turns_and_samples_the_same(rollout):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_trajectory_keeps_its_kv_cache_between_turns_and_samples_the_same(rollout, temperature):
     """Greedy FrozenLake twice: without agentic.keep_kv_between_turns every turn is a new request that reuses full
     cached blocks only; with it (the default) a trajectory's turns continue one resumable vLLM request and give the
     engine exactly what was inserted since the last turn plus its last sampled token (whose KV was never computed).
-    The same tokens come back, with log-probs equal up to float32 rounding (KV computed while decoding vs in a
-    prefill). One trajectory: greedy copies of it would find each other's blocks in the prefix cache."""
+    The same tokens come back, greedy or seeded (a kept request's turn draws from its own seed, as a new request
+    would), with log-probs equal up to float32 rounding (KV computed while decoding vs in a prefill). One
+    trajectory: copies of it would find each other's blocks in the prefix cache."""
     lake = build(AgenticConfig, yaml.safe_load(LAKE_YAML))
-    batch = prompts([{}])
-    batch.meta_info |= {"temperature": 0.0, "n": 1}
+    batch = prompts([{}], seed=11)  # a sampling seed no other test's trajectories share (a cold prefix cache)
+    batch.meta_info |= {"temperature": temperature, "n": 1}
     fresh = generate(rollout, dataclasses.replace(lake, keep_kv_between_turns=False), batch)
     kept = generate(rollout, lake, batch)
     assert metric(kept, "agentic/turns_mean") > 1  # the game went on past the first turn
