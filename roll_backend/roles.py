@@ -18,6 +18,9 @@ REWARD = "reward"  # rule rewards and user reward functions
 REWARD_MODEL = "reward_model"  # a trained reward model scoring responses (Megatron, value head)
 TEACHER = "teacher"  # the teacher of on-policy distillation (log-probs of the student's samples)
 
+# the hybrid engine's group: actor_train's processes hosting the hybrid roles (workers/hybrid.py); not a config block
+HYBRID = "hybrid"
+
 # config blocks with a model path and a strategy
 MODEL_ROLES = (ACTOR_TRAIN, ACTOR_INFER, REFERENCE, CRITIC, REWARD_MODEL, TEACHER)
 # a run may leave these out (null in the config); actor_infer only in the offline pipelines (sft, reward_model, dpo)

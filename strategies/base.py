@@ -54,6 +54,7 @@ class RunFacts:
     routed_experts: bool = False  # the rollout returns each token's routed experts (the actor replays them: R3)
     adapter_rank: int | None = None  # the rollout receives LoRA adapters of this rank (lora.sync: adapter), not weights
     exports_adapters: bool = False  # the run writes the role's LoRA adapters as a PEFT folder at its end
+    hybrid: bool = False  # the role runs in actor_train's processes (the hybrid engine), handing the device over
 
 
 class StrategyConfig(Protocol):
@@ -93,6 +94,24 @@ class InferStrategy(Strategy):
     @abc.abstractmethod
     def compute_values(self, batch: DataProto) -> DataProto | None:
         """Critic values of `batch`'s responses under the current weights: keys.VALUES [B, T_resp]."""
+
+    # ---- device hand-over (the hybrid engine: workers/hybrid.py) --------------------------------------------
+    @property
+    def offloaded_parts(self) -> frozenset[str]:
+        """The model-state parts its config moves to host memory while another model holds the device (none by
+        default)."""
+        return frozenset()
+
+    def move_model_state(self, parts: frozenset[str], to_host: bool) -> int:
+        """Move the named parts of this rank's model state ("params", "grads", "optimizer") to host memory
+        (`to_host`) or back to the device, in place (the model keeps its tensors' identity); returns the bytes moved:
+        0 where the device is the host. A part already where it is asked to be, or that the strategy does not hold
+        (a forward-only model has no gradients), is left alone."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand its device over")
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's model state on the device now, by part ("params", "grads", "optimizer")."""
+        raise NotImplementedError(f"{type(self).__name__} does not account its memory")
 
 
 class TrainStrategy(InferStrategy):
@@ -185,6 +204,17 @@ class RolloutStrategy(Strategy):
     @abc.abstractmethod
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts: [B, T_resp] float32."""
+
+    def sleep(self) -> bool:
+        """Give the device up until `wake_up` (the hybrid engine, while the trainer runs), as the config says (vLLM:
+        level 1 keeps the weights in host memory and frees the KV cache, level 2 discards the weights too). Returns
+        whether the weights survive (False: the next weight sync must refill them before anything generates)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take the device back after `sleep`: `tags` ("weights", "kv_cache") wakes those parts only (a weight sync
+        wakes the weights, loads, then the KV cache); None wakes everything."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
 
     def load_adapter(
         self,

@@ -82,11 +82,13 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
     """The facts the run decides for role `name` (its RoleConfig from `config` unless given)."""
     role = role if role is not None else getattr(config, name)
     trains = name in TRAINED_ROLES
+    hosted = hybrid_roles(config)
+    resources = getattr(config, roles.ACTOR_TRAIN) if name in hosted else role  # a hybrid role runs on the trainer's
     return RunFacts(
         role=name,
         layout=role.strategy.layout,
         world_size=role.world_size,
-        device="cuda" if role.num_gpus_per_rank > 0 else "cpu",
+        device="cuda" if resources.num_gpus_per_rank > 0 else "cpu",
         samples_per_prompt=1 if config.offline else config.num_return_sequences_in_group,
         max_prompt_length=config.data.max_prompt_length,
         response_length=config.response_length,
@@ -100,6 +102,16 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         routed_experts=name == roles.ACTOR_INFER and replays_rollout_routes(config),
         adapter_rank=synced_adapter_rank(config) if name == roles.ACTOR_INFER else None,
         exports_adapters=name == roles.ACTOR_TRAIN and bool(config.checkpoint.export_peft_dir),
+        hybrid=name in hosted or (name == roles.ACTOR_TRAIN and bool(hosted)),
+    )
+
+
+def hybrid_roles(config: PipelineConfig) -> tuple[str, ...]:
+    """The roles that run in actor_train's processes (the hybrid engine), in the order their facets start."""
+    return tuple(
+        name
+        for name in (roles.ACTOR_INFER, roles.REFERENCE, roles.CRITIC)
+        if getattr(getattr(config, name, None), "hybrid", False)
     )
 
 

@@ -37,6 +37,9 @@ class RoleConfig:
     num_cpus_per_rank: float = 0.5  # CPU share each rank reserves in its placement-group bundle
     num_gpus_per_rank: float = 0.0  # GPUs per rank (0: CPU with gloo; 1 on a GPU cluster)
     colocate_with: str | None = None  # another role's name: share its placement group, rank by rank
+    # The hybrid engine (actor_infer, reference, critic): run in actor_train's processes, one per rank, on its
+    # resources, taking the device in turn (workers/hybrid.py); world_size must equal actor_train's.
+    hybrid: bool = False
 
 
 @dataclass(frozen=True)

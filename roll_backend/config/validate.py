@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from roll_backend import roles
+from roll_backend.config.hybrid_rules import hybrid_problems
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
 from roll_backend.config.run_facts import replays_rollout_routes, run_facts
 from roll_backend.config.schema import (
@@ -534,11 +535,9 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
         _check_batches(config, problems)
         _check_distillation(config, problems)
         _check_same_vocabulary(config, problems)
-    _check_lora_uses(config, problems)
-    _check_fault_tolerance(config, problems)
-    _check_perf(config, problems)
-    _check_logging(config, problems)
-    return problems
+    for check in (_check_lora_uses, _check_fault_tolerance, _check_perf, _check_logging):
+        check(config, problems)
+    return problems + hybrid_problems(config)
 
 
 def _check_lora_uses(config: PipelineConfig, problems: list[str]) -> None:

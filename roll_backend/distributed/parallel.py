@@ -27,6 +27,9 @@ class ParallelLayout:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
+    def describe(self) -> str:
+        return f"tp={self.tp} pp={self.pp} cp={self.cp} vpp={self.vpp} ep={self.ep} etp={self.etp}"
+
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
@@ -83,6 +86,14 @@ class RankCoords:
 
     def describe(self) -> str:
         return f"rank {self.rank}/{self.world_size}, dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
+
+
+def tp_only_coords(rank: int, world_size: int, tp: int) -> RankCoords:
+    """A rank's coordinates in a TP-only grid over the same ranks (consecutive ranks form a TP group, as vLLM lays out
+    an engine started on an existing process group): a rollout engine sharing the trainer's ranks (hybrid)."""
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"an engine at tp={tp} cannot tile {world_size} ranks; choose a tp that divides {world_size}")
+    return RankCoords(rank, world_size, rank // tp, rank % tp, 0, 0, world_size // tp, tp, 1, 1)
 
 
 def pick_device(use_gpu: bool) -> str:

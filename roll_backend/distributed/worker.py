@@ -53,14 +53,18 @@ class Worker:
         use_gpu: bool,
         config: Any = None,
         fault: str | None = None,
+        host: Worker | None = None,
     ):
+        """`host`: the worker whose process this one shares (a facet of the hybrid engine, workers/hybrid.py): its
+        watchdog and device serve both; the coordinates are set by the host."""
         self.role = role
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
         self.config = config
-        self._watchdog = kill_children_with_this_process()  # before anything here starts a child process
-        self.device = parallel.pick_device(use_gpu)
+        # (before anything here starts a child process)
+        self._watchdog = host._watchdog if host is not None else kill_children_with_this_process()
+        self.device = host.device if host is not None else parallel.pick_device(use_gpu)
         self.coords: RankCoords | None = None
         self.last_broadcast_seconds = 0.0  # the in-actor broadcast of the last DP_MP_DISPATCH_FIRST call
         # Fault injection (tests only): `fault` from the run config, else the environment variable (faults.py).

@@ -245,11 +245,19 @@ class WorkerGroup:
                 f"{self.role}.{method_name}: cannot split arguments for {spec.mode.name}: {exc}"
             ) from exc
         refs = [
-            getattr(worker, method_name).remote(*rank_args, **rank_kwargs)
+            self._send(worker, method_name, rank_args, rank_kwargs)
             for worker, (rank_args, rank_kwargs) in zip(self.workers, split.per_rank)
         ]
         collect = functools.partial(spec.mode.collect, self.coords, context=split.context)
         return GroupFuture(self, method_name, refs, collect, deadline)
+
+    def _send(self, worker, method_name: str, args: tuple, kwargs: dict):
+        return getattr(worker, method_name).remote(*args, **kwargs)
+
+    def facet(self, role: str, worker_cls: type[Worker], coords: Sequence[RankCoords] | None = None) -> FacetGroup:
+        """Role `role` hosted in this group's actors (the hybrid engine, workers/hybrid.py): a group whose calls run
+        `worker_cls` methods on that role's facet of each rank, dispatched by `coords` (default: this group's)."""
+        return FacetGroup(self, role, worker_cls, coords)
 
     def _check_usable(self, method_name: str) -> None:
         if self.broken is not None:
@@ -341,3 +349,44 @@ class WorkerGroup:
         self._kill_workers()
         if getattr(self, "_bundles", None) is not None:
             self._bundles.release()
+
+
+class FacetGroup(WorkerGroup):
+    """One role of a hybrid group (see WorkerGroup.facet): the host's actors, health and deadlines, this role's worker
+    class and coordinates. Breaking it breaks the host (one process per rank serves every facet); shutting it down
+    shuts the host down."""
+
+    def __init__(self, host: WorkerGroup, role: str, worker_cls: type[Worker], coords: Sequence[RankCoords] | None):
+        self.host, self.role, self.worker_cls = host, role, worker_cls
+        self.world_size, self.layout, self.settle_s = host.world_size, host.layout, host.settle_s
+        self._own_coords = None if coords is None else list(coords)
+
+    @property
+    def coords(self) -> list[RankCoords]:
+        return self._own_coords if self._own_coords is not None else self.host.coords
+
+    @property
+    def workers(self) -> list:
+        return self.host.workers
+
+    @workers.setter
+    def workers(self, value: list) -> None:
+        self.host.workers = value
+
+    @property
+    def broken(self) -> DispatchError | None:
+        return self.host.broken
+
+    @broken.setter
+    def broken(self, value: DispatchError | None) -> None:
+        self.host.broken = value
+
+    def wait_started(self) -> FacetGroup:
+        self.host.wait_started()
+        return self
+
+    def _send(self, worker, method_name: str, args: tuple, kwargs: dict):
+        return worker.facet_call.remote(self.role, method_name, args, kwargs)
+
+    def shutdown(self) -> None:
+        self.host.shutdown()

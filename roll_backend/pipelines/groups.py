@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_backend import roles
-from roll_backend.config.run_facts import run_facts, synced_adapter_rank
+from roll_backend.config.run_facts import hybrid_roles, run_facts, synced_adapter_rank
 from roll_backend.config.schema import PipelineConfig, RoleConfig
 from roll_backend.distributed.placement import create_placement_group
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup, start_together
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
 from roll_backend.workers.critic import CriticConfig, CriticLossConfig, CriticWorker
+from roll_backend.workers.hybrid import HybridConfig, HybridFacet, HybridWorker
 from roll_backend.workers.reference import ReferenceConfig, ReferenceWorker
 from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig
 from roll_backend.workers.reward_model import RewardModelConfig, RewardModelWorker
@@ -59,6 +60,7 @@ class RoleGroups:
     critic: WorkerGroup | None = None
     reward_model: WorkerGroup | None = None
     teacher: WorkerGroup | None = None
+    hybrid: WorkerGroup | None = None  # the hybrid engine's group, whose facets the hybrid roles above are
     reference_from_actor: bool = False  # reference log-probs: actor_train's with the LoRA adapters off
     adapter_sync: bool = False  # the weight sync sends actor_train's LoRA adapters, which the rollout serves
 
@@ -76,7 +78,8 @@ class RoleGroups:
             self.reward_model,
             self.teacher,
         )
-        return [g for g in members if g is not None]
+        hosted = [g for g in members if g is not None and getattr(g, "host", None) is None]
+        return hosted + ([self.hybrid] if self.hybrid is not None else [])  # (a facet is its host's)
 
     def shutdown(self) -> None:
         for group in self.all():
@@ -116,12 +119,14 @@ class _GroupStarter:
             )
         return self.placement_groups[key]
 
-    def start(self, worker_cls, name: str, worker_config) -> WorkerGroup:
+    def start(self, worker_cls, name: str, worker_config, group_name: str | None = None) -> WorkerGroup:
+        """Role `name`'s group on its resources (`group_name`: the group's own name where it differs, the hybrid
+        engine's)."""
         role: RoleConfig = self.roles[name]
         resources = RankResources(num_cpus=role.num_cpus_per_rank, num_gpus=role.num_gpus_per_rank)
         return WorkerGroup(
             worker_cls,
-            name,
+            group_name or name,
             role.world_size,
             role.strategy.layout,
             resources,
@@ -152,46 +157,55 @@ class _GroupStarter:
         )
 
 
-def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
-    """Start every role's group into `groups` (so a failure part-way can shut down what started), all at once."""
-    starter = _GroupStarter(config)
-    groups[roles.ACTOR_TRAIN] = starter.start(
-        ActorWorker,
-        roles.ACTOR_TRAIN,
-        ActorConfig(
-            **_strategy_for_run(config, roles.ACTOR_TRAIN),
-            loss=_actor_loss_config(config),
-        ),
-    )
+def _role_workers(config: PipelineConfig) -> dict[str, tuple[type, Any]]:
+    """Each model role of the run: (its worker class, its worker config)."""
+    workers: dict[str, tuple[type, Any]] = {
+        roles.ACTOR_TRAIN: (
+            ActorWorker,
+            ActorConfig(**_strategy_for_run(config, roles.ACTOR_TRAIN), loss=_actor_loss_config(config)),
+        )
+    }
     if config.actor_infer is not None:
-        groups[roles.ACTOR_INFER] = starter.start(
+        workers[roles.ACTOR_INFER] = (
             RolloutWorker,
-            roles.ACTOR_INFER,
             RolloutWorkerConfig(**_strategy_for_run(config, roles.ACTOR_INFER), agentic=config.agentic),
         )
     if config.reference is not None:
-        groups[roles.REFERENCE] = starter.start(
-            ReferenceWorker,
-            roles.REFERENCE,
-            ReferenceConfig(**_strategy_for_run(config, roles.REFERENCE)),
-        )
+        workers[roles.REFERENCE] = (ReferenceWorker, ReferenceConfig(**_strategy_for_run(config, roles.REFERENCE)))
     if config.critic is not None:
-        groups[roles.CRITIC] = starter.start(
-            CriticWorker,
-            roles.CRITIC,
-            CriticConfig(
-                **_strategy_for_run(config, roles.CRITIC),
-                loss=CriticLossConfig(clip_range=config.algorithm.value_clip),
-            ),
-        )
+        loss = CriticLossConfig(clip_range=config.algorithm.value_clip)
+        workers[roles.CRITIC] = (CriticWorker, CriticConfig(**_strategy_for_run(config, roles.CRITIC), loss=loss))
     if config.reward_model is not None:
-        groups[roles.REWARD_MODEL] = starter.start(
-            RewardModelWorker, roles.REWARD_MODEL, RewardModelConfig(**_strategy_for_run(config, roles.REWARD_MODEL))
+        workers[roles.REWARD_MODEL] = (
+            RewardModelWorker,
+            RewardModelConfig(**_strategy_for_run(config, roles.REWARD_MODEL)),
         )
     if config.teacher is not None:  # log-probs of the student's samples, as a reference computes them
-        groups[roles.TEACHER] = starter.start(
-            ReferenceWorker, roles.TEACHER, ReferenceConfig(**_strategy_for_run(config, roles.TEACHER))
+        workers[roles.TEACHER] = (ReferenceWorker, ReferenceConfig(**_strategy_for_run(config, roles.TEACHER)))
+    return workers
+
+
+def _hybrid_config(config: PipelineConfig, workers: dict[str, tuple[type, Any]]) -> HybridConfig:
+    hosted = (roles.ACTOR_TRAIN, *hybrid_roles(config))
+    facets = tuple(HybridFacet(name, *workers[name], getattr(config, name).strategy.layout) for name in hosted)
+    return HybridConfig(
+        facets, adapter_sync=synced_adapter_rank(config) is not None, bucket_bytes=config.weight_sync_bucket_bytes
+    )
+
+
+def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
+    """Start every role's group into `groups` (so a failure part-way can shut down what started), all at once. The
+    hybrid engine's roles start as one group (roles.HYBRID) hosting them all."""
+    starter = _GroupStarter(config)
+    workers = _role_workers(config)
+    if hybrid_roles(config):
+        groups[roles.HYBRID] = starter.start(
+            HybridWorker, roles.ACTOR_TRAIN, _hybrid_config(config, workers), roles.HYBRID
         )
+        for name in (roles.ACTOR_TRAIN, *hybrid_roles(config)):
+            del workers[name]
+    for name, (worker_cls, worker_config) in workers.items():
+        groups[name] = starter.start(worker_cls, name, worker_config)
     reward = config.reward
     rule_rewards = reward.builtin_weights(config.other_rewards())
     if not config.offline and (rule_rewards or reward.functions or config.agentic is not None):
@@ -200,6 +214,7 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
 
 
 _INIT_MODEL = {
+    roles.HYBRID: HybridWorker.init_model,
     roles.ACTOR_TRAIN: ActorWorker.init_model,
     roles.ACTOR_INFER: RolloutWorker.init_model,
     roles.REFERENCE: ReferenceWorker.init_model,
@@ -210,7 +225,8 @@ _INIT_MODEL = {
 
 
 def build_role_groups(config: PipelineConfig) -> RoleGroups:
-    """Start every role's actors (models loaded, engines up). Colocated roles share one placement group."""
+    """Start every role's actors (models loaded, engines up). Colocated roles share one placement group; the hybrid
+    engine's roles share actor_train's processes (each role's group is then a facet of the hybrid group)."""
     groups: dict[str, WorkerGroup] = {}
     try:
         _start_groups(config, groups)
@@ -218,12 +234,34 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
         pending = [groups[name].submit(init_model) for name, init_model in _INIT_MODEL.items() if name in groups]
         for future in pending:
             future.get()
+        hybrid = groups.get(roles.HYBRID)
+        if hybrid is not None:
+            groups |= _facets(config, hybrid)
+            del groups[roles.HYBRID]
     except BaseException:
         for group in groups.values():
             group.shutdown()
         raise
     return RoleGroups(
         **groups,
+        hybrid=hybrid,
         reference_from_actor=config.reference_from_actor_base,
         adapter_sync=synced_adapter_rank(config) is not None,
     )
+
+
+_WORKER_CLASSES = {
+    roles.ACTOR_TRAIN: ActorWorker,
+    roles.ACTOR_INFER: RolloutWorker,
+    roles.REFERENCE: ReferenceWorker,
+    roles.CRITIC: CriticWorker,
+}
+
+
+def _facets(config: PipelineConfig, hybrid: WorkerGroup) -> dict[str, WorkerGroup]:
+    """The hybrid group's roles, each a group of its own to the driver (dispatched by the role's coordinates)."""
+    per_rank = hybrid.call(HybridWorker.facet_coords)
+    return {
+        name: hybrid.facet(name, _WORKER_CLASSES[name], [coords[name] for coords in per_rank])
+        for name in (roles.ACTOR_TRAIN, *hybrid_roles(config))
+    }

@@ -253,10 +253,23 @@ class MegatronModelConfig:
     # MoE routing replay (R2: the old-log-prob forward's routes replayed in the updates; R3: the rollout's routes
     # replayed in every forward); null: routers choose live. See strategies/megatron/router_replay.py.
     router_replay: str | None = None
+    # The hybrid engine: move the parameters to host memory while another model of the process holds the device
+    # (strategies/megatron/offload.py); training roles also offload_grads and offload_optimizer.
+    offload_params: bool = False
     # Testing only: load gate and up swapped, a deliberately wrong mapping that parity tests must catch.
     test_swap_gate_up: bool = False
 
     ENTROPY_BY_DEFAULT: ClassVar[bool] = False
+
+    @property
+    def offloaded_parts(self) -> frozenset[str]:
+        """The model-state parts this role moves to host memory while idle in the hybrid engine."""
+        flags = {
+            "params": self.offload_params,
+            "grads": getattr(self, "offload_grads", False),  # (training configs only)
+            "optimizer": getattr(self, "offload_optimizer", False),
+        }
+        return frozenset(part for part, on in flags.items() if on)
 
     def __post_init__(self):
         if self.compute_entropy is None:
@@ -334,6 +347,8 @@ class MegatronTrainConfig(MegatronModelConfig):
     mtp_loss_scaling_factor: float = 0.1  # weight of the MTP loss
     recompute_activations: bool = False  # recompute each layer's activations in backward (less memory, more compute)
     lora: LoRASettings | None = None  # train LoRA adapters on a frozen base (None: every parameter trains)
+    offload_grads: bool = False  # the hybrid engine: gradients to host memory while idle (see offload_params)
+    offload_optimizer: bool = False  # the hybrid engine: optimizer state to host memory while idle
 
     ENTROPY_BY_DEFAULT: ClassVar[bool] = True  # the loss may use it (entropy bonus, metrics)
 
@@ -451,6 +466,11 @@ def _run_problems(cfg, run: RunFacts) -> list[str]:
         problems.append(
             f"{where}.transformer_impl=transformer_engine needs TransformerEngine on a cuda device "
             f"(num_gpus_per_rank > 0); use 'local' or 'auto' on {run.device}"
+        )
+    if cfg.offloaded_parts and not run.hybrid:
+        problems.append(
+            f"{where}: offload_{'/'.join(sorted(cfg.offloaded_parts))} hand the device over in the hybrid engine "
+            "only (actor_infer.hybrid: true); turn them off, or make the roles hybrid"
         )
     problems += _split_problems(cfg, run)
     if run.model_config:

@@ -17,6 +17,7 @@ from roll_backend.strategies.megatron.builder import (
     use_transformer_engine,
 )
 from roll_backend.strategies.megatron.config import stage_split
+from roll_backend.strategies.megatron.offload import ModelStateOffload
 
 
 def call_context(device: str) -> contextlib.AbstractContextManager:
@@ -47,6 +48,25 @@ class MegatronStrategyBase:
         if self.engine is None:
             raise RuntimeError(f"{what}: the strategy is not initialised; call initialize() first")
         return self.engine
+
+    @property
+    def offloaded_parts(self) -> frozenset[str]:
+        return self.config.offloaded_parts
+
+    def move_model_state(self, parts: frozenset[str], to_host: bool) -> int:
+        """See InferStrategy.move_model_state. On a CPU rank the copies stay in host memory: the same moves run (so
+        the suite checks them), nothing is freed overall."""
+        offload = self._offload()
+        return offload.to_host(sorted(parts)) if to_host else offload.to_device(sorted(parts))
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return self._offload().device_bytes()
+
+    def _offload(self) -> ModelStateOffload:
+        if getattr(self, "_state_offload", None) is None:
+            chunks = self.ready("move_model_state").chunks
+            self._state_offload = ModelStateOffload(chunks, getattr(self, "optimizer", None))
+        return self._state_offload
 
     @property
     def model(self) -> list | None:

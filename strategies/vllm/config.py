@@ -99,6 +99,11 @@ class VllmRolloutConfig:
     # Serve LoRA adapters up to this rank on the engine's base (vLLM's LoRA support): set by the run when the actor
     # sends adapters (actor_train.strategy.lora.sync: adapter); None: the engine holds full weights.
     max_lora_rank: int | None = None
+    # The hybrid engine (actor_infer.hybrid: true): how the engine sleeps while the trainer holds the device. 1 keeps
+    # the weights in host memory and frees the KV cache; 2 discards the weights too (the next weight sync refills
+    # them: less host memory, nothing to copy back). vLLM on CPU has no sleep mode: the engine stays as it is.
+    sleep_level: int = 1
+    hybrid: bool = False  # set by the run: the engine shares its ranks with the trainer (vLLM's sleep mode on a GPU)
     sampling: SamplingConfig = SamplingConfig()
     validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
 
@@ -116,6 +121,7 @@ class VllmRolloutConfig:
             enable_chunked_prefill=chunked,
             return_routed_experts=self.return_routed_experts or run.routed_experts,
             max_lora_rank=self.max_lora_rank or run.adapter_rank,
+            hybrid=run.hybrid,
         )
 
     def problems(self, run: RunFacts) -> list[str]:
@@ -134,6 +140,8 @@ class VllmRolloutConfig:
             )
         if layout.ep != 1 or layout.etp is not None:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
+        if self.sleep_level not in (1, 2):
+            problems.append(f"{where}.sleep_level={self.sleep_level}: vLLM sleeps at level 1 or 2")
         if run.device == "cpu":
             problems += self._cpu_problems(run)
         routed = self.return_routed_experts or run.routed_experts

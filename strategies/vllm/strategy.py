@@ -21,7 +21,7 @@ from roll_backend import keys
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import left_pad, sequence_columns
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
-from roll_backend.strategies.vllm import adapters
+from roll_backend.strategies.vllm import adapters, shm_names
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
@@ -40,6 +40,11 @@ def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
     return env
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.info(message)
 
 
 class VllmRolloutStrategy(RolloutStrategy):
@@ -102,12 +107,19 @@ class VllmRolloutStrategy(RolloutStrategy):
             engine_kwargs["block_size"] = block_size
         if self.device != "cpu":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            engine_kwargs["enable_sleep_mode"] = config.hybrid
+        shared_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if shared_world:
             # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
             # build its groups on the existing world rather than spawn its own (verl's integration mode).
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
+            if self.device == "cpu":
+                shm_names.apply()
+                ident = shm_names.new_engine_ident()
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
+        if shared_world and self.device == "cpu":
+            shm_names.unlink_segments(ident)
         logger.info(
             "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
         )
@@ -377,6 +389,18 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.stream.abort_turns(request_ids)
+
+    # ---- the hybrid engine's hand-over ------------------------------------------------------------------
+    def sleep(self) -> bool:
+        if self.device == "cpu":
+            _say_once("vLLM on CPU has no sleep mode: the engine keeps its weights and KV cache while the trainer runs")
+            return True
+        self.engine.sleep(level=self.config.sleep_level)
+        return self.config.sleep_level == 1
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        if self.device != "cpu":
+            self.engine.wake_up(tags=list(tags) if tags is not None else None)
 
     # ---- weights ---------------------------------------------------------------------------------------
     def update_weights(

@@ -21,6 +21,8 @@ ROLE_INTERFACES = {
 }
 # How each module names the strategy object it holds.
 STRATEGY_REFERENCES = {"strategy", "_strategy", "engine"}
+# The hybrid engine's worker holds several strategies, each under its own name (workers/hybrid.py).
+HYBRID_REFERENCES = {"trainer": "TrainStrategy", "rollout": "RolloutStrategy", "model": "InferStrategy"}
 
 
 def declared_names() -> dict[str, set[str]]:
@@ -37,32 +39,46 @@ def declared_names() -> dict[str, set[str]]:
                 own |= names(base.id)
         return own
 
-    return {name: names(name) for name in set(ROLE_INTERFACES.values())}
+    return {name: names(name) for name in set(ROLE_INTERFACES.values()) | set(HYBRID_REFERENCES.values())}
 
 
-def strategy_uses(path: Path) -> list[tuple[int, str]]:
+def strategy_uses(path: Path, references: set[str] = STRATEGY_REFERENCES, named: bool = False) -> list[tuple[int, str]]:
     """(line, attribute) for every attribute read off the strategy: `self.strategy.x`, `self._strategy().x`,
-    `self.engine.x`, and `s.x` where `s` was bound to one of those."""
+    `self.engine.x` (or the other `references`), and `s.x` where `s` was bound to one of those; with `named`, also
+    `r.x` for a local named as a reference."""
     tree = ast.parse(path.read_text())
-    bound = set()  # local names bound to the strategy object
+    bound = set(references) if named else set()  # local names bound to the strategy object
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and _is_strategy(node.value, set()):
+        if isinstance(node, ast.Assign) and _is_strategy(node.value, set(), references):
             bound |= {target.id for target in node.targets if isinstance(target, ast.Name)}
     return sorted(
         (node.lineno, node.attr)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and _is_strategy(node.value, bound)
+        if isinstance(node, ast.Attribute) and _is_strategy(node.value, bound, references)
     )
 
 
-def _is_strategy(node: ast.AST, bound: set[str]) -> bool:
+def _is_strategy(node: ast.AST, bound: set[str], references: set[str]) -> bool:
     if isinstance(node, ast.Call):
         node = node.func
     if isinstance(node, ast.Attribute):  # `self.config.strategy` is the strategy's config section, not the strategy
-        return node.attr in STRATEGY_REFERENCES and not (
-            isinstance(node.value, ast.Attribute) and node.value.attr == "config"
-        )
+        return node.attr in references and not (isinstance(node.value, ast.Attribute) and node.value.attr == "config")
     return isinstance(node, ast.Name) and node.id in bound
+
+
+def test_the_hybrid_worker_calls_only_what_each_strategy_interface_declares():
+    """The hybrid worker names each strategy it holds by what it is (trainer, rollout, model: locals and attributes),
+    and reads off each only what that interface declares."""
+    declared, path = declared_names(), REPO / "workers" / "hybrid.py"
+    uses = {name: strategy_uses(path, {name}, named=True) for name in HYBRID_REFERENCES}
+    undeclared = [
+        f"workers/hybrid.py:{line}: .{attr} is not declared on {HYBRID_REFERENCES[name]}"
+        for name, found in uses.items()
+        for line, attr in found
+        if attr not in declared[HYBRID_REFERENCES[name]]
+    ]
+    assert not undeclared, "\n".join(undeclared)
+    assert all(uses.values()), f"the hybrid worker no longer names its strategies so: {uses}"
 
 
 def test_roles_call_only_what_their_strategy_interface_declares():

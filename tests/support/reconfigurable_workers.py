@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 
+import torch
 from lora_tools import LoraTools
 from router_tools import RouterTools
 
@@ -47,6 +48,41 @@ class ReconfigurableActor(LoraTools, RouterTools, ActorWorker):
     @register(Dispatch.DP_MP_DISPATCH_FIRST_BALANCED)
     def critic_train_step(self, batch: DataProto) -> dict[str, float] | None:
         return self.strategy.train_step(batch, functools.partial(critic_loss, self.config.loss))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_round_trip(self, parts: list[str]) -> dict:
+        """Move `parts` of the model state to host memory and back (the hybrid engine's hand-over): the device bytes
+        by part before, while away and after, the bytes each move reported, and whether every tensor of the state
+        (params, DDP's grad buffer, the optimizer's moments and main copies) came back bit for bit."""
+        from roll_backend.strategies.megatron.offload import ModelStateOffload
+
+        tensors = ModelStateOffload(self.strategy.model, self.strategy.optimizer)
+        before_values = {
+            (part, i): t.detach().clone()
+            for part in ("params", "grads", "optimizer")
+            for i, t in enumerate(x for x in tensors.part_tensors(part) if x is not None)
+        }
+        chosen = frozenset(parts)
+        before = self.strategy.model_state_bytes()
+        out = self.strategy.move_model_state(chosen, to_host=True)
+        away = self.strategy.model_state_bytes()
+        back = self.strategy.move_model_state(chosen, to_host=False)
+        after_values = {
+            (part, i): t.detach()
+            for part in ("params", "grads", "optimizer")
+            for i, t in enumerate(x for x in tensors.part_tensors(part) if x is not None)
+        }
+        same = before_values.keys() == after_values.keys() and all(
+            torch.equal(before_values[k], after_values[k]) for k in before_values
+        )
+        return {
+            "before": before,
+            "away": away,
+            "after": self.strategy.model_state_bytes(),
+            "out": out,
+            "back": back,
+            "identical": same,
+        }
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf_measuring_rss(self, out_dir: str, max_shard_bytes: int) -> dict:

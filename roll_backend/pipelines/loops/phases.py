@@ -24,6 +24,7 @@ from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
 from roll_backend.workers.actor import ActorWorker
 from roll_backend.workers.critic import CriticWorker
+from roll_backend.workers.hybrid import HybridWorker
 from roll_backend.workers.reference import ReferenceWorker
 from roll_backend.workers.reward import RewardWorker
 from roll_backend.workers.reward_model import RewardModelWorker
@@ -298,13 +299,17 @@ def sync_weights(
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
     resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel."""
-    if groups.adapter_sync:
+    if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
+        loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
+    elif groups.adapter_sync:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_adapter) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version, in_flight=in_flight)
     else:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
     metrics = {"weight_sync/tensors": float(loaded[0]["tensors"]), "weight_sync/bytes": float(loaded[0]["bytes"])}
+    if "seconds" in loaded[0]:  # (the hybrid engine: the load itself, without the driver's round trip)
+        metrics["weight_sync/load_seconds"] = max(float(rank["seconds"]) for rank in loaded)
     if probe_rows is None:
         return metrics
     probe = probe_rows.select(
@@ -353,3 +358,11 @@ def _mean_metrics(metrics: dict, prefix: str) -> dict[str, float]:
         reduce = np.sum if name.endswith("_count") else np.mean
         out[name if name.startswith(prefix) else prefix + name] = float(reduce(values))
     return out
+
+
+def hybrid_memory(groups: RoleGroups) -> dict[str, float]:
+    """The hybrid engine's memory after each phase of the step, the most over its ranks (nothing without one)."""
+    if groups.hybrid is None:
+        return {}
+    per_rank = groups.hybrid.call(HybridWorker.memory_by_phase)
+    return {name: max(rank[name] for rank in per_rank if name in rank) for name in per_rank[0]}

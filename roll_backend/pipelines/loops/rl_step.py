@@ -31,6 +31,7 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     metrics |= refill_metrics
     if len(trained):
         metrics |= sync_rollout_weights(run, trained, timer)
+    metrics |= phases.hybrid_memory(run.groups)
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
 
 

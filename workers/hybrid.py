@@ -1,0 +1,279 @@
+"""`HybridWorker`: the hybrid engine. One Ray actor per rank hosts actor_train's trainer and, as facets sharing its
+process, the rollout engine and optionally the reference and the critic: each facet is its role's own worker class
+(ActorWorker, RolloutWorker, ...), so every role method runs as it does in a role of its own. The device goes in turn
+to the engine (generation) and to the Megatron models (log-probs, values, training): before a facet's call the engine
+sleeps or wakes and the models' state moves to host memory or back (`DeviceHandover`); weights go from trainer to
+engine inside the process (`sync_engine_weights`), with the engine's TP groups over the same ranks as the trainer's.
+
+The driver reaches a facet through `WorkerGroup.facet` (distributed/worker_group.py): its calls arrive here as
+`facet_call(role, method, ...)`, dispatched by the facet's own coordinates (the engine's TP-only grid for the
+rollout, the trainer's Megatron grid for the others).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roll_backend import roles
+from roll_backend.distributed import parallel
+from roll_backend.distributed.dispatch import Dispatch, method_dispatch, register
+from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.distributed.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+ALL_PARTS = frozenset({"params", "grads", "optimizer"})
+# The phase whose memory a facet call reports: the step phase of the call's role and deadline (roles.PHASES).
+_PHASE_OF = {(phase.role, phase.deadline): name for name, phase in roles.PHASES.items()}
+_FULL_STATE_DEADLINES = (roles.TRAIN_DEADLINE, roles.CHECKPOINT)  # calls that need gradients and optimizer state
+
+
+@dataclass(frozen=True)
+class HybridFacet:
+    """One role hosted by the hybrid worker: its worker class and config, and its layout (the rollout engine's TP,
+    or the trainer's layout for a Megatron role)."""
+
+    role: str
+    worker_cls: type
+    config: Any
+    layout: ParallelLayout
+
+    @property
+    def is_engine(self) -> bool:
+        return self.role == roles.ACTOR_INFER
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """What a HybridWorker hosts: actor_train's facet first, then the rollout engine's, the reference's, the critic's.
+    `adapter_sync`: the weight sync sends the trainer's LoRA adapters, which the engine serves."""
+
+    facets: tuple[HybridFacet, ...]
+    adapter_sync: bool = False
+    bucket_bytes: int = 512 << 20  # the trainer gathers this much at a time for the engine
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.info(message)
+
+
+class DeviceHandover:
+    """Who holds the device now: the engine, or the Megatron models, each with the parts of its state on the device
+    that its calls need. Every move is idempotent: asking for the current holder moves nothing."""
+
+    def __init__(self, rollout, models: dict[str, Any], resync):
+        self.rollout, self.models = rollout, models
+        self.resync = resync  # () -> None: refill the engine's weights from the trainer (after a level-2 sleep)
+        self.engine_awake, self.engine_weights_valid = True, True
+        self.on_device = {role: ALL_PARTS for role in models}
+        self.moved_bytes = 0
+
+    def _move(self, role: str, parts: frozenset[str], to_host: bool) -> None:
+        model = self.models[role]
+        now = self.on_device[role]
+        chosen = (parts & now) if to_host else (parts - now)
+        if chosen:
+            self.moved_bytes += model.move_model_state(chosen, to_host)
+            self.on_device[role] = (now - chosen) if to_host else (now | chosen)
+
+    def _release_models(self, keep: str | None = None) -> None:
+        for role, model in self.models.items():
+            if role != keep:
+                self._move(role, model.offloaded_parts, to_host=True)
+
+    def for_engine(self) -> None:
+        """Generation: every model's offloaded parts to the host, the engine awake with valid weights."""
+        self._release_models()
+        if not self.engine_weights_valid:
+            self.resync()  # (wakes the engine's weights, fills them, wakes its KV cache)
+        elif not self.engine_awake:
+            self.rollout.wake_up()
+            self.engine_awake = True
+
+    def for_model(self, role: str, parts: frozenset[str]) -> None:
+        """A Megatron model's call: the engine asleep, the other models' offloaded parts on the host, `parts` of this
+        one's state on the device."""
+        if self.engine_awake:
+            self.engine_weights_valid = self.rollout.sleep()  # (False: level 2 discarded the weights)
+            self.engine_awake = False
+        self._release_models(keep=role)
+        self._move(role, parts, to_host=False)
+
+    def for_sync(self, trainer_role: str) -> None:
+        """A weight sync: the trainer's parameters on the device (its gradients and optimizer state need not be), the
+        engine's weights awake and its KV cache still asleep."""
+        self._release_models(keep=trainer_role)
+        self._move(trainer_role, self.models[trainer_role].offloaded_parts - {"params"}, to_host=True)
+        self._move(trainer_role, frozenset({"params"}), to_host=False)
+        if not self.engine_awake:
+            self.rollout.wake_up(("weights",))
+
+    def after_sync(self) -> None:
+        """The weights landed: the KV cache back, the engine holding the device."""
+        if not self.engine_awake:
+            self.rollout.wake_up(("kv_cache",))
+        self.engine_awake, self.engine_weights_valid = True, True
+        self._release_models()
+
+
+class HybridWorker(Worker):
+    """One rank of the hybrid engine (see the module docstring). Call `init_model` once after the group starts."""
+
+    def __init__(self, role, rank, world_size, layout, use_gpu, config: HybridConfig, fault=None):
+        super().__init__(role, rank, world_size, layout, use_gpu, config, fault)
+        self.facets = {
+            facet.role: facet.worker_cls(
+                facet.role, rank, world_size, facet.layout, use_gpu, facet.config, fault, host=self
+            )
+            for facet in config.facets
+        }
+        self.handover: DeviceHandover | None = None
+        self.memory: dict[str, dict[str, float]] = {}  # phase -> its memory figures, since the last report
+
+    def init_distributed(self, master_addr: str, master_port: int) -> RankCoords:
+        coords = super().init_distributed(master_addr, master_port)
+        for facet in self.config.facets:
+            if facet.is_engine:  # vLLM lays its TP groups over consecutive ranks of the same world
+                self.facets[facet.role].coords = parallel.tp_only_coords(self.rank, self.world_size, facet.layout.tp)
+            else:
+                self.facets[facet.role].coords = coords
+        return coords
+
+    @register(Dispatch.ONE_TO_ALL)
+    def facet_coords(self) -> dict[str, RankCoords]:
+        """Each facet's coordinates on this rank (the driver dispatches a facet's calls by them)."""
+        return {role: facet.coords for role, facet in self.facets.items()}
+
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.STARTUP)
+    def init_model(self) -> None:
+        """Build every model (the Megatron ones first, then the engine, which sizes its cache by what is left), then
+        give the device to the engine."""
+        engine_role = roles.ACTOR_INFER
+        for role, facet in self.facets.items():
+            if role != engine_role:
+                facet.init_model()
+        self.facets[engine_role].init_model()
+        models = {role: facet.strategy for role, facet in self.facets.items() if role != engine_role}
+        rollout = self.facets[engine_role].strategy
+        self.handover = DeviceHandover(rollout, models, self._resync)
+        if self.device == "cpu":
+            _say_once(
+                "hybrid engine on CPU: vLLM has no sleep mode there (the engine keeps its weights and KV cache), and "
+                "the models' offloaded state is copied within host memory (the moves run, nothing is freed overall)"
+            )
+        self.handover.for_engine()
+
+    def facet_call(self, role: str, method_name: str, args: tuple, kwargs: dict):
+        """Run `method_name` of role `role`'s facet on this rank, the device handed to what it uses first."""
+        facet = self.facets[role]
+        how = method_dispatch(getattr(type(facet), method_name))
+        deadline = how.deadline if how is not None else None
+        if self.handover is not None and method_name != "init_model":
+            if role == roles.ACTOR_INFER:
+                self.handover.for_engine()
+            else:
+                parts = ALL_PARTS if deadline in _FULL_STATE_DEADLINES else frozenset({"params"})
+                self.handover.for_model(role, parts)
+        result = getattr(facet, method_name)(*args, **kwargs)
+        phase = _PHASE_OF.get((role, deadline))
+        if phase is not None:
+            self.memory[phase] = self._memory_now()
+        return result
+
+    # ---- weights, trainer -> engine, in the process ----------------------------------------------------------
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
+    def sync_engine_weights(self, version: int | None = None) -> dict[str, float]:
+        """The trainer's weights (or LoRA adapters) into this rank's engine, bucket by bucket, with no copy through
+        the object store: the trainer gathers full HF tensors over its TP/PP groups, the engine takes its TP shard
+        of each. Returns {"tensors", "bytes", "seconds"}."""
+        started = time.perf_counter()
+        self.handover.for_sync(roles.ACTOR_TRAIN)
+        try:
+            loaded = self._load_into_engine(version)
+        except Exception as exc:
+            self.handover.engine_weights_valid = False  # (refilled from the trainer before anything generates)
+            raise RuntimeError(
+                f"{self.rank_tag} the weight sync to the engine failed part-way ({type(exc).__name__}: {exc}); the "
+                "engine's weights are mixed, and it will not generate before a sync completes"
+            ) from exc
+        self.handover.after_sync()
+        self.memory[roles.WEIGHT_SYNC] = self._memory_now()
+        return loaded | {"seconds": time.perf_counter() - started}
+
+    def _resync(self) -> None:
+        self.handover.for_sync(roles.ACTOR_TRAIN)
+        self._load_into_engine(version=None)
+        self.handover.after_sync()
+
+    def _load_into_engine(self, version: int | None) -> dict[str, float]:
+        trainer = self.facets[roles.ACTOR_TRAIN].strategy
+        rollout = self.facets[roles.ACTOR_INFER].strategy
+        trainer_context = self.facets[roles.ACTOR_TRAIN].call_context
+        if self.config.adapter_sync:
+            with trainer_context():
+                tensors = trainer.adapter_tensors("sync_engine_weights")  # (rank 0 gathers them)
+                peft_config = trainer.peft_config()
+            tensors = _from_rank_zero(tensors)  # every engine rank serves the whole adapter
+            loaded = rollout.load_adapter(tensors, peft_config, version=version)
+            return {
+                "tensors": float(loaded),
+                "bytes": float(sum(t.numel() * t.element_size() for t in tensors.values())),
+            }
+        with trainer_context():
+            buckets = iter(trainer.iter_hf_weights(self.config.bucket_bytes))
+        loaded = size = 0
+        while True:
+            with trainer_context():  # the gathers run in the trainer's context, the loads in the engine's
+                bucket = next(buckets, None)
+            if bucket is None:
+                break
+            size += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            loaded += rollout.update_weights(bucket, version=version)
+        return {"tensors": float(loaded), "bytes": float(size)}
+
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def _memory_now(self) -> dict[str, float]:
+        """Device memory (torch's allocator on a GPU; on CPU the model state the models hold on the device, by
+        tensor accounting) and the process's resident host memory, in GiB."""
+        if self.device == "cuda":
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        else:
+            allocated = reserved = sum(
+                sum(model.model_state_bytes().values()) for model in self.handover.models.values()
+            )
+        import psutil
+
+        return {
+            "allocated_gib": allocated / 2**30,
+            "reserved_gib": reserved / 2**30,
+            "host_gib": psutil.Process().memory_info().rss / 2**30,
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def memory_by_phase(self) -> dict[str, float]:
+        """`memory/<phase>/<figure>` after each phase since the last call, and the bytes the hand-over moved; then
+        starts over."""
+        out = {
+            f"memory/{phase}/{name}": value for phase, figures in self.memory.items() for name, value in figures.items()
+        }
+        out["memory/handover_gib"] = self.handover.moved_bytes / 2**30
+        out["memory/peak_host_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        self.memory, self.handover.moved_bytes = {}, 0
+        return out
+
+
+def _from_rank_zero(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Global rank 0's tensors on every rank of the world (small: LoRA adapters)."""
+    import torch.distributed as dist
+
+    box = [tensors]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
