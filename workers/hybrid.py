@@ -65,14 +65,19 @@ def _say_once(message: str) -> None:
     logger.info(message)
 
 
-class DeviceHandover:
-    """Who holds the device now: the engine, or the Megatron models, each with the parts of its state on the device
-    that its calls need. Every move is idempotent: asking for the current holder moves nothing."""
+class WeightSyncInterrupted(RuntimeError):
+    """A weight sync stopped part-way: the engine holds some tensors of the new version and some of the old."""
 
-    def __init__(self, rollout, models: dict[str, Any], resync):
-        self.rollout, self.models = rollout, models
-        self.resync = resync  # () -> None: refill the engine's weights from the trainer (after a level-2 sleep)
-        self.engine_awake, self.engine_weights_valid = True, True
+
+class DeviceHandover:
+    """Who holds the device now: the engine (its weights and KV cache awake), or the Megatron models, each with the
+    parts of its state on the device that its calls need. Every move is idempotent: asking for the current holder
+    moves nothing. `load(version)` puts the trainer's weights into the engine (the worker's in-process sync)."""
+
+    def __init__(self, rollout, models: dict[str, Any], trainer_role: str, load):
+        self.rollout, self.models, self.trainer_role, self.load = rollout, models, trainer_role, load
+        self.awake = {"weights": True, "kv_cache": True}
+        self.engine_weights_valid = True  # False after a level-2 sleep or a sync that stopped part-way
         self.on_device = {role: ALL_PARTS for role in models}
         self.moved_bytes = 0
 
@@ -89,39 +94,49 @@ class DeviceHandover:
             if role != keep:
                 self._move(role, model.offloaded_parts, to_host=True)
 
+    def _wake(self, *tags: str) -> None:
+        asleep = tuple(tag for tag in tags if not self.awake[tag])
+        if asleep:
+            self.rollout.wake_up(asleep if len(asleep) < len(self.awake) else None)
+            self.awake |= dict.fromkeys(asleep, True)
+
     def for_engine(self) -> None:
-        """Generation: every model's offloaded parts to the host, the engine awake with valid weights."""
+        """Generation: every model's offloaded parts to the host, the engine awake with valid weights (refilled from
+        the trainer first where they are not)."""
         self._release_models()
         if not self.engine_weights_valid:
-            self.resync()  # (wakes the engine's weights, fills them, wakes its KV cache)
-        elif not self.engine_awake:
-            self.rollout.wake_up()
-            self.engine_awake = True
+            self.sync()
+        self._wake("weights", "kv_cache")
 
     def for_model(self, role: str, parts: frozenset[str]) -> None:
         """A Megatron model's call: the engine asleep, the other models' offloaded parts on the host, `parts` of this
         one's state on the device."""
-        if self.engine_awake:
-            self.engine_weights_valid = self.rollout.sleep()  # (False: level 2 discarded the weights)
-            self.engine_awake = False
+        if any(self.awake.values()):
+            self.engine_weights_valid &= self.rollout.sleep()  # (False: level 2 discarded the weights)
+            self.awake = dict.fromkeys(self.awake, False)
         self._release_models(keep=role)
         self._move(role, parts, to_host=False)
 
-    def for_sync(self, trainer_role: str) -> None:
-        """A weight sync: the trainer's parameters on the device (its gradients and optimizer state need not be), the
-        engine's weights awake and its KV cache still asleep."""
-        self._release_models(keep=trainer_role)
-        self._move(trainer_role, self.models[trainer_role].offloaded_parts - {"params"}, to_host=True)
-        self._move(trainer_role, frozenset({"params"}), to_host=False)
-        if not self.engine_awake:
-            self.rollout.wake_up(("weights",))
-
-    def after_sync(self) -> None:
-        """The weights landed: the KV cache back, the engine holding the device."""
-        if not self.engine_awake:
-            self.rollout.wake_up(("kv_cache",))
-        self.engine_awake, self.engine_weights_valid = True, True
+    def sync(self, version: int | None = None) -> dict[str, float]:
+        """The trainer's weights into the engine: the trainer's parameters on the device (its gradients and optimizer
+        state need not be), the engine's weights awake and its KV cache still asleep; then the KV cache back. A load
+        that fails part-way leaves the engine marked as holding mixed weights, refilled before it generates again."""
+        self._release_models(keep=self.trainer_role)
+        self._move(self.trainer_role, self.models[self.trainer_role].offloaded_parts - {"params"}, to_host=True)
+        self._move(self.trainer_role, frozenset({"params"}), to_host=False)
+        self._wake("weights")
+        try:
+            loaded = self.load(version)
+        except Exception as exc:
+            self.engine_weights_valid = False
+            raise WeightSyncInterrupted(
+                f"the weight sync into the engine stopped part-way ({type(exc).__name__}: {exc}); the engine's weights "
+                "are mixed, and it refills them from the trainer before it generates again"
+            ) from exc
+        self.engine_weights_valid = True
+        self._wake("kv_cache")
         self._release_models()
+        return loaded
 
 
 class HybridWorker(Worker):
@@ -163,7 +178,7 @@ class HybridWorker(Worker):
         self.facets[engine_role].init_model()
         models = {role: facet.strategy for role, facet in self.facets.items() if role != engine_role}
         rollout = self.facets[engine_role].strategy
-        self.handover = DeviceHandover(rollout, models, self._resync)
+        self.handover = DeviceHandover(rollout, models, roles.ACTOR_TRAIN, self._load_into_engine)
         if self.device == "cpu":
             _say_once(
                 "hybrid engine on CPU: vLLM has no sleep mode there (the engine keeps its weights and KV cache), and "
@@ -195,23 +210,9 @@ class HybridWorker(Worker):
         the object store: the trainer gathers full HF tensors over its TP/PP groups, the engine takes its TP shard
         of each. Returns {"tensors", "bytes", "seconds"}."""
         started = time.perf_counter()
-        self.handover.for_sync(roles.ACTOR_TRAIN)
-        try:
-            loaded = self._load_into_engine(version)
-        except Exception as exc:
-            self.handover.engine_weights_valid = False  # (refilled from the trainer before anything generates)
-            raise RuntimeError(
-                f"{self.rank_tag} the weight sync to the engine failed part-way ({type(exc).__name__}: {exc}); the "
-                "engine's weights are mixed, and it will not generate before a sync completes"
-            ) from exc
-        self.handover.after_sync()
+        loaded = self.handover.sync(version)
         self.memory[roles.WEIGHT_SYNC] = self._memory_now()
         return loaded | {"seconds": time.perf_counter() - started}
-
-    def _resync(self) -> None:
-        self.handover.for_sync(roles.ACTOR_TRAIN)
-        self._load_into_engine(version=None)
-        self.handover.after_sync()
 
     def _load_into_engine(self, version: int | None) -> dict[str, float]:
         trainer = self.facets[roles.ACTOR_TRAIN].strategy
