@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,11 +73,12 @@ class DeviceHandover:
     parts of its state on the device that its calls need. Every move is idempotent: asking for the current holder
     moves nothing. `load(version)` puts the trainer's weights into the engine (the worker's in-process sync)."""
 
-    def __init__(self, rollout, models: dict[str, Any], trainer_role: str, load):
+    def __init__(self, rollout, models: dict[str, Any], trainer_role: str, load, on_device=None):
         self.rollout, self.models, self.trainer_role, self.load = rollout, models, trainer_role, load
         self.awake = {"weights": True, "kv_cache": True}
         self.engine_weights_valid = True  # False after a level-2 sleep or a sync that stopped part-way
-        self.on_device = {role: ALL_PARTS for role in models}
+        # the parts of each model's state on the device now (all of them, unless given)
+        self.on_device = dict(on_device) if on_device is not None else {role: ALL_PARTS for role in models}
         self.moved_bytes = 0
 
     def _move(self, role: str, parts: frozenset[str], to_host: bool) -> None:
@@ -169,22 +169,25 @@ class HybridWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL, deadline=roles.STARTUP)
     def init_model(self) -> None:
-        """Build every model (the Megatron ones first, then the engine, which sizes its cache by what is left), then
-        give the device to the engine."""
+        """Build the Megatron models, move their offloaded state to the host, then start the engine (which sizes its
+        cache by the device memory left), holding the device."""
         engine_role = roles.ACTOR_INFER
+        models = {}
         for role, facet in self.facets.items():
             if role != engine_role:
                 facet.init_model()
+                models[role] = facet.strategy
+        for model in models.values():
+            model.move_model_state(model.offloaded_parts, to_host=True)
         self.facets[engine_role].init_model()
-        models = {role: facet.strategy for role, facet in self.facets.items() if role != engine_role}
         rollout = self.facets[engine_role].strategy
-        self.handover = DeviceHandover(rollout, models, roles.ACTOR_TRAIN, self._load_into_engine)
+        on_device = {role: ALL_PARTS - model.offloaded_parts for role, model in models.items()}
+        self.handover = DeviceHandover(rollout, models, roles.ACTOR_TRAIN, self._load_into_engine, on_device)
         if self.device == "cpu":
             _say_once(
                 "hybrid engine on CPU: vLLM has no sleep mode there (the engine keeps its weights and KV cache), and "
                 "the models' offloaded state is copied within host memory (the moves run, nothing is freed overall)"
             )
-        self.handover.for_engine()
 
     def facet_call(self, role: str, method_name: str, args: tuple, kwargs: dict):
         """Run `method_name` of role `role`'s facet on this rank, the device handed to what it uses first."""
@@ -208,11 +211,10 @@ class HybridWorker(Worker):
     def sync_engine_weights(self, version: int | None = None) -> dict[str, float]:
         """The trainer's weights (or LoRA adapters) into this rank's engine, bucket by bucket, with no copy through
         the object store: the trainer gathers full HF tensors over its TP/PP groups, the engine takes its TP shard
-        of each. Returns {"tensors", "bytes", "seconds"}."""
-        started = time.perf_counter()
+        of each. Returns {"tensors", "bytes"}."""
         loaded = self.handover.sync(version)
         self.memory[roles.WEIGHT_SYNC] = self._memory_now()
-        return loaded | {"seconds": time.perf_counter() - started}
+        return loaded
 
     def _load_into_engine(self, version: int | None) -> dict[str, float]:
         trainer = self.facets[roles.ACTOR_TRAIN].strategy

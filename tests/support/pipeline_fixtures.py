@@ -55,3 +55,14 @@ def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
         "perf.measure_peak=false",  # the start-up GEMM probe: test_recovery's uninterrupted run measures it
         *extra,
     ]
+
+
+def same_numbers(row: dict) -> dict:
+    """A step's metrics without wall times, rates, memory, the engine's cache state and restart counters: the numbers
+    two runs of the same steps share wherever their roles run."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/"))
+        and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
+    }

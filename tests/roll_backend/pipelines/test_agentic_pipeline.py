@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_recovery import same_numbers
+from pipeline_fixtures import same_numbers
 from test_streaming import check_staleness
 
 from roll_backend.config.loader import load_config

@@ -17,7 +17,7 @@ import re
 import time
 
 import pytest
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
+from pipeline_fixtures import base_config, model_dir, overrides, prompt_file, same_numbers  # noqa: F401  (shared fixtures)
 
 from roll_backend import cli
 from roll_backend.config.loader import load_config
@@ -56,16 +56,6 @@ def six_step_overrides(prompt_file, model_dir, output_dir, *extra) -> list[str]:
         *DEADLINES,
         *extra,
     )
-
-
-def same_numbers(row: dict) -> dict:
-    """A step's metrics without wall times, rates, the engine's cache state and restart counters."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/"))
-        and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
-    }
 
 
 @pytest.fixture(scope="module")
