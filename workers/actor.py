@@ -17,7 +17,7 @@ from roll_backend.algorithms.preference import sft_loss
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.protocol import DataProto
 from roll_backend.workers.reward_model import sequence_scores
-from roll_backend.workers.strategy_host import StrategyWorker
+from roll_backend.workers.trained import TrainedWorker
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
 OBJECTIVES = {"sft": sft_objective, "pairwise": pairwise_objective}
 
 
-class ActorWorker(StrategyWorker):
+class ActorWorker(TrainedWorker):
     """One rank of the trained policy. Call `init_model` once after the group starts. `compute_log_probs` and
     `train_step` receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
 
@@ -158,14 +158,6 @@ class ActorWorker(StrategyWorker):
             if self.rank == 0:
                 refs.append(ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket]))
         return refs
-
-    @register(Dispatch.ONE_TO_ALL, deadline=roles.CHECKPOINT)
-    def save_checkpoint(self, path: str) -> None:
-        self.strategy.save_checkpoint(path)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        self.strategy.load_checkpoint(path)
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str, max_shard_bytes: int | None = None):

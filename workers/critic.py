@@ -13,7 +13,7 @@ from roll_backend.algorithms.aggregation import token_mean_share
 from roll_backend.algorithms.value_loss import value_loss
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.protocol import DataProto
-from roll_backend.workers.strategy_host import StrategyWorker
+from roll_backend.workers.trained import TrainedWorker
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def critic_loss(cfg: CriticLossConfig, per_token: dict[str, torch.Tensor], micro
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": token_mean_share(clipfrac.detach(), mask, global_tokens)}
 
 
-class CriticWorker(StrategyWorker):
+class CriticWorker(TrainedWorker):
     """One rank of the critic. Call `init_model` once after the group starts. `compute_values` and `train_step`
     receive their batch by the in-actor broadcast (DP_MP_DISPATCH_FIRST_BALANCED)."""
 

@@ -17,6 +17,7 @@ ROLE_INTERFACES = {
     "workers/reward_model.py": "InferStrategy",
     "workers/rollout.py": "RolloutStrategy",
     "workers/strategy_host.py": "Strategy",  # StrategyWorker starts any of them
+    "workers/trained.py": "TrainStrategy",  # the training roles' checkpoints
     "roll_backend/agentic/multi_turn.py": "RolloutStrategy",  # drives the rollout role's engine, turn by turn
 }
 # How each module names the strategy object it holds.

@@ -1,9 +1,10 @@
 """The hybrid engine in the pipeline (workers/hybrid.py): the trainer, the rollout engine and the reference in the
 same processes take the same steps as the same roles on their own ranks, bit for bit, at the demo's layout (trainer
-TP2, engine TP2) and with the weights resharded (trainer TP1 x PP2, engine TP2) under LoRA, where a rank killed in a
-step restarts the run from its checkpoint and it ends equal to the uninterrupted split run. The demo learns in
-hybrid mode. The layouts' own numbers are checked in the Megatron and vLLM strategy tests; the hand-over's moves bit
-for bit in tests/strategies/megatron/test_offload.py."""
+TP2, engine TP2), and with the weights resharded (trainer TP1 x PP2, engine TP2) in a PPO run whose critic is hosted
+too and whose actor trains LoRA adapters: a rank killed in a step restarts the run from its checkpoint (the critic's
+state in it), and it ends equal to the uninterrupted split run. The demo learns in hybrid mode. The layouts' own
+numbers are checked in the Megatron and vLLM strategy tests; the hand-over's moves bit for bit in
+tests/strategies/megatron/test_offload.py."""
 
 from __future__ import annotations
 
@@ -27,9 +28,16 @@ QUIET = ("logging.progress_bar=false", "perf.measure_peak=false", "logging.tenso
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "actor/entropy", "actor/ppo_kl")
 DEMO_STEPS = 30  # the demo is above 0.8 from about step 27 (the split run's curve, the same numbers)
 WINDOW = 3
-# Trainer TP1 x PP2 (the engine's TP2 shards come from full tensors gathered over PP), LoRA adapters synced to the
-# engine, the reference being the actor's base (adapters off), a larger learning rate so the adapters move.
-RESHARD_LORA = (
+# PPO with the critic hosted too, trainer and critic at TP1 x PP2 (the engine's TP2 shards come from full tensors
+# gathered over PP), LoRA adapters synced to the engine, the reference being the actor's base (adapters off), a
+# larger learning rate so the adapters move; a checkpoint every two steps (the critic's state in it).
+CRITIC = (
+    "{model_path: '${model_path}', world_size: 2, hybrid: %s, "
+    "strategy: {name: megatron_train, tp: 1, pp: 2, micro_batch_size: 64, optimizer: {lr: 1.0e-3}}}"
+)
+RESHARD_LORA_PPO = (
+    "pipeline=ppo",
+    "algorithm.adv_estimator=gae",
     "actor_train.strategy.tp=1",
     "actor_train.strategy.pp=2",
     "actor_train.strategy.lora={rank: 8, sync: adapter}",
@@ -79,17 +87,17 @@ def test_hybrid_sync_probe_and_memory_by_phase(hybrid_demo):
         assert row["memory/handover_gib"] > 0  # (the moves ran: on CPU within host memory)
 
 
-def test_resharded_lora_hybrid_run_restarts_after_a_rank_kill_and_ends_as_the_split_run(ray_session, tmp_path):
-    split = run_pipeline(
-        config(SPLIT, tmp_path / "split", *RESHARD_LORA, "actor_infer.world_size=2", "actor_infer.strategy.tp=2")
-    )
+def test_resharded_ppo_with_critic_and_lora_restarts_after_a_rank_kill_and_ends_as_the_split_run(ray_session, tmp_path):
+    split_roles = ("actor_infer.world_size=2", "actor_infer.strategy.tp=2", f"critic={CRITIC % 'false'}")
+    split = run_pipeline(config(SPLIT, tmp_path / "split", *RESHARD_LORA_PPO, *split_roles))
     killed = run_with_restarts(
         config(
             HYBRID,
             tmp_path / "hybrid",
-            *RESHARD_LORA,
+            *RESHARD_LORA_PPO,
+            f"critic={CRITIC % 'true'}",
             "fault_tolerance.max_restarts=1",
-            "fault_tolerance.inject=kill:actor_train:1:train:3",  # one mini-batch a step: step 3's update
+            "fault_tolerance.inject=kill:actor_train:1:train:3",  # step 3's update
         )
     )
     assert [row["step"] for row in killed] == [1, 2, 3, 4]
@@ -97,7 +105,9 @@ def test_resharded_lora_hybrid_run_restarts_after_a_rank_kill_and_ends_as_the_sp
     for ours, theirs in zip(killed, split):
         assert same_numbers(ours) == pytest.approx(same_numbers(theirs), rel=1e-6, abs=1e-7), ours["step"]
         assert ours["weight_sync/logprob_gap"] < 1e-5
+        assert ours[f"memory/{roles.CRITIC_TRAIN}/allocated_gib"] > 0  # the critic trained in the hybrid processes
     assert len({row["actor/reference_kl"] for row in split}) == 4  # the adapters moved every step
+    assert len({row["critic/vf_loss"] for row in split}) == 4
 
 
 @pytest.mark.gpu(1)
