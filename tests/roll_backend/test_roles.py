@@ -34,10 +34,10 @@ def test_every_deadline_is_a_timeouts_setting_and_back():
 def test_every_role_has_a_config_block_a_group_and_a_worker():
     config_fields = {field.name for field in dataclasses.fields(PipelineConfig)}
     assert set(roles.ROLES) <= config_fields
-    # One group field per role (the other fields say how roles stand in for each other: the actor's base as the
-    # reference, the adapters as the rollout's weights).
+    # One group field per role, and the hybrid engine's group hosting some of them (the other fields say how roles
+    # stand in for each other: the actor's base as the reference, the adapters as the rollout's weights).
     groups = {field.name for field in dataclasses.fields(RoleGroups) if "WorkerGroup" in str(field.type)}
-    assert groups == set(roles.ROLES)
+    assert groups == {*roles.ROLES, roles.HYBRID}
     assert set(ROLE_WORKERS) == set(roles.ROLES)
 
 
