@@ -167,7 +167,7 @@ class HybridWorker(Worker):
         """Each facet's coordinates on this rank (the driver dispatches a facet's calls by them)."""
         return {role: facet.coords for role, facet in self.facets.items()}
 
-    @register(Dispatch.ONE_TO_ALL, deadline=roles.STARTUP)
+    @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Build the Megatron models, move their offloaded state to the host, then start the engine (which sizes its
         cache by the device memory left), holding the device."""
