@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pipeline_fixtures import hybrid_roles
 
 from roll_backend import cli
 
@@ -290,7 +291,7 @@ def test_submit_reports_a_failed_job_with_exit_1(ray_head, job_dir):
 def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
     """The job also loads a user reward function by a path relative to the working dir it was uploaded with. It
     trains on a reasoning-gym task from YAML alone (prompts from the library's generator, the reward from its own
-    verifier) and validates on another draw of it before and after the step."""
+    verifier) and validates on another draw of it before and after the step, on the hybrid engine."""
     from omegaconf import OmegaConf
 
     (job_dir / "my_rewards.py").write_text(
@@ -327,6 +328,7 @@ def test_submit_runs_a_one_step_pipeline_to_success(ray_head, job_dir):
         "logging.progress_bar=false",
         "perf.measure_peak=false",
         "logging.tensorboard=false",
+        *hybrid_roles(2, 2),  # the job on the hybrid engine: two rank processes and a reward worker to start
         cwd=job_dir,
         timeout=400,
     )

@@ -66,3 +66,20 @@ def same_numbers(row: dict) -> dict:
         if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/"))
         and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
     }
+
+
+def hybrid_roles(world_size: int, tp: int) -> tuple[str, ...]:
+    """The rollout and the reference on the hybrid engine (in actor_train's `world_size` processes at TP `tp`, as
+    configs/grpo_hybrid_cpu.yaml places them), every part of every model offloaded while idle."""
+    return (
+        "actor_infer.hybrid=true",
+        f"actor_infer.world_size={world_size}",
+        f"actor_infer.strategy.tp={tp}",
+        "reference.hybrid=true",
+        f"reference.world_size={world_size}",
+        f"reference.strategy.tp={tp}",
+        "reference.strategy.offload_params=true",
+        "actor_train.strategy.offload_params=true",
+        "actor_train.strategy.offload_grads=true",
+        "actor_train.strategy.offload_optimizer=true",
+    )

@@ -1,7 +1,7 @@
-"""The agentic pipeline from YAML alone (configs/agentic_frozenlake_cpu.yaml): a tiny model learns FrozenLake 4x4 by
-playing it turn by turn, validated greedily on held-out seeds before and after; a run resumed from its checkpoint
-repeats the uninterrupted run's next step exactly. One run checked for all of it; a short streaming run (within the
-staleness bound, validated) beside it."""
+"""The agentic pipeline from YAML alone (configs/agentic_frozenlake_cpu.yaml, its engine on the hybrid engine): a tiny
+model learns FrozenLake 4x4 by playing it turn by turn, validated greedily on held-out seeds before and after; a run
+resumed from its checkpoint repeats the uninterrupted run's next step exactly. One run checked for all of it; a short
+streaming run (within the staleness bound, validated) beside it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from roll_backend.pipelines.driver import run_pipeline
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "agentic_frozenlake_cpu.yaml"
 NO_PEAK_PROBE = "perf.measure_peak=false"  # the start-up GEMM probe costs every run seconds; test_recovery checks it
+# The rollout engine in the actor's process (the hybrid engine): the recipe's numbers, bit for bit, one process fewer
+# to start; the environments' workers run beside it.
+HYBRID = "actor_infer.hybrid=true"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,9 @@ def lake_run(ray_session, tmp_path_factory):
     output = tmp_path_factory.mktemp("frozen_lake")
     max_steps = load_config(CONFIG, []).max_steps
     # A checkpoint one step before the end, for the resume check.
-    config = load_config(CONFIG, [f"output_dir={output}", f"checkpoint.save_steps={max_steps - 1}", NO_PEAK_PROBE])
+    config = load_config(
+        CONFIG, [f"output_dir={output}", f"checkpoint.save_steps={max_steps - 1}", NO_PEAK_PROBE, HYBRID]
+    )
     return config, run_pipeline(config), output
 
 
@@ -50,7 +55,13 @@ def test_a_resumed_agentic_run_repeats_the_next_step(lake_run, tmp_path):
     resumed = run_pipeline(
         load_config(
             CONFIG,
-            [f"output_dir={tmp_path}", f"checkpoint.resume={checkpoint}", "eval.before_train=false", NO_PEAK_PROBE],
+            [
+                f"output_dir={tmp_path}",
+                f"checkpoint.resume={checkpoint}",
+                "eval.before_train=false",
+                NO_PEAK_PROBE,
+                HYBRID,
+            ],
         )
     )
     theirs = next(row for row in history if row["step"] == config.max_steps)

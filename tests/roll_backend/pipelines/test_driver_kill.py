@@ -2,9 +2,10 @@
 children) is gone within 30 s, and `checkpoint.resume=auto` continues with one metrics row per step, repeating the
 killed run's last step exactly.
 
-The run is the LoRA demo (configs/grpo_lora_cpu.yaml, issue #34): rank-8 adapters on the frozen tiny model, the
-reference the actor's base with the adapters off, each weight sync sending the adapters alone to vLLM, which serves
-them over its base, checkpoints holding only the adapters and their optimizer state. It learns the task (mean reward
+The run is the LoRA demo (configs/grpo_lora_cpu.yaml, issue #34) on the hybrid engine (the vLLM engine at TP2 in the
+actor's two processes): rank-8 adapters on the frozen tiny model, the reference the actor's base with the adapters
+off, each weight sync handing the adapters alone to vLLM in the process, which serves them over its base,
+checkpoints holding only the adapters and their optimizer state. It learns the task (mean reward
 >= 0.8 over its last steps) across the kill. The resumed run exports the adapters as a PEFT folder and the merged
 model; peft on transformers' base gives the merged export's logits."""
 
@@ -34,7 +35,8 @@ STEPS = 30
 KILL_AFTER = 28  # rows: step 27's checkpoint is complete, step 30's far off (checkpoints every 3 steps)
 WINDOW = 3  # steps the reward is averaged over at the end
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_lora_cpu.yaml")
-RANKS = 4  # actor_train 2, actor_infer 1, reward 1 (the reference is the actor's base)
+RANKS = 3  # actor_train 2 hosting actor_infer (the hybrid engine), reward 1 (the reference is the actor's base)
+HYBRID = ("actor_infer.hybrid=true", "actor_infer.world_size=2", "actor_infer.strategy.tp=2")
 
 
 def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session, tmp_path):
@@ -48,6 +50,7 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
         "perf.measure_peak=false",
         f"checkpoint.export_peft_dir={tmp_path / 'adapter'}",
         f"checkpoint.export_hf_dir={tmp_path / 'merged'}",
+        *HYBRID,
     ]
     log = (tmp_path / "driver.log").open("w")
     driver = subprocess.Popen(

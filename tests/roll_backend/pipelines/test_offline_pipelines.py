@@ -72,6 +72,8 @@ def test_ppo_with_the_trained_reward_model_raises_its_reward(reward_model_run, t
         tmp_path / "ppo",
         f"reward_model.model_path={output / 'reward_model_hf'}",
         "max_steps=12",
+        "actor_infer.hybrid=true",  # the engine and the critic in the actor's process (the same numbers, two
+        "critic.hybrid=true",  # processes fewer to start)
     )
     assert [row["step"] for row in history] == list(range(1, 13))
     # no rule reward: the reward is the model's score, reported raw and as the step's reward
@@ -133,6 +135,7 @@ def test_on_policy_distillation_from_the_sft_teacher(sft_runs, tmp_path):
         tmp_path / "distill",
         f"teacher.model_path={root / 'full' / 'sft_hf'}",
         "max_steps=12",
+        "actor_infer.hybrid=true",  # the engine in the actor's process (the same numbers, one process fewer to start)
     )
     early, late = (1, 2, 3), (10, 11, 12)
     assert all(row["reward/score_mean"] == 0.0 for row in history)  # nothing but the teacher trains it

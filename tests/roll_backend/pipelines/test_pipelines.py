@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file  # noqa: F401  (shared fixtures)
+from pipeline_fixtures import base_config, hybrid_roles, model_dir, overrides, prompt_file  # noqa: F401  (fixtures)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
@@ -85,8 +85,10 @@ def test_ppo_run_with_critic_gae_and_rollout_correction(ray_session, base_config
 
 
 def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, model_dir, tmp_path):
-    """Megatron actor and reference in bf16 (fp32 main weights in the optimizer) and vLLM in bf16: the weights
-    the engine receives score like the trainer's to within bf16 rounding, well inside the 16-bit probe limit.
+    """Megatron actor and reference in bf16 (fp32 main weights in the optimizer) and vLLM in bf16, on the hybrid
+    engine (all three in the actor's two processes, every part of their state offloaded while idle: the fp32 main
+    copies and Adam's moments leave and come back around each phase): the weights the engine receives score like the
+    trainer's to within bf16 rounding, well inside the 16-bit probe limit.
     With dynamic sampling on a reward most groups get alike (1 for a response whose CRC32 is a multiple of 10: a
     group of 4 differs with chance 1 - 0.9^4 - 0.1^4 = 0.34): each step refills until it has rollout_batch_size
     groups with differing rewards, or says it ran out of rounds."""
@@ -113,6 +115,7 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             "algorithm.dynamic_sampling=true",
             "algorithm.max_generation_rounds=6",
             "algorithm.refill_oversample=2",
+            *hybrid_roles(2, 2),
         ),
     )
     assert config.logprob_gap_limit() == HALF_PRECISION_LOGPROB_GAP
@@ -132,6 +135,9 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
         assert (rounds == 1) == (prompts == 4) and prompts <= 4 + (rounds - 1) * 2 * 4, record
         assert record["dynamic_sampling/dropped_responses"] == 4 * record["dynamic_sampling/groups_dropped"]
     assert any(record["dynamic_sampling/rounds"] > 1 for record in history)  # a refill happened
+    for record in history:  # the optimizer's fp32 state is its own part: training holds it, generation does not
+        assert record["memory/train/allocated_gib"] > 2 * record["memory/reference/allocated_gib"] > 0, record
+        assert record["memory/generate/allocated_gib"] == 0.0, record
 
 
 def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(

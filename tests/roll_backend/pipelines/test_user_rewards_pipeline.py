@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from pipeline_fixtures import hybrid_roles
 
 from roll_backend.config.loader import load_config
 from roll_backend.errors import UserCodeError
@@ -146,9 +147,11 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
     from roll_backend.workers.critic import CriticWorker
 
     reward_model = build_tiny_reward_model(tmp_path / "reward_model", TinyModelSpec(seed=5))
+    # On the hybrid engine: the critic, a second model (the reward model's) in the actor's processes, at its layout.
     critic = (
-        "critic={model_path: " + str(reward_model) + ", world_size: 1, strategy: {name: megatron_train, "
-        "micro_batch_size: 8, value_head_init: score_head, optimizer: {lr: 1.0e-3}}}"
+        "critic={model_path: " + str(reward_model) + ", world_size: 1, hybrid: true, strategy: {name: megatron_train, "
+        "micro_batch_size: 8, value_head_init: score_head, offload_params: true, offload_grads: true, "
+        "offload_optimizer: true, optimizer: {lr: 1.0e-3}}}"
     )
     config = load_config(
         base_config,
@@ -160,6 +163,7 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
             "algorithm.adv_estimator=gae",
             critic,
             "max_steps=1",
+            *hybrid_roles(1, 1),
         ),
     )
     with PipelineRun(config) as run:
