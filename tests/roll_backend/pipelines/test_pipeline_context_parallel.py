@@ -1,5 +1,6 @@
-"""GRPO through the pipeline with the actor (Megatron train) at PP2 x CP2 and the reference (Megatron infer) at CP2:
-the demo's prompts are 25 tokens with the chat template, so each of a sequence's 4 CP chunks holds 8 tokens. The
+"""GRPO through the pipeline with the actor (Megatron train) and the reference (Megatron infer) at PP2 x CP2, on the
+hybrid engine (a vLLM engine and the reference in each of the actor's four processes): the demo's prompts are 25
+tokens with the chat template, so each of a sequence's 4 CP chunks holds 8 tokens. The
 model is a Qwen3-MoE whose routers are nearly tied (tests/support/router_tools.tie_routers): vLLM and Megatron, both
 float32, choose different experts for some tokens, as a bf16 rollout does for a large model. The actor runs routing
 replay R3 (issue #33): it replays the routes vLLM recorded, cut for both stages and both CP chunks, in the
@@ -43,8 +44,15 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
             "actor_train.strategy.cp=2",
             "actor_train.world_size=4",
             "actor_train.strategy.micro_batch_size=8",
+            # On the hybrid engine: the engine (four, one per rank) and the reference (at the actor's PP2 x CP2) in
+            # the actor's four processes, so routing replay and CP meet the hand-over and the in-process sync.
             "reference.strategy.cp=2",
-            "reference.world_size=2",
+            "reference.strategy.pp=2",
+            "reference.world_size=4",
+            "reference.hybrid=true",
+            "actor_infer.world_size=4",
+            "actor_infer.hybrid=true",
+            "actor_infer.strategy.max_prompt_length=32",
             "logging.progress_bar=false",
             "perf.measure_peak=false",
             # The post-sync probe routes live on both sides: the tied routers flip there too (its gap is a gap
