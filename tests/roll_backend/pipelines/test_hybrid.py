@@ -29,8 +29,9 @@ STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference
 DEMO_STEPS = 30  # the demo is above 0.8 from about step 27 (the split run's curve, the same numbers)
 WINDOW = 3
 # PPO with the critic hosted too, trainer and critic at TP1 x PP2 (the engine's TP2 shards come from full tensors
-# gathered over PP), LoRA adapters synced to the engine, the reference being the actor's base (adapters off), a
-# larger learning rate so the adapters move; a checkpoint every two steps (the critic's state in it).
+# gathered over PP), the actor's micro-batches by a token budget, LoRA adapters synced to the engine, the reference
+# being the actor's base (adapters off), a larger learning rate so the adapters move; a checkpoint every two steps
+# (the critic's state in it).
 CRITIC = (
     "{model_path: '${model_path}', world_size: 2, hybrid: %s, "
     "strategy: {name: megatron_train, tp: 1, pp: 2, micro_batch_size: 64, optimizer: {lr: 1.0e-3}}}"
@@ -42,6 +43,7 @@ RESHARD_LORA_PPO = (
     "actor_train.strategy.pp=2",
     "actor_train.strategy.lora={rank: 8, sync: adapter}",
     "actor_train.strategy.optimizer.lr=2.0e-2",
+    "actor_train.strategy.max_tokens_per_microbatch=128",  # micro-batches by a token budget
     "reference.from_actor_base=true",
     "rollout_batch_size=8",
     "num_return_sequences_in_group=8",
