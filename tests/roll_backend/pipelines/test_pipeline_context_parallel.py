@@ -1,6 +1,7 @@
-"""GRPO through the pipeline with the actor (Megatron train) and the reference (Megatron infer) at PP2 x CP2, on the
-hybrid engine (a vLLM engine and the reference in each of the actor's four processes): the demo's prompts are 25
-tokens with the chat template, so each of a sequence's 4 CP chunks holds 8 tokens. The
+"""GRPO through the pipeline with the actor (Megatron train) and the reference (Megatron infer) at PP2 x CP2 with the
+experts split over the two CP ranks of each stage (EP2), on the hybrid engine (a vLLM engine and the reference in each
+of the actor's four processes): the demo's prompts are 25 tokens with the chat template, so each of a sequence's 4 CP
+chunks holds 8 tokens. The
 model is a Qwen3-MoE whose routers are nearly tied (tests/support/router_tools.tie_routers): vLLM and Megatron, both
 float32, choose different experts for some tokens, as a bf16 rollout does for a large model. The actor runs routing
 replay R3 (issue #33): it replays the routes vLLM recorded, cut for both stages and both CP chunks, in the
@@ -46,6 +47,8 @@ def test_grpo_with_actor_and_reference_at_cp2(ray_session, tmp_path):
             "actor_train.strategy.micro_batch_size=8",
             # On the hybrid engine: the engine (four, one per rank) and the reference (at the actor's PP2 x CP2) in
             # the actor's four processes, so routing replay and CP meet the hand-over and the in-process sync.
+            "actor_train.strategy.ep=2",  # the experts split over the two CP ranks of each stage
+            "reference.strategy.ep=2",
             "reference.strategy.cp=2",
             "reference.strategy.pp=2",
             "reference.world_size=4",
