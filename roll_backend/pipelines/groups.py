@@ -193,17 +193,17 @@ def _hybrid_config(config: PipelineConfig, workers: dict[str, tuple[type, Any]])
     )
 
 
-def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> None:
+def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> HybridConfig | None:
     """Start every role's group into `groups` (so a failure part-way can shut down what started), all at once. The
-    hybrid engine's roles start as one group (roles.HYBRID) hosting them all."""
+    hybrid engine's roles start as one group (roles.HYBRID) hosting them all; returns what it hosts (None without)."""
     starter = _GroupStarter(config)
     workers = _role_workers(config)
+    hosted = None
     if hybrid_roles(config):
-        groups[roles.HYBRID] = starter.start(
-            HybridWorker, roles.ACTOR_TRAIN, _hybrid_config(config, workers), roles.HYBRID
-        )
-        for name in (roles.ACTOR_TRAIN, *hybrid_roles(config)):
-            del workers[name]
+        hosted = _hybrid_config(config, workers)
+        groups[roles.HYBRID] = starter.start(HybridWorker, roles.ACTOR_TRAIN, hosted, roles.HYBRID)
+        for facet in hosted.facets:
+            del workers[facet.role]
     for name, (worker_cls, worker_config) in workers.items():
         groups[name] = starter.start(worker_cls, name, worker_config)
     reward = config.reward
@@ -211,6 +211,7 @@ def _start_groups(config: PipelineConfig, groups: dict[str, WorkerGroup]) -> Non
     if not config.offline and (rule_rewards or reward.functions or config.agentic is not None):
         groups[roles.REWARD] = starter.start_reward()  # (a reward model alone needs no reward workers)
     start_together(list(groups.values()))
+    return hosted
 
 
 _INIT_MODEL = {
@@ -229,14 +230,14 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
     engine's roles share actor_train's processes (each role's group is then a facet of the hybrid group)."""
     groups: dict[str, WorkerGroup] = {}
     try:
-        _start_groups(config, groups)
+        hosted = _start_groups(config, groups)
         # Model loading in parallel: the groups are independent.
         pending = [groups[name].submit(init_model) for name, init_model in _INIT_MODEL.items() if name in groups]
         for future in pending:
             future.get()
         hybrid = groups.get(roles.HYBRID)
         if hybrid is not None:
-            groups |= _facets(config, hybrid)
+            groups |= _facets(hybrid, hosted)
             del groups[roles.HYBRID]
     except BaseException:
         for group in groups.values():
@@ -250,18 +251,10 @@ def build_role_groups(config: PipelineConfig) -> RoleGroups:
     )
 
 
-_WORKER_CLASSES = {
-    roles.ACTOR_TRAIN: ActorWorker,
-    roles.ACTOR_INFER: RolloutWorker,
-    roles.REFERENCE: ReferenceWorker,
-    roles.CRITIC: CriticWorker,
-}
-
-
-def _facets(config: PipelineConfig, hybrid: WorkerGroup) -> dict[str, WorkerGroup]:
+def _facets(hybrid: WorkerGroup, hosted: HybridConfig) -> dict[str, WorkerGroup]:
     """The hybrid group's roles, each a group of its own to the driver (dispatched by the role's coordinates)."""
     per_rank = hybrid.call(HybridWorker.facet_coords)
     return {
-        name: hybrid.facet(name, _WORKER_CLASSES[name], [coords[name] for coords in per_rank])
-        for name in (roles.ACTOR_TRAIN, *hybrid_roles(config))
+        facet.role: hybrid.facet(facet.role, facet.worker_cls, [coords[facet.role] for coords in per_rank])
+        for facet in hosted.facets
     }

@@ -5,8 +5,8 @@ A part moves storage by storage: every distinct storage behind its tensors (DDP'
 parameters viewing a distributed optimizer's param buffer, Adam's moments, fp32 main copies) is copied to host memory
 (pinned on a GPU) and its device storage resized to nothing; on the way back it is resized and refilled. The tensors
 keep their identity (views stay views, the optimizer keeps its references), so nothing has to be rebuilt, as in verl's
-and ROLL's offload of Megatron buffers. On a CPU rank the device is the host: the strategy asks for no move there
-(`moves_anything`), and the hybrid worker says so once in the log.
+and ROLL's offload of Megatron buffers. On a CPU rank the device is the host: the same moves run (so the suite checks
+them), the copies staying in host memory, and the hybrid worker says so once in the log.
 """
 
 from __future__ import annotations

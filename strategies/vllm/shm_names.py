@@ -9,11 +9,14 @@ and the names are removed once every rank has mapped its segments (the mappings 
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ENV = "ROLL_BACKEND_VLLM_SHM_IDENT"
 TESTED_VLLM_VERSIONS = ("0.32",)
@@ -21,11 +24,16 @@ TESTED_VLLM_VERSIONS = ("0.32",)
 
 def apply() -> None:
     """Prefix vLLM's CPU segment names with os.environ[ENV] (idempotent)."""
+    import vllm
     from vllm.distributed.device_communicators import cpu_communicator
 
     shm = cpu_communicator._CPUSHMDistributed
     if getattr(shm, "prefixed_by_roll_backend", False):
         return
+    if not vllm.__version__.startswith(TESTED_VLLM_VERSIONS):
+        logger.warning(
+            "the shared-memory names are tested on vLLM %s, found %s", TESTED_VLLM_VERSIONS, vllm.__version__
+        )
     vllm_name = shm.make_group_name
 
     def make_group_name(communicator) -> str:
