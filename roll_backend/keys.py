@@ -57,6 +57,10 @@ DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to
 
 # meta_info keys.
 META_METRICS = "metrics"  # dict[str, list[float] | float], merged by DataProto.concat
+# Counts a model phase reports among its metrics: tokens it forwarded (padding aside), and those its rows hold (what
+# it forwards without share_prompts); pipelines name them perf/<phase>_tokens_forwarded / _tokens_unshared.
+METRIC_TOKENS_FORWARDED = "tokens_forwarded_count"
+METRIC_TOKENS_HELD = "tokens_unshared_count"
 META_TEMPERATURE = "temperature"  # float, the sampling temperature log-probs are computed at
 META_PREPARED = (
     "prepared"  # dict, pipelines.rl_step.mark_prepared: a batch already scored and given reference log-probs

@@ -71,8 +71,14 @@ class RewardModelWorker(StrategyWorker):
         if out is None:
             return None
         response_mask = batch.batch[keys.RESPONSE_MASK]
+        metrics = out.meta_info.get(keys.META_METRICS) or {}
+        counts = {
+            name: metrics[name] for name in (keys.METRIC_TOKENS_FORWARDED, keys.METRIC_TOKENS_HELD) if name in metrics
+        }
         scores = sequence_scores(out.batch[keys.VALUES], torch.nn.functional.pad(response_mask, (0, 1)))  # [B]
         return DataProto.from_dict(
             tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, response_mask)},
-            meta_info={keys.META_METRICS: {"reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}},
+            meta_info={
+                keys.META_METRICS: {**counts, "reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}
+            },
         )

@@ -49,6 +49,12 @@ def use_transformer_engine(transformer_impl: str, device: str) -> bool:
     return have_te and device == "cuda"
 
 
+def transformer_engine_for(config, device: str) -> bool:
+    """Whether a Megatron role's model takes TransformerEngine's layers (never with share_prompts: its masks are
+    explicit, which the local spec's attention takes)."""
+    return not getattr(config, "share_prompts", False) and use_transformer_engine(config.transformer_impl, device)
+
+
 def unwrap(model):
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):

@@ -1,4 +1,4 @@
-"""Typed settings of the Megatron strategies, their pipeline stage splits, and the backend's validation rules.
+"""Typed settings of the Megatron strategies and the backend's validation rules (stage splits: stage_splits.py).
 
 The rules come in three kinds: a config's own settings (checked when it is built), what a model and a layout must
 satisfy (shared with the ranks' own checks in builder.py and moe.py), and the checks of a config against the run
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.strategies.base import RunFacts
+from roll_backend.strategies.megatron.stage_splits import stage_split, stage_split_problem
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
@@ -27,79 +27,6 @@ VALUE_HEAD_INITS = ("fresh", "score_head")
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 ROUTER_REPLAY_MODES = (None, "R2", "R3")
-
-
-# ---- pipeline stage splits ---------------------------------------------------------------------------------
-
-
-def stage_split_problem(num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None) -> str | None:
-    """Why Megatron cannot split `num_layers` over `pp` stages (x `vpp` model chunks) this way, or None.
-
-    `first`/`last` are Megatron's num_layers_in_first/last_pipeline_stage (None: an even share). Every stage
-    needs at least one layer per model chunk, the first/last counts a multiple of vpp, and the layers left
-    for the middle stages an equal multiple of vpp each.
-    """
-    chunks = vpp or 1
-    if vpp is not None and (vpp < 2 or pp < 2):
-        return f"vpp={vpp} needs pp >= 2 and vpp >= 2 (interleaved stages); set vpp=None or raise pp"
-    if pp == 1:
-        return None if first is None and last is None else "first/last_stage_layers need pp >= 2; remove them"
-    middle_layers, middle_stages = num_layers, pp
-    for name, count in (("first_stage_layers", first), ("last_stage_layers", last)):
-        if count is None:
-            continue
-        if count < chunks or count % chunks:
-            return f"{name}={count} must be a positive multiple of vpp={chunks} (one or more layers per model chunk)"
-        middle_layers -= count
-        middle_stages -= 1
-    if middle_stages == 0:
-        if middle_layers:
-            return (
-                f"first_stage_layers={first} + last_stage_layers={last} = {num_layers - middle_layers} differs from "
-                f"num_hidden_layers={num_layers} at pp=2"
-            )
-        return None
-    if middle_layers < middle_stages * chunks or middle_layers % (middle_stages * chunks):
-        return (
-            f"{num_layers} layers: after first_stage_layers={first} and last_stage_layers={last}, {middle_layers} "
-            f"layers cannot be split evenly over {middle_stages} stage(s) x {chunks} model chunk(s); "
-            f"set first_stage_layers/last_stage_layers so that they can"
-        )
-    return None
-
-
-def default_stage_split(num_layers: int, pp: int, vpp: int | None) -> tuple[int | None, int | None]:
-    """(first_stage_layers, last_stage_layers) when the user set neither: None, None where the layers split evenly,
-    else the feasible uneven split with the smallest largest stage, giving the last stage (which also holds
-    the output layer and the loss) the fewer layers on ties. Raises ValueError when no split exists."""
-    chunks = vpp or 1
-    if pp == 1 or stage_split_problem(num_layers, pp, vpp, None, None) is None:
-        return None, None
-    best = None
-    for first in range(chunks, num_layers + 1, chunks):
-        for last in range(chunks, num_layers - first + 1, chunks):
-            if stage_split_problem(num_layers, pp, vpp, first, last) is not None:
-                continue
-            middle = (num_layers - first - last) // (pp - 2) if pp > 2 else 0
-            key = (max(first, last, middle), last, -first)
-            if best is None or key < best[0]:
-                best = (key, first, last)
-    if best is None:
-        raise ValueError(
-            f"num_hidden_layers={num_layers} cannot be split over pp={pp} stages with vpp={vpp}: every "
-            f"stage needs at least {chunks} layer(s); lower pp or vpp"
-        )
-    return best[1], best[2]
-
-
-def stage_split(cfg, num_layers: int, layout: ParallelLayout) -> tuple[int | None, int | None]:
-    """(first, last) stage layer counts: the config's, or default_stage_split's when it sets neither."""
-    if cfg.first_stage_layers is None and cfg.last_stage_layers is None:
-        return default_stage_split(num_layers, layout.pp, layout.vpp)
-    return cfg.first_stage_layers, cfg.last_stage_layers
-
-
-# ---- what a model and a layout must satisfy (the ranks check the same) ------------------------------------
 
 
 def _divisors(n: int) -> list[int]:
@@ -203,12 +130,31 @@ def _settings_problems(cfg) -> list[str]:
             "use_sequence_packing=True with mtp_num_layers > 0: MTP labels would cross packed sequences; "
             "turn one of them off"
         )
+    problems += _share_prompts_problems(cfg)
     if cfg.value_head_init not in VALUE_HEAD_INITS:
         problems.append(f"value_head_init={cfg.value_head_init!r}; choose one of {', '.join(VALUE_HEAD_INITS)}")
     if cfg.router_replay not in ROUTER_REPLAY_MODES:
         problems.append(
             f"router_replay={cfg.router_replay!r}; choose R2 (replay the old-log-prob forward's routes in the "
             "updates), R3 (replay the rollout's routes) or null"
+        )
+    return problems
+
+
+def _share_prompts_problems(cfg) -> list[str]:
+    """Combinations prompt sharing cannot run (each with why)."""
+    if not cfg.share_prompts:
+        return []
+    problems = []
+    if cfg.mtp_num_layers:
+        problems.append(
+            "share_prompts with mtp_num_layers > 0: a shared prompt's last positions would need one MTP label per "
+            "response; turn one of them off"
+        )
+    if cfg.transformer_impl == "transformer_engine":
+        problems.append(
+            "share_prompts with transformer_impl=transformer_engine: the TE layers here take causal or THD masks "
+            "only, and a shared prompt needs the local spec's explicit mask; use transformer_impl: auto or local"
         )
     return problems
 
@@ -231,6 +177,9 @@ class MegatronModelConfig:
     # strategies/megatron/micro_batches.py.
     max_tokens_per_microbatch: int | None = None
     use_sequence_packing: bool = False  # several sequences per row of max_tokens_per_microbatch tokens
+    # Rows holding the same prompt (a group's n samples) forward it once: the prompt, then each response attending to
+    # it and to itself (strategies/megatron/shared_prompts.py); the same outputs and gradients, fewer tokens.
+    share_prompts: bool = False
     # log-probs use logits / temperature (match the rollout's sampling temperature); batch.meta_info["temperature"]
     # overrides it
     temperature: float = 1.0
@@ -488,6 +437,12 @@ def _split_problems(cfg, run: RunFacts) -> list[str]:
         problems.append(
             f"{where}: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
             f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size"
+        )
+    if cfg.share_prompts and layout.cp > 1:
+        problems.append(
+            f"{where}: share_prompts with cp={layout.cp} is not supported yet (a shared prompt's last position "
+            "predicts every response's first token, and CP splits positions over ranks); set cp=1 or share_prompts: "
+            "false"
         )
     num_layers = (run.model_config or {}).get("num_hidden_layers")
     if num_layers is None:

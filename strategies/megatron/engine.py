@@ -28,6 +28,7 @@ from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.model_setup import set_train_mode
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
+from roll_backend.strategies.megatron.shared_micro_batches import split_shared
 
 LossFunc = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -78,7 +79,11 @@ class MegatronEngine:
         """The batch in micro-batches by the config's plan (fixed rows, token budget or packing), with the routes
         each replays; and the batch's row count."""
         plan = mb.batching_plan(self, batch)
-        return mb.split(batch, plan, self.device, what, routes.routes if routes is not None else None)
+        if not plan.share_prompts:
+            return mb.split(batch, plan, self.device, what, routes.routes if routes is not None else None)
+        micro_batches, num_rows = split_shared(batch, plan, self.device, what)
+        mb.attach_routes(micro_batches, routes.routes if routes is not None else None, self.device)
+        return micro_batches, num_rows
 
     def forward_backward(
         self, micro_batches: list[MicroBatch], loss_func: LossFunc, forward_only: bool, routes: RouteCall | None
@@ -122,12 +127,15 @@ class MegatronEngine:
             stored = self.forward_backward(micro_batches, collect, True, routes)
             recorded = self._recorded_routes(routes, micro_batches, batch) if routes is not None else None
         metrics = routes.replayer.pop_metrics("moe/log_probs_") if routes is not None else {}
+        for micro in micro_batches:
+            for name, count in micro.token_counts().items():
+                metrics[name] = metrics.get(name, 0.0) + count
         if not schedule.is_last_stage():
             return None
         tensors = mb.collect_rows(micro_batches, stored, num_rows)
         if recorded is not None:
             tensors[keys.RECORDED_ROUTES] = recorded
-        return DataProto.from_dict(tensors=tensors, meta_info={keys.META_METRICS: metrics} if metrics else None)
+        return DataProto.from_dict(tensors=tensors, meta_info={keys.META_METRICS: metrics})
 
     def _recorded_routes(self, routes: RouteCall, micro_batches: list[MicroBatch], batch: DataProto):
         """[B, T, L, k] the live routes of a recording forward at each token of the batch (-1 at padding), every

@@ -30,7 +30,7 @@ import torch
 from roll_backend import keys
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron import cp
-from roll_backend.strategies.megatron.builder import use_transformer_engine
+from roll_backend.strategies.megatron.builder import transformer_engine_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,20 @@ class MicroBatch:
     # what a forward records per position goes back through it.
     source: torch.Tensor | None = None
     routes: torch.Tensor | None = None  # [b, T, L, k] the routes replayed at each position (router_replay), or None
+    # Prompt-shared micro-batches (shared_micro_batches.py): (batch position, stand-in position) pairs for what is
+    # recorded once per shared prompt token, and RoPE at `position_ids` rather than at the columns.
+    aliases: torch.Tensor | None = None
+    rope_positions: bool = False
 
     @property
     def has_rows(self) -> bool:
         """False for an all-padding micro-batch (the interleaved schedule needs a multiple of PP of them)."""
         return bool(self.proto.batch[keys.ATTENTION_MASK].any())
+
+    def token_counts(self) -> dict[str, float]:
+        """The tokens this micro-batch forwards (padding aside) and those its rows hold (as forwarded unshared)."""
+        held = self.proto.batch[keys.ATTENTION_MASK].sum() if len(self.proto) else 0
+        return {keys.METRIC_TOKENS_FORWARDED: float(self.token_mask.sum()), keys.METRIC_TOKENS_HELD: float(held)}
 
     @property
     def response_slice(self) -> slice:
@@ -237,6 +246,7 @@ class BatchingPlan:
     max_tokens: int | None = None
     packing: bool = False
     thd: bool = False  # packed rows in Megatron's THD format (TransformerEngine), else a block-diagonal mask
+    share_prompts: bool = False  # rows with one prompt forward it once (shared_micro_batches.py)
     # Micro-batch widths are rounded up to this (context parallelism needs a multiple of 2 x cp as well).
     width_multiple: int = SEQUENCE_MULTIPLE
 
@@ -255,12 +265,14 @@ class BatchingPlan:
             )
         if max_tokens is not None and int(max_tokens) < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens} must be >= 1 (or None for fixed micro-batches)")
-        return cls(config.micro_batch_size, None if max_tokens is None else int(max_tokens), packing, thd and packing)
+        budget = None if max_tokens is None else int(max_tokens)
+        share = bool(getattr(config, "share_prompts", False))
+        return cls(config.micro_batch_size, budget, packing, thd and packing and not share, share)
 
 
 def batching_plan(strategy, batch: DataProto) -> BatchingPlan:
     """A Megatron strategy's micro-batching for this call (its config, overridable through batch.meta_info)."""
-    thd = use_transformer_engine(strategy.config.transformer_impl, strategy.device)
+    thd = transformer_engine_for(strategy.config, strategy.device)
     plan = BatchingPlan.from_config(strategy.config, batch.meta_info, thd)
     if plan.max_tokens is not None and micro_batch_count_multiple() > 1:
         raise ValueError(
@@ -350,13 +362,20 @@ def split(
     `routes` ([B, T, L, k], per token of the batch): each micro-batch gets its own positions' (`MicroBatch.routes`,
     -1 at positions the cut added)."""
     micro_batches, num_rows = _split(batch, plan, device, what)
-    if routes is not None:
-        flat = routes.reshape(-1, *routes.shape[2:])
-        for micro in micro_batches:
-            source = micro.source.to(flat.device)
-            picked = flat[source.clamp(min=0)]
-            micro.routes = picked.masked_fill((source < 0)[..., None, None], -1).to(device)
+    attach_routes(micro_batches, routes, device)
     return micro_batches, num_rows
+
+
+def attach_routes(micro_batches: list[MicroBatch], routes: torch.Tensor | None, device: str) -> None:
+    """Each micro-batch's `routes` [b, T, L, k]: those of its positions' tokens in `routes` [B, T, L, k] (-1 at
+    positions the cut added); nothing without routes."""
+    if routes is None:
+        return
+    flat = routes.reshape(-1, *routes.shape[2:])
+    for micro in micro_batches:
+        source = micro.source.to(flat.device)
+        picked = flat[source.clamp(min=0)]
+        micro.routes = picked.masked_fill((source < 0)[..., None, None], -1).to(device)
 
 
 def place_per_token(micro_batches: list[MicroBatch], values: list[torch.Tensor], shape: tuple, fill) -> torch.Tensor:
@@ -366,6 +385,8 @@ def place_per_token(micro_batches: list[MicroBatch], values: list[torch.Tensor],
     for micro, value in zip(micro_batches, values):
         kept = micro.source >= 0
         out[micro.source[kept]] = value[kept]
+        if micro.aliases is not None and len(micro.aliases):
+            out[micro.aliases[:, 0]] = out[micro.aliases[:, 1]]
     return out.view(shape)
 
 

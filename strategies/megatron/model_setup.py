@@ -13,11 +13,11 @@ from roll_backend.strategies.megatron.builder import (
     HFArch,
     ModelBuildOptions,
     build_gpt_stage,
+    transformer_engine_for,
     unwrap,
-    use_transformer_engine,
 )
-from roll_backend.strategies.megatron.config import stage_split
 from roll_backend.strategies.megatron.offload import ModelStateOffload
+from roll_backend.strategies.megatron.stage_splits import stage_split
 
 
 def call_context(device: str) -> contextlib.AbstractContextManager:
@@ -115,7 +115,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str):
         mtp_num_layers=cfg.mtp_num_layers,
         mtp_loss_scaling_factor=getattr(cfg, "mtp_loss_scaling_factor", 0.1),  # training only
         value_head=cfg.value_head,
-        use_transformer_engine=use_transformer_engine(cfg.transformer_impl, device),
+        use_transformer_engine=transformer_engine_for(cfg, device),
         recompute_activations=getattr(cfg, "recompute_activations", False),
         use_torch_compile=cfg.use_torch_compile,
     )

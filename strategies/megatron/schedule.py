@@ -16,6 +16,7 @@ from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.moe import router_padding_mask
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 from roll_backend.strategies.megatron.router_replay import RouteCall
+from roll_backend.strategies.megatron.shared_micro_batches import rope_at_positions
 
 
 class HeadCapture:
@@ -71,7 +72,8 @@ def forward_backward(
         key = (chunk_index[id(chunk)], micro_index[id(micro)])
         if routes is not None:
             routes.replayer.before_chunk(*key, micro_routes)
-        output = chunk(**inputs)
+        with rope_at_positions(unwrap(chunk), micro.position_ids) if micro.rope_positions else contextlib.nullcontext():
+            output = chunk(**inputs)
         if capture.applies_to(chunk):
             output = capture.pop()
         if routes is not None:

@@ -182,7 +182,8 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
         are undone here so the gradient is that of the global token mean. Metrics (last stage): `loss` is the
         global loss and the loss_fn's other metrics (shares of the step's values, see LossFn), each summed over
         micro-batches and DP, plus `grad_norm`, `lr` and, with MTP, `mtp_loss` (the MTP cross-entropy's mean over
-        the global batch's tokens, see mtp_loss.py). MoE models add
+        the global batch's tokens, see mtp_loss.py), the tokens forwarded and those the rows hold
+        (`tokens_forwarded_count`, `tokens_unshared_count`: fewer forwarded with share_prompts). MoE models add
         router metrics (`moe/aux_loss`, `moe/load_balancing_loss`, `moe/expert_load_min|max|imbalance`, see
         moe.py); the aux loss's gradient joins in backward as Megatron adds it, and is not in `loss`.
         """
@@ -201,6 +202,7 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
             loss, metrics = loss_fn(engine.outputs(micro, head_output, spec), micro.proto)
             reported = {name: float(value) for name, value in metrics.items()}
             reported["loss"] = float(loss.detach())
+            reported.update(micro.token_counts())
             return loss * undo_scaling, reported
 
         self._zero_grads()

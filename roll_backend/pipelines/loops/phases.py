@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.algorithms import (
     as_group_ids,
     get_advantage_estimator,
@@ -88,7 +88,8 @@ def score(groups: RoleGroups, batch: DataProto, reward: RewardConfig | None = No
 def reward_model_scores(groups: RoleGroups, batch: DataProto, reward: RewardConfig) -> tuple[torch.Tensor, dict]:
     """[B] the reward model's score of each response, standardised over the batch and clipped as configured, times
     reward.model_weight; with its metrics (the raw scores' mean and spread, the weighted mean)."""
-    raw = groups.reward_model.call(RewardModelWorker.compute_rewards, batch).batch[keys.SEQUENCE_SCORES].float()
+    out = groups.reward_model.call(RewardModelWorker.compute_rewards, batch)
+    raw = out.batch[keys.SEQUENCE_SCORES].float()
     scores = raw
     if reward.model_score_norm == "batch":
         scores = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-6) if len(raw) > 1 else raw - raw.mean()
@@ -100,7 +101,8 @@ def reward_model_scores(groups: RoleGroups, batch: DataProto, reward: RewardConf
         "reward_model/raw_std": float(raw.std(unbiased=False)),
         "reward_model/score_mean": float(weighted.mean()),
     }
-    return weighted, metrics
+    counts = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="")
+    return weighted, metrics | _phase_tokens(counts, roles.REWARD_MODEL)
 
 
 def drop_uniform_groups(batch: DataProto) -> tuple[DataProto, int]:
@@ -175,7 +177,7 @@ def reference_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float
     the gap a trainer without routing replay starts from)."""
     out = reference_call(groups, batch)
     batch[keys.REF_LOG_PROBS] = out.batch[keys.LOG_PROBS]
-    metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="reference/")
+    metrics = _forward_metrics(out, "reference/", roles.REFERENCE_LOG_PROBS)
     return metrics | _rollout_gap(batch, keys.REF_LOG_PROBS, "reference/rollout_logprob_gap")
 
 
@@ -197,7 +199,7 @@ def old_log_probs(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
     batch[keys.OLD_LOG_PROBS] = out.batch[keys.LOG_PROBS]
     if keys.RECORDED_ROUTES in out.batch.keys():
         batch[keys.RECORDED_ROUTES] = out.batch[keys.RECORDED_ROUTES]
-    metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="actor/")
+    metrics = _forward_metrics(out, "actor/", roles.OLD_LOG_PROBS)
     return metrics | _rollout_gap(batch, keys.OLD_LOG_PROBS, "actor/rollout_logprob_gap")
 
 
@@ -215,8 +217,10 @@ def teacher_log_probs(groups: RoleGroups, batch: DataProto) -> None:
     batch[keys.TEACHER_LOG_PROBS] = groups.teacher.call(ReferenceWorker.compute_log_probs, batch).batch[keys.LOG_PROBS]
 
 
-def values(groups: RoleGroups, batch: DataProto) -> None:
-    batch[keys.VALUES] = groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
+def values(groups: RoleGroups, batch: DataProto) -> dict[str, float]:
+    out = groups.critic.call(CriticWorker.compute_values, batch)
+    batch[keys.VALUES] = out.batch[keys.VALUES]
+    return _forward_metrics(out, "critic/", roles.VALUES)
 
 
 def advantages(
@@ -266,28 +270,33 @@ def advantages(
 
 
 def train_actor(groups: RoleGroups, batch: DataProto, algo: AlgorithmConfig, seed: int) -> dict[str, float]:
-    return train(groups.actor_train, ActorWorker.train_step, batch, algo, seed, "actor/")
+    return train(groups.actor_train, ActorWorker.train_step, batch, algo, seed, "actor/", roles.TRAIN)
 
 
 def train_critic(groups: RoleGroups, batch: DataProto, algo: AlgorithmConfig, seed: int) -> dict[str, float]:
-    return train(groups.critic, CriticWorker.train_step, batch, algo, seed, "critic/")
+    return train(groups.critic, CriticWorker.train_step, batch, algo, seed, "critic/", roles.CRITIC_TRAIN)
 
 
 def train(
-    group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str
+    group: WorkerGroup, train_step, batch: DataProto, algo: AlgorithmConfig, seed: int, prefix: str, phase: str
 ) -> dict[str, float]:
     """`ppo_epochs` passes over the batch in shuffled mini-batches; one optimizer step (`train_step`, a worker
-    method) per mini-batch; metrics averaged over mini-batches and DP ranks, named `prefix` + metric."""
+    method) per mini-batch; metrics averaged over mini-batches and DP ranks, named `prefix` + metric; counts (the
+    step's own, over DP already) added up over mini-batches (`perf/<phase>_tokens_...`)."""
     mini = algo.ppo_mini_batch_size or len(batch)
     collected: dict[str, list[float]] = {}
+    counts: dict[str, float] = {}
     for epoch in range(algo.ppo_epochs):
         order = np.random.default_rng(seed + epoch).permutation(len(batch))
         for start in range(0, len(batch), mini):
-            per_dp_rank = group.call(train_step, batch.select_idxs(order[start : start + mini]))
+            per_dp_rank = [m or {} for m in group.call(train_step, batch.select_idxs(order[start : start + mini]))]
+            for name in {name for metrics in per_dp_rank for name in metrics if name.endswith("_count")}:
+                counts[name] = counts.get(name, 0.0) + max(metrics.get(name, 0.0) for metrics in per_dp_rank)
             for metrics in per_dp_rank:
-                for name, value in (metrics or {}).items():
-                    collected.setdefault(name, []).append(float(value))
-    return {f"{prefix}{name}": float(np.mean(vals)) for name, vals in collected.items()}
+                for name, value in metrics.items():
+                    if not name.endswith("_count"):
+                        collected.setdefault(name, []).append(float(value))
+    return {f"{prefix}{name}": float(np.mean(vals)) for name, vals in collected.items()} | _phase_tokens(counts, phase)
 
 
 def sync_weights(
@@ -353,6 +362,29 @@ def batch_metrics(batch: DataProto, seconds_generating: float) -> dict[str, floa
         "response_length/max": float(lengths.max()),
         "throughput/generated_tokens_per_s": float(lengths.sum()) / max(seconds_generating, 1e-9),
     }
+
+
+def _forward_metrics(out: DataProto, prefix: str, phase: str) -> dict[str, float]:
+    """A forward-only phase's metrics: its own named `prefix` + metric, its token counts `perf/<phase>_tokens_...`."""
+    metrics = _mean_metrics(out.meta_info.get(keys.META_METRICS) or {}, prefix="")
+    counts = {
+        name: metrics.pop(name) for name in (keys.METRIC_TOKENS_FORWARDED, keys.METRIC_TOKENS_HELD) if name in metrics
+    }
+    return {prefix + name: value for name, value in metrics.items()} | _phase_tokens(counts, phase)
+
+
+def _phase_tokens(counts: dict[str, float], phase: str) -> dict[str, float]:
+    """perf/<phase>_tokens_forwarded and perf/<phase>_tokens_unshared (what the rows hold) from a phase's counts."""
+    names = {keys.METRIC_TOKENS_FORWARDED: "tokens_forwarded", keys.METRIC_TOKENS_HELD: "tokens_unshared"}
+    return {f"perf/{phase}_{names[name]}": value for name, value in counts.items() if name in names}
+
+
+def prompt_share_saved(metrics: dict[str, float]) -> dict[str, float]:
+    """perf/prompt_share_saved: the share of the tokens the step's Megatron phases would have forwarded unshared
+    that prompt sharing did not forward (0 without it); nothing when no phase counted its tokens."""
+    held = sum(v for name, v in metrics.items() if name.startswith("perf/") and name.endswith("_tokens_unshared"))
+    forwarded = sum(v for name, v in metrics.items() if name.startswith("perf/") and name.endswith("_tokens_forwarded"))
+    return {"perf/prompt_share_saved": 1.0 - forwarded / held} if held else {}
 
 
 def _mean_metrics(metrics: dict, prefix: str) -> dict[str, float]:

@@ -89,13 +89,14 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
         metrics |= phases.correct_rollout_mismatch(batch, algo)
     if groups.critic is not None:
         with timer.phase(roles.VALUES):
-            phases.values(groups, batch)
+            metrics |= phases.values(groups, batch)
     metrics |= phases.advantages(batch, algo, run.kl_ctrl.value, config.distillation)
     if groups.critic is not None:
         with timer.phase(roles.CRITIC_TRAIN):
             metrics |= phases.train_critic(groups, batch, algo, phases.step_seed(config, step, salt=2))
     with timer.phase(roles.TRAIN):
         metrics |= phases.train_actor(groups, batch, algo, phases.step_seed(config, step, salt=1))
+    metrics |= phases.prompt_share_saved(metrics)
     run.policy_version += 1
     run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
     return metrics, batch

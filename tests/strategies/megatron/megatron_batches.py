@@ -31,16 +31,28 @@ def make_rl_batch_tensors(
 
 
 def rl_batch_of_lengths(
-    prompt_lens: list[int], response_lens: list[int], prompt_width: int, response_width: int, vocab_size: int, gen
+    prompt_lens: list[int],
+    response_lens: list[int],
+    prompt_width: int,
+    response_width: int,
+    vocab_size: int,
+    gen,
+    groups: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Left-padded prompts and right-padded responses of the given lengths, random tokens and advantages."""
+    """Left-padded prompts and right-padded responses of the given lengths, random tokens and advantages. `groups`
+    (each row's group): the rows of a group hold its first row's prompt, as a GRPO group's n samples do."""
     rows = len(prompt_lens)
     prompts = torch.zeros(rows, prompt_width, dtype=torch.long)
     responses = torch.zeros(rows, response_width, dtype=torch.long)
     prompt_mask, response_mask = torch.zeros_like(prompts), torch.zeros_like(responses)
+    first_of: dict[int, int] = {}
     for row, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        prompts[row, prompt_width - p :] = torch.randint(3, vocab_size, (p,), generator=gen)
-        prompt_mask[row, prompt_width - p :] = 1
+        first = first_of.setdefault(groups[row] if groups is not None else -1 - row, row)
+        if first != row:
+            prompts[row], prompt_mask[row] = prompts[first], prompt_mask[first]
+        else:
+            prompts[row, prompt_width - p :] = torch.randint(3, vocab_size, (p,), generator=gen)
+            prompt_mask[row, prompt_width - p :] = 1
         responses[row, :r] = torch.randint(3, vocab_size, (r,), generator=gen)
         response_mask[row, :r] = 1
     return {

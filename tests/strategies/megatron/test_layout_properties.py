@@ -46,9 +46,9 @@ from roll_backend.strategies.megatron.config import (
     LoRASettings,
     MegatronTrainConfig,
     OptimizerSettings,
-    default_stage_split,
     value_head_problem,
 )
+from roll_backend.strategies.megatron.stage_splits import default_stage_split
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig
 from roll_backend.workers.critic import CriticConfig, CriticLossConfig
 
@@ -126,7 +126,7 @@ def examples() -> list[Example]:
     return [issue_case, dataclasses.replace(issue_case, tied=True), *drawn]
 
 
-def rl_batch(example: Example, vocab_size: int) -> dict[str, torch.Tensor]:
+def rl_batch(example: Example, vocab_size: int, groups: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Left-padded prompts and right-padded responses of random lengths; row 0 has one prompt and one response
     token (nearly empty), every other row at least one response token. Odd rows of 3+ response tokens are
     multi-turn (agentic): a span inside the response is an inserted observation, attended but out of the loss."""
@@ -134,7 +134,7 @@ def rl_batch(example: Example, vocab_size: int) -> dict[str, torch.Tensor]:
     rows, p_width, r_width = example.rows, example.prompt_width, example.response_width
     prompt_lens = [1] + torch.randint(1, p_width + 1, (rows - 1,), generator=gen).tolist()
     response_lens = [1] + torch.randint(1, r_width + 1, (rows - 1,), generator=gen).tolist()
-    batch = rl_batch_of_lengths(prompt_lens, response_lens, p_width, r_width, vocab_size, gen)
+    batch = rl_batch_of_lengths(prompt_lens, response_lens, p_width, r_width, vocab_size, gen, groups)
     for row, length in enumerate(response_lens):
         if row % 2 and length >= 3:  # sampled, then the observation, then sampled again
             batch[keys.RESPONSE_MASK][row, 1 : 1 + max(1, (length - 2) // 2 + 1)] = 0
@@ -241,14 +241,17 @@ def _role_batch(role: Role, tensors: dict, outputs: DataProto) -> DataProto:
     return DataProto.from_dict(tensors={**tensors, keys.VALUES: values, keys.RETURNS: values + noise})
 
 
-def _compare(example: Example, role: Role, ref: dict, runs: dict, mask: torch.Tensor) -> list[str]:
-    """Every check of every layout against the reference, as lines; failing ones start with 'FAIL'."""
+def _compare(
+    example: Example, role: Role, ref: dict, runs: dict, mask: torch.Tensor, router_metrics: bool = True
+) -> list[str]:
+    """Every check of every layout against the reference, as lines; failing ones start with 'FAIL'. Without
+    `router_metrics`, the experts' loads are not compared (they count the tokens forwarded)."""
     first = role.outputs[0]
     moved = float(((ref["after"] - ref[first]).abs() * mask).max())
     post = after_step_bound(ref[first], ref["after"], mask, example.layers)
     lines = [f"the step moved {first} by {moved:.3g}" if moved > 100 * post else f"FAIL the step hardly moved {first}"]
     names = role.metrics + (("mtp_loss",) if role is ACTOR and example.mtp else ())
-    names += ROUTER_METRICS if example.moe else ()
+    names += ROUTER_METRICS if example.moe and router_metrics else ()
     names += AUX_METRICS if role is ACTOR and example.aux_loss_coef else ()
     for name, run in runs.items():
         checks = [
@@ -371,3 +374,58 @@ def test_moe_load_balancing_loss_is_layout_independent(layout_actors, example, t
     report = _compare(example, ACTOR, ref, runs, tensors[keys.RESPONSE_MASK].float())
     print(f"{_name(example)} with the load-balancing loss:", *report, sep="\n  ")
     assert len(runs) > 1 and not [line for line in report if "FAIL" in line], "\n".join(report)
+
+
+# Prompt sharing (issue 49): the rows of one prompt forward it once; every layout and micro-batching gives the
+# unshared TP1 numbers. (layout, micro-batching) per run; budgets below most groups' lengths cut groups into segments.
+SHARED_RUNS = {
+    "tp1": ("tp1", {}),
+    "tp2": ("tp2", {}),  # sequence parallelism
+    "tp2pp2": ("tp2pp2", {}),
+    "pp2vpp2": ("pp2vpp2", {}),
+    "tp1_budget": ("tp1", {keys.META_MAX_TOKENS_PER_MICROBATCH: 24}),
+    "ep2_packed": ("ep2", {keys.META_MAX_TOKENS_PER_MICROBATCH: 32, keys.META_SEQUENCE_PACKING: True}),
+}
+
+
+def shared_examples() -> list[Example]:
+    """Drawn shapes with more rows (MTP off: sharing refuses it); dense and MoE, full training and LoRA."""
+    chosen = [examples()[i] for i in (0, 2, 3, 6)]
+    return [dataclasses.replace(e, mtp=0, rows=e.rows + 5) for e in chosen]
+
+
+def random_groups(rows: int, seed: int) -> list[int]:
+    """Each row's group: consecutive runs of 1 to 4 rows (n samples of one prompt; a group of 1 shares nothing)."""
+    rng, groups = random.Random(seed), []
+    while len(groups) < rows:
+        groups += [len(set(groups))] * rng.randint(1, 4)
+    return groups[:rows]
+
+
+@pytest.mark.parametrize("example", shared_examples(), ids=_name)
+def test_shared_prompts_give_the_unshared_numbers(layout_actors, example, tmp_path):
+    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
+    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
+    tensors = rl_batch(example, vocab_size, random_groups(example.rows, example.seed))
+    mask = tensors[keys.RESPONSE_MASK].float()
+    reference = layout_actors["tp1"]
+    report = []
+    for role in (ACTOR, CRITIC):
+        role_name = "actor" if role is ACTOR else "critic"
+        config = _config(model_dir, example, role)
+        shared = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, share_prompts=True))
+        reference.call(ReconfigurableActor.init_model_with, config)
+        batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
+        ref = _run(reference, config, role, batch)
+        runs = {}
+        for name, (layout_name, meta) in SHARED_RUNS.items():
+            group = layout_actors[layout_name]
+            problem = _layout_problem(model_dir, group.layout, role)
+            if problem is None:
+                runs[f"shared_{name}"] = _run(group, shared, role, _with_meta(batch, meta))
+            else:
+                report.append(f"{role_name} not at {name}: {problem}")
+        report += [f"{role_name} {line}" for line in _compare(example, role, ref, runs, mask, router_metrics=False)]
+    print(f"{_name(example)} shared prompts (vocab {vocab_size}):", *report, sep="\n  ")
+    failures = [line for line in report if "FAIL" in line]
+    assert not failures, f"{example} (vocab {vocab_size}):\n" + "\n".join(failures)

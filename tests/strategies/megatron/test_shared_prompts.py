@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
-from roll_backend.strategies.megatron.shared_prompts import pack_shared_prompts
+from roll_backend.strategies.megatron.shared_prompts import lay_out, shared_segments
 
 VOCAB = 320
 
@@ -55,12 +55,19 @@ def unshared_log_probs(model, prompts, prompt_mask, responses, present) -> torch
     return log_probs.gather(-1, responses.unsqueeze(-1)).squeeze(-1) * present
 
 
-def shared_log_probs(model, pack, responses, present) -> torch.Tensor:
+def shared_log_probs(model, prompts, prompt_mask, responses, present, **cuts) -> tuple[torch.Tensor, int]:
+    """(the rows' log-probs from their prompt-shared segments, one per packed row; tokens forwarded)."""
+    ids, mask = torch.cat([prompts, responses], dim=1), torch.cat([prompt_mask, present], dim=1)
+    segments, empty = shared_segments(ids, mask, responses.shape[1], **cuts)
+    layout = lay_out(ids, mask, responses.shape[1], [[s] for s in segments], max(s.length for s in segments))
     blocked = torch.finfo(torch.float32).min
-    mask = torch.where(pack.attention, 0.0, blocked).unsqueeze(1)  # [G, 1, L, L] additive
-    logits = model(input_ids=pack.input_ids, attention_mask=mask, position_ids=pack.position_ids).logits
-    per_row = pack.row_outputs(logits.log_softmax(-1))  # [B, T_resp, V]
-    return per_row.gather(-1, responses.unsqueeze(-1)).squeeze(-1) * present
+    additive = torch.where(layout.visible, 0.0, blocked).unsqueeze(1)  # [G, 1, L, L]
+    logits = model(input_ids=layout.input_ids, attention_mask=additive, position_ids=layout.position_ids).logits
+    log_probs = logits.log_softmax(-1)[layout.gather_rows, layout.gather_cols]  # [n, T_resp, V]
+    picked = log_probs.gather(-1, responses[layout.rows].unsqueeze(-1)).squeeze(-1) * layout.gather_valid
+    out = torch.zeros(responses.shape)
+    out[layout.rows] = picked
+    return out * present, int(layout.real.sum())
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -75,31 +82,42 @@ group_shapes = st.lists(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(groups=group_shapes, seed=st.integers(0, 1000))
-def test_shared_prompts_give_the_unshared_log_probs_and_gradients(model, groups, seed):
+@given(groups=group_shapes, seed=st.integers(0, 1000), max_rows=st.sampled_from([None, 1, 2, 3]))
+def test_shared_prompts_give_the_unshared_log_probs_and_gradients(model, groups, seed, max_rows):
     prompt_width = max(p for p, _ in groups) + 1  # (at least one pad column)
     response_width = max(max(lengths) for _, lengths in groups) + 1
-    prompts, prompt_mask, responses, present, group_ids = rows_of(groups, prompt_width, response_width, seed)
+    prompts, prompt_mask, responses, present, _ = rows_of(groups, prompt_width, response_width, seed)
     weights = torch.randn(responses.shape, generator=torch.Generator().manual_seed(seed + 1))
 
     expected = unshared_log_probs(model, prompts, prompt_mask, responses, present)
     (expected * weights).sum().backward()
     expected_grads = grads(model)
 
-    pack = pack_shared_prompts(prompts, prompt_mask, responses, present, group_ids)
-    got = shared_log_probs(model, pack, responses, present)
+    got, forwarded = shared_log_probs(model, prompts, prompt_mask, responses, present, max_rows=max_rows)
     (got * weights).sum().backward()
     got_grads = grads(model)
 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    prompt_tokens = sum(p for p, _ in groups)
-    assert pack.tokens_forwarded == prompt_tokens + int(present.sum())
-    assert pack.tokens_unshared == int(prompt_mask.sum() + present.sum())
+    # each segment forwards its prompt once: a group of n rows in ceil(n / max_rows) segments
+    segments = sum(-(-len(lengths) // (max_rows or len(lengths))) * p for p, lengths in groups)
+    assert forwarded == segments + int(present.sum())
 
 
-def test_rows_of_one_group_must_share_their_prompt():
-    prompts, prompt_mask, responses, present, _ = rows_of([(3, [2]), (4, [2])], 5, 3, seed=0)
-    with pytest.raises(ValueError, match="rows 0 and 1 of group 'same' hold different prompts"):
-        pack_shared_prompts(prompts, prompt_mask, responses, present, ["same", "same"])
+def test_rows_are_grouped_by_their_prompt_and_cut_by_rows_and_tokens():
+    # groups: (prompt 3, responses 2, 4, 1) and (prompt 4, responses 2, 2); rows 0, 1, 2 share, rows 3, 4 share
+    prompts, prompt_mask, responses, present, _ = rows_of([(3, [2, 4, 1]), (4, [2, 2])], 5, 4, seed=0)
+    ids, mask = torch.cat([prompts, responses], 1), torch.cat([prompt_mask, present], 1)
+    segments, empty = shared_segments(ids, mask, 4)
+    assert [(s.rows, s.prompt_len, s.response_lens) for s in segments] == [
+        ((0, 1, 2), 3, (2, 4, 1)),
+        ((3, 4), 4, (2, 2)),
+    ]
+    assert [s.rows for s in shared_segments(ids, mask, 4, max_rows=2)[0]] == [(0, 1), (2,), (3, 4)]
+    # a budget of 8 positions: 3 + 2 fits, + 4 does not; a row alone over the budget still gets a segment
+    assert [s.rows for s in shared_segments(ids, mask, 4, max_tokens=8)[0]] == [(0,), (1, 2), (3, 4)]
+    assert [s.rows for s in shared_segments(ids, mask, 4, max_tokens=6)[0]] == [(0,), (1,), (2,), (3,), (4,)]
+    mask[1] = 0  # a row without tokens (a dispatcher's padding row) is in no segment
+    segments, empty = shared_segments(ids, mask, 4)
+    assert empty == [1] and segments[0].rows == (0, 2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roll_backend.strategies.megatron.config import default_stage_split, stage_split_problem
 from roll_backend.strategies.megatron.cp import _own_chunks, _token_order
+from roll_backend.strategies.megatron.stage_splits import default_stage_split, stage_split_problem
 
 
 @pytest.mark.parametrize(
