@@ -6,9 +6,11 @@ lengths of a group's responses drawn between half and all of it). A step's Megat
 old policy's log-probs (forward-only passes of the model; a run's reference is another copy of it on the same ranks)
 and one train step over the batch. Micro-batches of --n rows (one group each), in both modes. The learning rate is 0,
 so both modes' steps see the same weights: equal log-probs and losses (to float rounding) show they compute the same.
-In bf16 where the CPU has it natively, else float32 (bench/_machine.py; --dtype).
+In bf16 where the CPU has it natively, else float32 (bench/_machine.py; --dtype). `--gpus 1` runs the rank on a
+GPU (the same local-spec attention with its explicit mask; tests/strategies/megatron/test_shared_prompts.py's gpu(1)
+check runs it so and requires the shared log-probs to match within bf16 rounding).
 Run: .venv/bin/python bench/shared_prompts.py [--groups 4] [--n 16] [--prompt 512] [--response 64] [--repeats 2]
-     [--dtype auto|bfloat16|float32]
+     [--dtype auto|bfloat16|float32] [--gpus 0|1] [--max-gap X]
 Last line: `shared vs unshared prompts: Nx (tokens forwarded: Mx fewer)`.
 """
 
@@ -41,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--response", type=int, default=64, help="most response tokens")
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per mode (the fastest counts)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpus", type=int, default=0, help="1: the rank on a GPU")
+    parser.add_argument("--max-gap", type=float, default=None, help="exit 1 when the log-probs differ by more")
     add_dtype_option(parser)
     return parser.parse_args()
 
@@ -89,7 +93,7 @@ def main() -> None:
 
     from roll_backend import keys
     from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.distributed.worker_group import WorkerGroup
+    from roll_backend.distributed.worker_group import RankResources, WorkerGroup
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
     from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
     from roll_backend.workers.actor import ActorConfig, ActorWorker
@@ -115,7 +119,9 @@ def main() -> None:
                 share_prompts=mode == "shared",
                 optimizer=OptimizerSettings(lr=0.0, weight_decay=0.0),
             )
-            group = WorkerGroup(ActorWorker, "actor_train", 1, worker_config=ActorConfig(strategy=strategy))
+            config = ActorConfig(strategy=strategy)
+            resources = RankResources(num_cpus=1, num_gpus=args.gpus)
+            group = WorkerGroup(ActorWorker, "actor_train", 1, resources=resources, worker_config=config)
             group.call(ActorWorker.init_model)
             small = {k: v[: args.n] for k, v in tensors.items()}
             run_phases(group, small, None)  # warm-up: kernels and allocator
@@ -141,6 +147,8 @@ def main() -> None:
         f"shared vs unshared prompts: {seconds['unshared'] / seconds['shared']:.1f}x "
         f"(tokens forwarded: {metrics['unshared']['forwarded'] / metrics['shared']['forwarded']:.1f}x fewer)"
     )
+    if args.max_gap is not None and not gap <= args.max_gap:
+        raise SystemExit(f"FAIL: shared log-probs differ from unshared by {gap:.1e} > {args.max_gap:g}")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,31 @@ def test_replaying_a_bf16_rollouts_routes_brings_the_log_probs_closer_to_it(layo
     assert gaps["R3"] < gaps[None]
 
 
+def test_r3_with_shared_prompts_replays_the_rollouts_routes(layout_actors, model_dir, tensors):
+    """R3 with prompt sharing: a bf16 rollout's routes (a shared prompt's tokens routed as its group's first row, as an
+    engine computes a cached prompt once) replayed with the prompts forwarded once give the unshared replay's
+    log-probs, at TP1 and EP2 packed, with no mismatched token."""
+    routes, _ = hf_routes(model_dir, tensors, torch.bfloat16)
+    prompt = tensors[keys.INPUT_IDS].shape[1] - tensors[keys.RESPONSES].shape[1]
+    routes[2, :prompt], routes[4, :prompt] = routes[1, :prompt], routes[3, :prompt]
+    batch = {**tensors, keys.ROUTED_EXPERTS: routes}
+    packed = {keys.META_MAX_TOKENS_PER_MICROBATCH: 14, keys.META_SEQUENCE_PACKING: True}
+    runs = {}
+    for name, layout, share, meta in (
+        ("unshared", "tp1", False, {}),
+        ("shared", "tp1", True, {}),
+        ("ep2_shared_packed", "ep2", True, packed),
+    ):
+        group = load(layout_actors[layout], model_dir, "R3", share=share)
+        out = group.call(ReconfigurableActor.compute_log_probs, DataProto.from_dict(tensors=batch, meta_info=meta))
+        runs[name] = out.batch[keys.LOG_PROBS]
+        assert sum(out.meta_info[keys.META_METRICS]["moe/log_probs_replay_mismatched_tokens"]) == 0, name
+    mask = tensors[keys.RESPONSE_MASK].float()
+    for name in ("shared", "ep2_shared_packed"):
+        gap = float(((runs[name] - runs["unshared"]).abs() * mask).max())
+        assert gap <= float32_bound(runs["unshared"] * mask), (name, gap)
+
+
 def test_bad_routes_are_errors_naming_the_layer_and_position(layout_actors, model_dir, tensors):
     group = load(layout_actors["tp1"], model_dir, "R3")
     routes = hf_routes(model_dir, tensors)

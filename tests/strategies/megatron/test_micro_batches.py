@@ -256,3 +256,47 @@ def test_mtp_depth_masks_cover_response_targets_predicted_from_real_positions_on
                 if i >= prompt_end - p and prompt_end <= target < prompt_end + r:
                     expected[i] = 1
             assert torch.equal(mask[row], expected), (row, depth)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [mb.BatchingPlan(3, share_prompts=True), mb.BatchingPlan(2, 48, share_prompts=True)]
+    + [mb.BatchingPlan(2, 40, packing=True, share_prompts=True)],
+    ids=["fixed", "budget", "packing"],
+)
+def test_shared_prompt_micro_batches_carry_every_row_once_and_its_tokens_routes(monkeypatch, plan):
+    """Prompt-shared micro-batches (rows 0-3 and 5-6 share their prompts; row 7 has no response token; row 8 no token
+    at all): every row comes back exactly once, a budget bounds the positions forwarded, per-token columns (MoE
+    routes) follow the tokens in (a shared prompt token takes its group's first row's) and go back out to every row
+    of the group (R2's recorded routes)."""
+    from roll_backend.strategies.megatron import cp
+    from roll_backend.strategies.megatron.shared_micro_batches import split_shared
+
+    monkeypatch.setattr(mb, "micro_batch_count_multiple", lambda: 1)
+    monkeypatch.setattr(cp, "cp_group_and_size", lambda: (None, 1))
+    batch = _batch()
+    tensors = dict(batch.batch.items())
+    for rows, first in (((1, 2, 3), 0), ((6,), 5)):
+        for row in rows:  # the group's prompt, the row's own response
+            tensors[keys.INPUT_IDS][row, :10] = tensors[keys.INPUT_IDS][first, :10]
+            tensors[keys.ATTENTION_MASK][row, :10] = tensors[keys.ATTENTION_MASK][first, :10]
+    tensors[keys.ATTENTION_MASK][8] = 0
+    batch = DataProto.from_dict(tensors=tensors)
+    ids = batch.batch[keys.INPUT_IDS]
+    per_token = torch.stack([ids, ids * 7 % 5], dim=-1)[:, :, None, :].expand(-1, -1, 3, -1).to(torch.int16)
+    micro_batches, rows = split_shared(batch, plan, "cpu", "test")
+    mb.attach_routes(micro_batches, per_token, "cpu")
+    assert rows == len(batch) and sorted(torch.cat([m.index for m in micro_batches]).tolist()) == list(range(rows))
+    for micro in micro_batches:
+        assert len(micro.proto) == len(micro.index) == micro.gather.rows.shape[0]
+        real = micro.token_mask
+        assert torch.equal(micro.routes[real][..., 0, 0].long(), micro.input_ids[real])
+        if plan.max_tokens is not None and micro.input_ids.shape[1] > 10 + 24:  # (a longer segment is alone)
+            assert micro.input_ids.numel() <= plan.max_tokens or micro.input_ids.shape[0] == 1
+    forwarded = sum(m.token_counts()[keys.METRIC_TOKENS_FORWARDED] for m in micro_batches)
+    held = int(batch.batch[keys.ATTENTION_MASK].sum())
+    shared_prompt_tokens = 3 * PROMPT_LENS[0] + PROMPT_LENS[5]  # (the budget may cut a group: at most this saved)
+    assert held - shared_prompt_tokens <= forwarded < held
+    back = mb.place_per_token(micro_batches, [m.routes.cpu() for m in micro_batches], tuple(per_token.shape), -1)
+    real = batch.batch[keys.ATTENTION_MASK].bool()
+    assert torch.equal(back[real], per_token[real])

@@ -121,3 +121,21 @@ def test_rows_are_grouped_by_their_prompt_and_cut_by_rows_and_tokens():
     mask[1] = 0  # a row without tokens (a dispatcher's padding row) is in no segment
     segments, empty = shared_segments(ids, mask, 4)
     assert empty == [1] and segments[0].rows == (0, 2)
+
+
+@pytest.mark.gpu(1)
+def test_shared_prompts_on_one_gpu():
+    """bench/shared_prompts.py on a GPU rank (bf16): the shared phases' log-probs equal the unshared ones to bf16
+    rounding (the same local attention with its explicit mask, on cuda), and sharing is faster."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "bench/shared_prompts.py", "--gpus", "1", "--dtype", "bfloat16", "--max-gap", "0.05"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    speedup = float(re.search(r"shared vs unshared prompts: ([0-9.]+)x", done.stdout).group(1))
+    assert speedup > 1.0, done.stdout[-2000:]
