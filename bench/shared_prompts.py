@@ -24,15 +24,9 @@ from pathlib import Path
 
 import torch
 from _machine import add_dtype_option, announce
+from grpo_step import FULL
 
-MODEL = dict(
-    hidden_size=512,
-    num_hidden_layers=6,
-    intermediate_size=1024,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)  # bench/grpo_step.py's FULL model
+MODEL = FULL.model  # bench/grpo_step.py's 14.7M model
 
 
 def parse_args() -> argparse.Namespace:

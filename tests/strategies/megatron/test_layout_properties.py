@@ -304,20 +304,30 @@ class _MovedCheckpoint:
         return lines
 
 
-@pytest.mark.parametrize("example", examples(), ids=_name)
-def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
-    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
-    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
-    tensors = rl_batch(example, vocab_size)
-    mask = tensors[keys.RESPONSE_MASK].float()
-    reference = layout_actors["tp1"]
-    report = []
+def _reference_runs(reference, model_dir: str, example: Example, tensors: dict):
+    """For the actor and then the critic: (role, its name, its config, its step's batch, the reference group's run
+    of it), the reference group left as the run left it."""
     for role in (ACTOR, CRITIC):
-        role_name = "actor" if role is ACTOR else "critic"
         config = _config(model_dir, example, role)
         reference.call(ReconfigurableActor.init_model_with, config)
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
-        ref = _run(reference, config, role, batch)
+        yield role, "actor" if role is ACTOR else "critic", config, batch, _run(reference, config, role, batch)
+
+
+def _example_batch(example: Example, tmp_path, groups: list[int] | None = None):
+    """(model folder, vocabulary size after the builder's padding, the batch) of an example."""
+    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
+    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
+    return model_dir, vocab_size, rl_batch(example, vocab_size, groups)
+
+
+@pytest.mark.parametrize("example", examples(), ids=_name)
+def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
+    model_dir, vocab_size, tensors = _example_batch(example, tmp_path)
+    mask = tensors[keys.RESPONSE_MASK].float()
+    reference = layout_actors["tp1"]
+    report = []
+    for role, role_name, config, batch, ref in _reference_runs(reference, model_dir, example, tensors):
         if example.lora:  # only adapters (and a critic's new value head) train, the MTP layers' among them
             trained = {n for names in reference.call(ReconfigurableActor.optimizer_parameter_names) for n in names}
             assert trained and all(".lora." in n or "output_layer." in n for n in trained), sorted(trained)
@@ -357,9 +367,7 @@ AUX_LAYOUTS = ("tp2pp2", "cp2")
     "example", [dataclasses.replace(e, aux_loss_coef=0.05) for e in examples() if e.moe][:2], ids=_name
 )
 def test_moe_load_balancing_loss_is_layout_independent(layout_actors, example, tmp_path):
-    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
-    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
-    tensors = rl_batch(example, vocab_size)
+    model_dir, _, tensors = _example_batch(example, tmp_path)
     config = _config(model_dir, example, ACTOR)
     reference = layout_actors["tp1"]
     reference.call(ReconfigurableActor.init_model_with, config)
@@ -403,19 +411,12 @@ def random_groups(rows: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("example", shared_examples(), ids=_name)
 def test_shared_prompts_give_the_unshared_numbers(layout_actors, example, tmp_path):
-    model_dir = str(build_tiny_model(tmp_path / "model", example.spec()))
-    vocab_size = int(json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"])
-    tensors = rl_batch(example, vocab_size, random_groups(example.rows, example.seed))
+    model_dir, vocab_size, tensors = _example_batch(example, tmp_path, random_groups(example.rows, example.seed))
     mask = tensors[keys.RESPONSE_MASK].float()
     reference = layout_actors["tp1"]
     report = []
-    for role in (ACTOR, CRITIC):
-        role_name = "actor" if role is ACTOR else "critic"
-        config = _config(model_dir, example, role)
+    for role, role_name, config, batch, ref in _reference_runs(reference, model_dir, example, tensors):
         shared = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, share_prompts=True))
-        reference.call(ReconfigurableActor.init_model_with, config)
-        batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
-        ref = _run(reference, config, role, batch)
         runs = {}
         for name, (layout_name, meta) in SHARED_RUNS.items():
             group = layout_actors[layout_name]
