@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from megatron_batches import float32_bound
 
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.strategies.megatron.shared_prompts import lay_out, shared_segments
@@ -83,6 +84,7 @@ group_shapes = st.lists(
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(groups=group_shapes, seed=st.integers(0, 1000), max_rows=st.sampled_from([None, 1, 2, 3]))
+@example(groups=[(1, [2, 4, 6]), (1, [0, 0, 0])], seed=15, max_rows=None)  # a gradient summed in another order
 def test_shared_prompts_give_the_unshared_log_probs_and_gradients(model, groups, seed, max_rows):
     prompt_width = max(p for p, _ in groups) + 1  # (at least one pad column)
     response_width = max(max(lengths) for _, lengths in groups) + 1
@@ -99,7 +101,8 @@ def test_shared_prompts_give_the_unshared_log_probs_and_gradients(model, groups,
 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # a gradient sums the rows' terms in another order: rounding of the largest magnitude, not of each element
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=float32_bound(grad), msg=name)
     # each segment forwards its prompt once: a group of n rows in ceil(n / max_rows) segments
     segments = sum(-(-len(lengths) // (max_rows or len(lengths))) * p for p, lengths in groups)
     assert forwarded == segments + int(present.sum())
