@@ -370,7 +370,8 @@ def _forward_metrics(out: DataProto, prefix: str, phase: str) -> dict[str, float
     counts = {
         name: metrics.pop(name) for name in (keys.METRIC_TOKENS_FORWARDED, keys.METRIC_TOKENS_HELD) if name in metrics
     }
-    return {prefix + name: value for name, value in metrics.items()} | _phase_tokens(counts, phase)
+    named = {name if name.startswith(prefix) else prefix + name: value for name, value in metrics.items()}
+    return named | _phase_tokens(counts, phase)
 
 
 def _phase_tokens(counts: dict[str, float], phase: str) -> dict[str, float]:
