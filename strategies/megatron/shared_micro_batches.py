@@ -81,6 +81,8 @@ def _micro_batch(batch: DataProto, packed: list[list[Segment]], device: str, sha
     if pad:
         visible[-pad:] = torch.eye(shape[1], dtype=torch.bool, device=device)
     input_ids = rows_of(layout.input_ids, 0)
+    # Next-token labels cross segments (a response's last position holds the next response's first token): only
+    # CP's and MTP's per-position losses read them, and sharing refuses both; outputs go through `gather`.
     labels = torch.roll(input_ids, shifts=-1, dims=1)
     labels[:, -1] = 0
     proto = batch.select_idxs(layout.rows)

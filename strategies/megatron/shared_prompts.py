@@ -68,15 +68,16 @@ def shared_segments(
     segments = []
     for (width, _, _), rows in groups.items():
         current: list[int] = []
+        tokens = width  # the segment's positions so far
         for row in rows:
-            tokens = width + sum(response_used[r] for r in current) + response_used[row]
             full = (max_rows is not None and len(current) >= max_rows) or (
-                max_tokens is not None and tokens > max_tokens
+                max_tokens is not None and tokens + response_used[row] > max_tokens
             )
             if current and full:
                 segments.append(Segment(tuple(current), width, tuple(response_used[r] for r in current)))
-                current = []
+                current, tokens = [], width
             current.append(row)
+            tokens += response_used[row]
         segments.append(Segment(tuple(current), width, tuple(response_used[r] for r in current)))
     return segments, empty
 
