@@ -14,7 +14,8 @@ from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
-from roll_backend.rewards.registry import builtin_weights, get_reward_fn
+from roll_backend.rewards.registry import REWARDS, builtin_weights, get_reward_fn, score_answer
+from roll_backend.rewards.source_routing import SourceRouting
 from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, FunctionScorer, RewardFunctionSpec, RewardRows
 
 
@@ -32,11 +33,13 @@ class RewardWorkerConfig:
     function_timeout_s: float = 60.0
     # Multi-turn rollouts: the weight of the batch's ENV_REWARDS (the environment's reward) in the sum; None: none.
     env_weight: float | None = None
+    by_source: Mapping[str, object] | str | None = None  # reward.by_source (rewards.source_routing)
 
     def __post_init__(self):
         agentic = self.env_weight is not None
-        object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions) or agentic))
-        if not self.rewards and not self.functions and not agentic:
+        routed = self.by_source is not None  # rewards: null then means none outside the routing
+        object.__setattr__(self, "rewards", builtin_weights(self.rewards, bool(self.functions) or agentic or routed))
+        if not self.rewards and not self.functions and not agentic and not routed:
             raise ValueError(
                 "no rewards: name a built-in in reward.rewards (e.g. {'math_verify': 1.0}) or add reward.functions."
             )
@@ -54,6 +57,17 @@ class RewardWorkerConfig:
             raise ValueError(
                 f"reward.functions: {repeated} appear more than once; each function's metrics need their own name"
             )
+        unknown = sorted(self.routing().names() - set(REWARDS) - set(labels))
+        if unknown:
+            raise ValueError(
+                f"reward.by_source names {unknown}: neither built-in rewards ({', '.join(sorted(REWARDS))}) nor "
+                f"labels of reward.functions ({', '.join(labels) or 'none'})"
+            )
+
+    def routing(self) -> SourceRouting:
+        """Which rewards (built-in names and function labels, with weights) score a row of each source."""
+        everywhere = dict(self.rewards) | {spec.label: spec.weight for spec in self.functions}
+        return SourceRouting.build(self.by_source, everywhere)
 
 
 class RewardWorker(Worker):
@@ -72,40 +86,37 @@ class RewardWorker(Worker):
             FunctionScorer(spec, self.config.on_function_error, self.config.function_timeout_s)
             for spec in self.config.functions
         ]
+        self.routing = self.config.routing()
 
     @register(Dispatch.DP_MP_COMPUTE, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
-        """RESPONSE_TEXT + ANSWER + RESPONSE_MASK -> TOKEN_LEVEL_SCORES [B, T_resp] float32 (score on the last
-        token).
-        """
+        """RESPONSE_TEXT + ANSWER + RESPONSE_MASK (+ DATA_SOURCE for reward.by_source) -> TOKEN_LEVEL_SCORES
+        [B, T_resp] float32 (score on the last token). Each row is scored by the rewards its source routes to."""
         for name in (keys.RESPONSE_TEXT, keys.ANSWER):
             if name not in batch.non_tensor_batch:
                 raise KeyError(f"compute_rewards needs the non-tensor column '{name}'")
         if keys.RESPONSE_MASK not in batch.batch.keys():
             raise KeyError(f"compute_rewards needs the tensor column '{keys.RESPONSE_MASK}'")
-        texts, answers = batch.non_tensor_batch[keys.RESPONSE_TEXT], batch.non_tensor_batch[keys.ANSWER]
-        per_reward = {  # name -> [B] float32
-            name: torch.tensor(
-                [get_reward_fn(name)(str(t), str(a)) for t, a in zip(texts, answers)], dtype=torch.float32
-            )
-            for name in self.config.rewards
-        }
-        metrics = {f"reward/{name}_mean": _mean(values) for name, values in per_reward.items()}
-        scores = sum(
-            (weight * per_reward[name] for name, weight in self.config.rewards.items()), torch.zeros(len(batch))
-        )
-        if self.scorers:
-            real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
-            rows = reward_rows(batch, real)
-            for scorer in self.scorers:
-                result = scorer.score(rows)
-                values = torch.zeros(len(batch))
-                values[real] = torch.from_numpy(result.scores)
-                scores = scores + scorer.spec.weight * values
-                label = scorer.spec.label
-                metrics[f"reward/{label}/mean"] = _mean(values[real])
-                metrics |= {f"reward/{label}/{key}": float(np.mean(vals)) for key, vals in result.extras.items()}
-                metrics[f"reward/{label}/error_count"] = float(result.error_count)
+        columns = batch.non_tensor_batch
+        texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
+        sources = columns[keys.DATA_SOURCE] if keys.DATA_SOURCE in columns else np.full(len(batch), "", dtype=object)
+        row_weights = [self.routing.weights_for(str(source)) for source in sources]
+        scores, metrics = torch.zeros(len(batch)), {}
+        for name in sorted({name for weights in row_weights for name in weights if name in REWARDS}):
+            rows = [i for i, weights in enumerate(row_weights) if name in weights]
+            values = torch.tensor([score_answer(name, str(texts[i]), answers[i]) for i in rows], dtype=torch.float32)
+            scores[rows] += values * torch.tensor([row_weights[i][name] for i in rows], dtype=torch.float32)
+            metrics[f"reward/{name}_mean"] = _mean(values)
+        real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
+        for scorer in self.scorers:
+            label = scorer.spec.label
+            routed = np.array([i for i in real if label in row_weights[i]], dtype=np.int64)
+            result = scorer.score(reward_rows(batch, routed))
+            values = torch.from_numpy(result.scores)
+            scores[routed] += values * torch.tensor([row_weights[i][label] for i in routed], dtype=torch.float32)
+            metrics[f"reward/{label}/mean"] = _mean(values)
+            metrics |= {f"reward/{label}/{key}": float(np.mean(vals)) for key, vals in result.extras.items()}
+            metrics[f"reward/{label}/error_count"] = float(result.error_count)
         if self.config.env_weight is not None and keys.ENV_REWARDS in batch.batch.keys():
             env = batch.batch[keys.ENV_REWARDS].float()
             scores = scores + self.config.env_weight * env
@@ -127,21 +138,26 @@ def reward_rows(batch: DataProto, indices: np.ndarray) -> RewardRows:
     extra_info (verl's), from the batch's non-tensor columns."""
     columns = batch.non_tensor_batch
     picked = lambda name, default: [columns[name][i] if name in columns else default for i in indices]  # noqa: E731
-    prompts = [_prompt_text(p) for p in picked(keys.PROMPT_TEXT, "")]
+    prompts = picked(keys.PROMPT_TEXT, "")
     return RewardRows(
-        prompts=prompts,
+        prompts=[_prompt_text(p) for p in prompts],
         responses=[str(t) for t in picked(keys.RESPONSE_TEXT, "")],
-        answers=[str(a) for a in picked(keys.ANSWER, "")],
+        answers=list(picked(keys.ANSWER, None)),  # typed, as the data stored them
         data_sources=[str(s) for s in picked(keys.DATA_SOURCE, "")],
         extra_infos=[dict(e) if isinstance(e, dict) else {} for e in picked(keys.EXTRA_INFO, None)],
+        messages=[[dict(m) for m in p] if _is_conversation(p) else [] for p in prompts],
     )
 
 
 def _prompt_text(prompt) -> str:
     """Chat messages -> the last message's content; text stays text."""
-    if isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) and isinstance(prompt[-1], dict):
+    if _is_conversation(prompt):
         return str(prompt[-1].get("content", ""))
     return str(prompt)
+
+
+def _is_conversation(prompt) -> bool:
+    return isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0 and isinstance(prompt[-1], dict)
 
 
 def _mean(values: torch.Tensor) -> float:

@@ -64,13 +64,19 @@ class RewardConfig:
     # "batch": standardise the reward model's scores over the step's batch (mean 0, std 1) before weighting; null: raw
     model_score_norm: str | None = None
     model_score_clip: float | None = None  # clip the (standardised) reward-model score to [-c, c]; null: no clipping
+    # Rewards by each row's source (verl's data_source, ROLL's tag): {pattern: rewards}, patterns exact or globs in
+    # the order written, `default` for the rest; rewards a name (built-in or a function's label), a list of names, a
+    # mapping name -> weight, or `auto` (the built-in scorer of a known source: gsm8k, MATH, multiple choice ...).
+    # `by_source: auto` does that for every row. Its weights replace `rewards` (then null) and the functions'
+    # weights. null: every row gets `rewards` and every function.
+    by_source: dict[str, Any] | str | None = None
 
     def builtin_weights(self, other_rewards: bool = False) -> dict[str, float]:
         """The built-in rewards to compute; `other_rewards`: the run is rewarded otherwise too (an environment, a
         reward model or a distillation teacher), so rewards: null means none rather than math_verify."""
         from roll_backend.rewards.registry import builtin_weights
 
-        return builtin_weights(self.rewards, bool(self.functions) or other_rewards)
+        return builtin_weights(self.rewards, bool(self.functions) or other_rewards or self.by_source is not None)
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,9 @@ class TrainSource:
     data_source: str | None = None
 
 
+DATA_FORMATS = ("auto", "verl", "roll", "plain")  # data.format (pipelines.data.row_formats)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Prompts: a JSONL or parquet file, a weighted list of them, or a synthetic task. Rows need a prompt and an
@@ -197,11 +206,22 @@ class DataConfig:
     synthetic: SyntheticDataConfig | None = None
     # Training prompts from a reasoning-gym dataset (when train_path is unset; it wins over synthetic).
     reasoning_gym: ReasoningGymData | None = None
+    # How a file's columns are read: verl (prompt messages, data_source, reward_model.ground_truth, extra_info),
+    # roll (messages as a JSON string, ground_truth, tag), plain (prompt, answer, data_source), or auto: detected per
+    # file (verl when reward_model is a dict, roll when messages is a JSON conversation), said in the log.
+    format: str = "auto"
     prompt_key: str = "prompt"  # column holding the prompt (text, or chat messages)
-    # column holding the reference answer the reward compares with; sft: the response trained on (or, naming the
-    # prompt's column, conversations whose last assistant message is the response); reward_model and dpo: the chosen
-    # response (e.g. answer_key: chosen)
-    answer_key: str = "answer"
+    # column holding the reference answer the reward compares with (a dotted path reads into a dict column, e.g.
+    # reward_model.ground_truth; kept typed: a list stays a list); null: rows have none (rewards from a reward model).
+    # sft: the response trained on (or, naming the prompt's column, conversations whose last assistant message is the
+    # response); reward_model and dpo: the chosen response (e.g. answer_key: chosen). Default: the format's.
+    answer_key: str | None = "answer"
+    # column holding the conversation as a JSON string, parsed into the prompt's messages (ROLL's `messages`); null:
+    # the format's (roll: messages)
+    messages_key: str | None = None
+    # column naming each row's source, for reward.by_source and per-source metrics; null: the format's (verl and
+    # plain: data_source, roll: tag)
+    source_key: str | None = None
     rejected_key: str = "rejected"  # reward_model and dpo: the column holding the rejected response
     margin_key: str = "margin"  # reward_model: a pair's margin in the Bradley-Terry loss, where rows have it
     apply_chat_template: bool = True  # wrap text prompts as one user message for the tokenizer's chat template
@@ -410,6 +430,24 @@ class PipelineConfig:
     def has_reference(self) -> bool:
         """Reference log-probs are computed: by a reference role or by the actor's base (adapters off)."""
         return self.reference is not None or self.reference_from_actor_base
+
+    def needs_answers(self) -> bool:
+        """Prompt rows need a reference answer: a built-in reward compares with it (routed by source or not), or user
+        functions receive it (unless data.answer_key is null)."""
+        from roll_backend.rewards.registry import ANSWER_FREE
+        from roll_backend.rewards.source_routing import SourceRouting
+
+        if self.offline:
+            return True
+        try:
+            names = SourceRouting.build(
+                self.reward.by_source, self.reward.builtin_weights(self.other_rewards())
+            ).names()
+        except ValueError:  # a malformed by_source: the config check reports it
+            names = set(self.reward.builtin_weights(self.other_rewards()))
+        labels = {spec.label for spec in self.reward.functions}
+        compared = names - ANSWER_FREE - labels
+        return bool(compared) or (bool(self.reward.functions) and self.data.answer_key is not None)
 
     def other_rewards(self) -> bool:
         """The run is rewarded by more than rule rewards and functions: an environment, a reward model, a teacher."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from roll_backend import roles
 from roll_backend.config.hybrid_rules import hybrid_problems
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
+from roll_backend.config.reward_rules import reward_problems
 from roll_backend.config.run_facts import replays_rollout_routes, run_facts
 from roll_backend.config.schema import (
     ASYNC_MODES,
@@ -302,42 +303,6 @@ def _check_fault_tolerance(config: PipelineConfig, problems: list[str]) -> None:
                 )
 
 
-def _check_reward(config: PipelineConfig, problems: list[str]) -> None:
-    from roll_backend.rewards.registry import REWARDS
-    from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, check_spec
-
-    reward = config.reward
-    has_model = config.reward_model is not None
-    builtins = reward.builtin_weights(config.other_rewards())
-    for name in builtins:
-        if name not in REWARDS:
-            problems.append(f"reward.rewards.{name}: unknown reward; known: {', '.join(sorted(REWARDS))}")
-    if not builtins and not reward.functions and not config.other_rewards():
-        problems.append(
-            "reward: no rewards; name a built-in in reward.rewards (e.g. {math_verify: 1.0}), add reward.functions, "
-            "a reward_model: role or a distillation teacher:"
-        )
-    if reward.model_score_norm not in (None, "batch"):
-        problems.append(f"reward.model_score_norm={reward.model_score_norm!r}; choose batch or null")
-    if reward.model_score_clip is not None and not reward.model_score_clip > 0:
-        problems.append(f"reward.model_score_clip={reward.model_score_clip} must be > 0 (or null: no clipping)")
-    if not has_model and (reward.model_score_norm is not None or reward.model_score_clip is not None):
-        problems.append(
-            "reward.model_score_norm / model_score_clip act on a reward model's scores: add a `reward_model:` role "
-            "block or drop them"
-        )
-    for index, spec in enumerate(reward.functions):
-        problems.extend(check_spec(spec, f"reward.functions[{index}]"))
-    if reward.on_function_error not in ON_ERROR_CHOICES:
-        problems.append(
-            f"reward.on_function_error={reward.on_function_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}"
-        )
-    if not reward.function_timeout_s > 0:
-        problems.append(f"reward.function_timeout_s={reward.function_timeout_s} must be > 0")
-    if reward.world_size < 1:
-        problems.append(f"reward.world_size={reward.world_size} must be >= 1")
-
-
 def _check_perf(config: PipelineConfig, problems: list[str]) -> None:
     perf = config.perf
     if perf.peak_tflops is not None and not perf.peak_tflops > 0:
@@ -529,7 +494,7 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
         _check_offline(config, problems)
     elif config.pipeline in RL_PIPELINES:
         _check_dynamic_sampling(config, problems)
-        _check_reward(config, problems)
+        problems.extend(reward_problems(config))
         _check_algorithm(config, problems)
         _check_async(config, problems)
         _check_batches(config, problems)

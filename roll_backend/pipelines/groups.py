@@ -145,6 +145,7 @@ class _GroupStarter:
             functions=tuple(reward.functions),
             on_function_error=reward.on_function_error,
             function_timeout_s=reward.function_timeout_s,
+            by_source=reward.by_source,
         )
         return WorkerGroup(
             RewardWorker,

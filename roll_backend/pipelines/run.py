@@ -70,7 +70,7 @@ class PipelineRun:
     ):
         from transformers import AutoTokenizer
 
-        from roll_backend.pipelines.data.prompts import load_validation_prompts, training_prompts
+        from roll_backend.pipelines.data.prompts import load_validation_prompts, run_prompts
 
         self.config = config
         self.output_dir = Path(config.output_dir)
@@ -81,7 +81,7 @@ class PipelineRun:
         if config.offline:
             self.data, val_data = offline_datasets(config, tokenizer)
         else:
-            self.data = training_prompts(config.data, tokenizer, config.seed)
+            self.data = run_prompts(config, tokenizer)
             val_prompts = load_validation_prompts(config, tokenizer)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)

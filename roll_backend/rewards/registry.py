@@ -1,21 +1,31 @@
-"""The one list of rule-based reward names: name -> pure `score(response_text, answer) -> float`."""
+"""The one list of rule-based reward names: name -> pure `score(response_text, answer) -> float`, and how a typed
+reference answer (text, a number, a list of accepted answers) reaches them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
-from roll_backend.rewards import copy_digit, exact_match, format_rules, math_answer
+import numpy as np
+
+from roll_backend.rewards import copy_digit, exact_match, format_rules, gsm8k, math_answer, multiple_choice
 
 RewardFn = Callable[[str, str], float]
 
 REWARDS: Mapping[str, RewardFn] = {
-    "math_verify": math_answer.score,
+    "math_verify": math_answer.score,  # MATH-style answers (a \boxed{} one preferred), equivalence by math-verify
     "exact_match": exact_match.score,
+    "gsm8k": gsm8k.score,  # the number after `####` (verl's strict gsm8k scorer)
+    "gsm8k_flexible": gsm8k.flexible_score,  # the response's last number
+    "multiple_choice": multiple_choice.score,  # the chosen letter A-J; the reference a letter or an option index
     "format_boxed": format_rules.boxed_score,
     "format_think_answer": format_rules.think_answer_score,
     "copy_digit": copy_digit.score,  # the default demo's synthetic task (roll_backend.pipelines.data.synthetic_tasks)
 }
-
+# Rewards that judge the response alone: rows need no reference answer for them.
+ANSWER_FREE = frozenset({"format_boxed", "format_think_answer"})
+# Rewards that take the reference as stored (multiple_choice reads an option index); the others get text.
+TYPED_ANSWER = frozenset({"multiple_choice"})
 
 DEFAULT_REWARDS = {"math_verify": 1.0}
 
@@ -36,6 +46,19 @@ def get_reward_fn(name: str) -> RewardFn:
         raise ValueError(f"unknown reward '{name}'; known: {', '.join(sorted(REWARDS))}.") from None
 
 
-def weighted_score(weights: Mapping[str, float], response_text: str, answer: str) -> float:
+def score_answer(name: str, response_text: str, answer: Any) -> float:
+    """Reward `name` of a response against a reference kept as the data stored it: a list (or array) of accepted
+    answers scores its best match, a missing answer scores 0 (an answer-free reward ignores it)."""
+    fn = get_reward_fn(name)
+    if name in ANSWER_FREE:
+        return float(fn(str(response_text), ""))
+    if answer is None:
+        return 0.0
+    if isinstance(answer, (list, tuple, np.ndarray)):
+        return max((score_answer(name, response_text, item) for item in answer), default=0.0)
+    return float(fn(str(response_text), answer if name in TYPED_ANSWER else str(answer)))
+
+
+def weighted_score(weights: Mapping[str, float], response_text: str, answer: Any) -> float:
     """Sum of weight * score over the named rewards, e.g. {"math_verify": 1.0, "format_boxed": 0.1}."""
-    return float(sum(weight * get_reward_fn(name)(response_text, answer) for name, weight in weights.items()))
+    return float(sum(weight * score_answer(name, response_text, answer) for name, weight in weights.items()))

@@ -3,8 +3,11 @@ called the way verl calls them, with a per-call deadline and errors that name th
 
 Per row (verl's signature, unchanged): `fn(data_source, solution_str, ground_truth, extra_info=None)`.
 Batched (`batched: true`, verl's batch reward manager): `fn(data_sources, solution_strs, ground_truths,
-extra_infos)` with lists, returning a list. Either returns a number, or a dict whose `score` is the reward and
-whose other numeric keys become metrics `reward/<label>/<key>`.
+extra_infos)` with lists, returning a list. A class (ROLL's reward workers are classes): built once per reward rank
+with `kwargs`, then called per batch, `obj.compute_rewards(rows)` (a RewardRows: prompts, responses, answers,
+data_sources, extra_infos) when it has that method, else the batched `obj(data_sources, ...)`. Ground truths arrive
+as the data stored them (a list of tests stays a list). Each returns a number per row, or a dict whose `score` is the
+reward and whose other numeric keys become metrics `reward/<label>/<key>`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class RewardFunctionSpec:
     weight: float = 1.0
     batched: bool = False
     fn: Any = field(default=None, compare=False)  # Python only (not from YAML): a callable, pickled to the workers
+    kwargs: dict[str, Any] = field(default_factory=dict, compare=False)  # a class's constructor arguments
 
     def __post_init__(self):
         if (self.path is None) == (self.fn is None):
@@ -196,13 +200,16 @@ def call_with_deadline(fn: Callable, timeout_s: float, **kwargs):
 
 @dataclass
 class RewardRows:
-    """What a reward function sees of each row, as lists of equal length."""
+    """What a reward function sees of each row, as lists of equal length: the prompt's text (a conversation's last
+    message), the response, the reference answer as the data stored it, the source, extra_info, and the whole
+    conversation the model was prompted with ([] for a raw-text prompt)."""
 
     prompts: list[str]
     responses: list[str]
-    answers: list[str]
+    answers: list[Any]
     data_sources: list[str]
     extra_infos: list[dict]
+    messages: list[list[dict]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -251,18 +258,28 @@ class FunctionScorer:
             raise ValueError(f"reward.on_function_error={on_error!r}; choose one of {', '.join(ON_ERROR_CHOICES)}")
         self.spec, self.on_error, self.timeout_s = spec, on_error, timeout_s
         self._fn: Callable | None = None
+        self._built = False  # the spec named a class: self._fn is its instance, called per batch
 
     @property
     def fn(self) -> Callable:
+        """The function, or a class's instance (built on first use, with the spec's kwargs)."""
         if self._fn is None:
-            self._fn = load_function(self.spec)
+            loaded = load_function(self.spec)
+            self._built = isinstance(loaded, type)
+            if self._built:
+                try:
+                    loaded = loaded(**self.spec.kwargs)
+                except Exception as exc:
+                    built = f"{self.spec.label}({self.spec.kwargs})"
+                    raise UserCodeError(f"building reward class {built} raised {type(exc).__name__}: {exc}") from exc
+            self._fn = loaded
         return self._fn
 
     def score(self, rows: RewardRows) -> FunctionScores:
         out = FunctionScores(scores=np.zeros(len(rows), dtype=np.float32))
         if len(rows) == 0:
             return out
-        if self.spec.batched:
+        if self.fn is not None and (self.spec.batched or self._built):  # (self.fn loads the code first)
             self._score_batch(rows, out)
         else:
             for index in range(len(rows)):
@@ -289,7 +306,8 @@ class FunctionScorer:
         where = f"a batch of {len(rows)} rows (first: {rows.describe(0)})"
         values: list = []
         with self._failures_on(where, out, range(len(rows))):
-            returned = list(self._call(kwargs))
+            method = getattr(self.fn, "compute_rewards", None) if self._built else None
+            returned = list(self._call({}, lambda: method(rows)) if method is not None else self._call(kwargs))
             if len(returned) != len(rows):
                 raise BadReturnValue(
                     f"returned {len(returned)} scores for {len(rows)} rows; a batched function returns one per row"
@@ -299,9 +317,9 @@ class FunctionScorer:
             with self._failures_on(rows.describe(index), out, [index]):
                 self._record(out, index, as_score(value))
 
-    def _call(self, kwargs: dict):
+    def _call(self, kwargs: dict, fn: Callable | None = None):
         try:
-            return call_with_deadline(self.fn, self.timeout_s, **kwargs)
+            return call_with_deadline(fn or self.fn, self.timeout_s, **kwargs)
         except DeadlineExceeded:
             raise DeadlineExceeded(f"did not return within reward.function_timeout_s={self.timeout_s:g}s") from None
 

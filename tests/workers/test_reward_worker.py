@@ -171,3 +171,106 @@ def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user
     assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(divide) + torch.tensor(slow))
     assert metrics["reward/user_rewards.divide/error_count"] == 2.0  # summed over both ranks
     assert metrics["reward/user_rewards.slow/error_count"] == 2.0
+
+
+# ---- reward.by_source and class-based rewards -------------------------------------------------------------------
+
+CLASS_REWARDS = """
+class ExactMatchScorer:
+    '''ROLL-style reward object: built once per rank, scored per batch.'''
+
+    def __init__(self, bonus):
+        self.bonus = bonus
+        self.calls = 0
+
+    def compute_rewards(self, rows):
+        self.calls += 1
+        return [
+            {"score": float(r in (a if isinstance(a, list) else [a])) + self.bonus, "calls": float(self.calls),
+             "typed": float(isinstance(a, list))}
+            for r, a in zip(rows.responses, rows.answers)
+        ]
+
+
+class LengthPenalty:
+    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos):
+        return [-0.1 * len(s) for s in solution_strs]
+"""
+
+
+def test_by_source_scores_a_mixed_batch_per_source_with_builtins_and_classes(make_group, tmp_path):
+    from types import SimpleNamespace
+
+    from roll_backend.pipelines.loops.phases import score
+    from roll_backend.rewards.user_functions import RewardFunctionSpec
+
+    path = tmp_path / "class_rewards.py"
+    path.write_text(CLASS_REWARDS)
+    config = RewardWorkerConfig(
+        rewards={},
+        functions=(
+            RewardFunctionSpec(path=str(path), name="ExactMatchScorer", kwargs={"bonus": 0.25}),
+            RewardFunctionSpec(path=str(path), name="LengthPenalty"),
+        ),
+        by_source={
+            "openai/gsm8k": "gsm8k",
+            "math*": {"math_verify": 2.0},
+            "code": ["class_rewards.ExactMatchScorer", "class_rewards.LengthPenalty"],
+            "default": "auto",
+        },
+    )
+    group = make_group(RewardWorker, 2, role="reward", worker_config=config)
+    rows = [  # (source, response, answer as stored, expected score)
+        ("openai/gsm8k", "#### 12", "12", 1.0),
+        ("math_dapo", "\\boxed{\\frac{1}{2}}", "0.5", 2.0),
+        ("code", "ok", ["ok", "fine"], 1.25 - 0.2),  # a list of accepted answers reaches the class typed
+        ("crossthinkqa", "Answer: B", 1, 1.0),  # `auto`: ROLL's multiple-choice tag, an option index
+        ("code", "bad", ["ok"], 0.25 - 0.3),
+        ("openai/gsm8k", "#### 13", "12", 0.0),
+        ("math", "\\boxed{3}", "4", 0.0),
+    ]
+    n = len(rows)
+    batch = DataProto.from_dict(
+        tensors={keys.RESPONSE_MASK: torch.ones(n, 3, dtype=torch.long)},
+        non_tensors={
+            keys.PROMPT_TEXT: np.array(["p"] * n, dtype=object),
+            keys.RESPONSE_TEXT: np.array([r[1] for r in rows], dtype=object),
+            keys.ANSWER: _object_array([r[2] for r in rows]),
+            keys.DATA_SOURCE: np.array([r[0] for r in rows], dtype=object),
+            keys.EXTRA_INFO: np.array([{}] * n, dtype=object),
+        },
+    )
+    metrics = score(SimpleNamespace(reward=group, reward_model=None), batch)
+    assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor([r[3] for r in rows]))
+    assert metrics["reward/class_rewards.ExactMatchScorer/typed"] == 1.0  # every code row's answer was a list
+    # Each rank built its object once and calls it per batch (the second batch is its second call).
+    group.call(RewardWorker.compute_rewards, batch)
+    calls = score(SimpleNamespace(reward=group, reward_model=None), batch)[
+        "reward/class_rewards.ExactMatchScorer/calls"
+    ]
+    assert calls == 3.0
+
+    unrouted = DataProto.from_dict(
+        tensors={keys.RESPONSE_MASK: torch.ones(2, 3, dtype=torch.long)},
+        non_tensors={
+            keys.RESPONSE_TEXT: np.array(["1", "2"], dtype=object),
+            keys.ANSWER: np.array(["1", "2"], dtype=object),
+            keys.DATA_SOURCE: np.array(["mine", "mine"], dtype=object),
+        },
+    )
+    from roll_backend.distributed.worker_group import RankRaisedError
+
+    with pytest.raises(RankRaisedError, match="UnroutedSource: reward.by_source: source 'mine' has no built-in"):
+        group.call(RewardWorker.compute_rewards, unrouted)
+
+
+def test_by_source_names_must_be_rewards_there_are():
+    with pytest.raises(ValueError, match=r"reward.by_source names \['nope'\]"):
+        RewardWorkerConfig(rewards={}, by_source={"a": "exact_match", "default": "nope"})
+
+
+def _object_array(values: list) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)  # 1-D even where entries are lists
+    for index, value in enumerate(values):
+        array[index] = value
+    return array

@@ -67,13 +67,15 @@ class PromptMixture:
     """Prompt files mixed by weight: each file is its own PromptDataset (same loading and filters), walked epoch by
     epoch in its own order, so every prompt of a file is seen once per epoch of that file."""
 
-    def __init__(self, config: DataConfig, tokenizer, seed: int):
+    def __init__(self, config: DataConfig, tokenizer, seed: int, answer_needed: bool = True):
         entries: tuple[TrainSource, ...] = tuple(config.train_path or ())
         if isinstance(config.train_path, str) or not entries or not all(entry.weight > 0 for entry in entries):
             raise ValueError("PromptMixture needs data.train_path as a non-empty list of entries with weight > 0.")
         self.seed = seed
         self.entries = entries
-        self.sources = [_load_source(config, entry, index, tokenizer, seed) for index, entry in enumerate(entries)]
+        self.sources = [
+            _load_source(config, entry, index, tokenizer, seed, answer_needed) for index, entry in enumerate(entries)
+        ]
         offsets = np.random.default_rng([seed, MIXTURE_SALT]).random(len(entries))  # the split's seeded phase
         self.split = StreamSplit([entry.weight for entry in entries], offsets.tolist())
         self.source_names = sorted({str(name) for source in self.sources for name in source.data_sources})
@@ -113,12 +115,14 @@ class PromptMixture:
         return DataProto.from_dict(non_tensors=columns, meta_info={"step": step})
 
 
-def _load_source(config: DataConfig, entry: TrainSource, index: int, tokenizer, seed: int) -> PromptDataset:
+def _load_source(
+    config: DataConfig, entry: TrainSource, index: int, tokenizer, seed: int, answer_needed: bool
+) -> PromptDataset:
     """One file of the mixture as a PromptDataset, its rows named by the entry, their column, or the file's name."""
     single = dataclasses.replace(config, train_path=entry.path, synthetic=None)
     try:
         # Its own order key: files of equal length do not shuffle in step with each other.
-        source = PromptDataset(single, tokenizer, seed, order_key=(MIXTURE_SALT, index))
+        source = PromptDataset(single, tokenizer, seed, order_key=(MIXTURE_SALT, index), answer_needed=answer_needed)
     except DataError as exc:
         raise DataError(f"data.train_path[{index}] ({entry.path}): {exc}") from None
     if entry.data_source is not None:

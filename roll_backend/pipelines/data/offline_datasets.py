@@ -36,7 +36,7 @@ class OfflineDataset:
                     f"pair rows need {data.prompt_key!r}, {data.answer_key!r} (chosen) and {data.rejected_key!r}, or "
                     "set data.rejected_key"
                 )
-        prompts, answers = list(self.rows.prompts), list(self.rows.answers)
+        prompts, answers = list(self.rows.prompts), [str(answer) for answer in self.rows.answers]
         if not self.pairs:  # a whole conversation (answer_key naming the prompt's column): its last reply is trained
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":

@@ -18,14 +18,12 @@ import numpy as np
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
 from roll_backend.pipelines.data.procedural_tasks import reasoning_gym_rows
-from roll_backend.pipelines.data.rows import DataError, Rows, dropped_characters, read_rows, rows_error
+from roll_backend.pipelines.data.row_formats import LAYOUTS
+from roll_backend.pipelines.data.rows import DataError, Rows, dropped_characters, prompt_row, read_rows, rows_error
 from roll_backend.pipelines.data.synthetic_tasks import generate_task
 from roll_backend.protocol import DataProto
 
 logger = logging.getLogger(__name__)
-
-# Columns read the way verl's reward manager reads them: the row's data source, and an `extra_info` dict.
-DATA_SOURCE_COLUMN, EXTRA_INFO_COLUMN = "data_source", "extra_info"
 
 
 class PromptDataset:
@@ -35,15 +33,22 @@ class PromptDataset:
     rollout applies the tokenizer's template to them), else the raw text.
     """
 
-    def __init__(self, config: DataConfig, tokenizer, seed: int, order_key: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenizer,
+        seed: int,
+        order_key: tuple[int, ...] = (),
+        answer_needed: bool = True,
+    ):
         self.config = config
         self.seed = seed
         self.order_key = order_key  # joins the seed of each epoch's order: a mixture's files shuffle independently
-        loaded = _load_rows(config)
-        rows = loaded.rows
+        loaded = _load_rows(config, answer_needed)
+        rows = loaded.rows  # PromptRows (pipelines.data.rows): prompt, answer, data_source?, extra_info
         self.skipped_rows = loaded.skipped  # bad rows skipped under data.skip_invalid_rows
-        _check_encodable(tokenizer, [row[config.prompt_key] for row in rows], loaded.locations)
-        prompts = [_as_prompt(row[config.prompt_key], config.apply_chat_template) for row in rows]
+        _check_encodable(tokenizer, [row["prompt"] for row in rows], loaded.locations)
+        prompts = [_as_prompt(row["prompt"], config.apply_chat_template) for row in rows]
         lengths = [len(encode_prompt(tokenizer, prompt)) for prompt in prompts]
         kept = [index for index, length in enumerate(lengths) if length <= config.max_prompt_length]
         if not kept:
@@ -61,10 +66,11 @@ class PromptDataset:
                 max(lengths),
             )
         self.prompts = _object_column([prompts[index] for index in kept])  # [N] str or list of messages
-        self.answers = _object_column([str(rows[index][config.answer_key]) for index in kept])  # [N] str
+        # [N] as stored: text, a number, a list of accepted answers or tests, a dict; None where rows have none
+        self.answers = _object_column([rows[index]["answer"] for index in kept])
         default_source = config.synthetic.task if config.train_path is None and config.synthetic else ""
-        self.data_sources = _object_column([str(rows[index].get(DATA_SOURCE_COLUMN, default_source)) for index in kept])
-        self.extra_infos = _object_column([_extra_info(rows[index], config) for index in kept])  # [N] dict
+        self.data_sources = _object_column([str(rows[index].get("data_source", default_source)) for index in kept])
+        self.extra_infos = _object_column([rows[index]["extra_info"] for index in kept])  # [N] dict
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -114,22 +120,21 @@ class PromptDataset:
         return np.random.default_rng([self.seed, *self.order_key, epoch]).permutation(len(self))
 
 
-def _load_rows(config: DataConfig) -> Rows:
-    """Checked rows with the prompt and answer columns, from `train_path`, a reasoning-gym dataset or the synthetic
-    task."""
+def _load_rows(config: DataConfig, answer_needed: bool) -> Rows:
+    """Checked PromptRows from `train_path`, a reasoning-gym dataset or the synthetic task."""
     if isinstance(config.train_path, str):
-        return read_rows(config.train_path, config.prompt_key, config.answer_key, config.skip_invalid_rows)
+        return read_rows(config.train_path, config, answer_needed)
     if config.train_path is not None:  # a list: PromptMixture reads each file with a PromptDataset of its own
         raise DataError("a PromptDataset reads one file; use training_prompts() for a list of data.train_path files.")
     if config.reasoning_gym is not None:
-        return reasoning_gym_rows(config.reasoning_gym)
+        return _generated(reasoning_gym_rows(config.reasoning_gym))
     if config.synthetic is not None:
         synthetic = config.synthetic
         try:
             rows = generate_task(synthetic.task, synthetic.num_prompts, synthetic.seed)
         except ValueError as exc:  # an unknown task name: a data problem like the others
             raise DataError(f"data.synthetic: {exc}") from None
-        return Rows(rows, [f"data.synthetic task {synthetic.task!r} row {i + 1}" for i in range(len(rows))])
+        return _generated(Rows(rows, [f"data.synthetic task {synthetic.task!r} row {i + 1}" for i in range(len(rows))]))
     raise DataError("no prompts: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic.")
 
 
@@ -177,15 +182,10 @@ def driver_tokenizer(config: PipelineConfig):
     return None
 
 
-def _extra_info(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:
-    """What a reward function gets as `extra_info`: the row's other columns, then its own `extra_info` dict (as
-    verl).
-    """
-    skip = {config.prompt_key, config.answer_key, DATA_SOURCE_COLUMN, EXTRA_INFO_COLUMN}
-    info = {key: value for key, value in row.items() if key not in skip}
-    if isinstance(row.get(EXTRA_INFO_COLUMN), dict):
-        info |= row[EXTRA_INFO_COLUMN]
-    return info
+def _generated(rows: Rows) -> Rows:
+    """Rows a task generated ({prompt, answer, other columns}) as PromptRows."""
+    rows.rows = [prompt_row(row, LAYOUTS["plain"]) for row in rows.rows]
+    return rows
 
 
 def _as_prompt(text: Any, apply_chat_template: bool) -> str | list[dict[str, str]]:

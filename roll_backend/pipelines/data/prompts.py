@@ -13,15 +13,38 @@ from roll_backend import keys
 from roll_backend.config.schema import DataConfig, PipelineConfig
 from roll_backend.pipelines.data.mixture import PromptMixture
 from roll_backend.pipelines.data.prompt_dataset import PromptDataset, driver_tokenizer
+from roll_backend.pipelines.data.rows import DataError
 from roll_backend.protocol import DataProto
 
 
-def training_prompts(config: DataConfig, tokenizer, seed: int):
+def training_prompts(config: DataConfig, tokenizer, seed: int, answer_needed: bool = True):
     """The run's prompt set: a PromptDataset for one file or the synthetic task, a PromptMixture for a list of files
-    (both serve `batch_at(step, batch_size)`, `metrics()` and `step_metrics(step, batch_size)`)."""
+    (both serve `batch_at(step, batch_size)`, `metrics()` and `step_metrics(step, batch_size)`). `answer_needed`:
+    rows must have a reference answer (PipelineConfig.needs_answers)."""
     if config.train_path is None or isinstance(config.train_path, str):
-        return PromptDataset(config, tokenizer, seed)
-    return PromptMixture(config, tokenizer, seed)
+        return PromptDataset(config, tokenizer, seed, answer_needed=answer_needed)
+    return PromptMixture(config, tokenizer, seed, answer_needed)
+
+
+def run_prompts(config: PipelineConfig, tokenizer):
+    """The training prompts of an online run, with every row's source routed by reward.by_source (DataError naming
+    the sources nothing scores, before any actor starts)."""
+    data = training_prompts(config.data, tokenizer, config.seed, config.needs_answers())
+    check_sources(config, {str(s) for part in getattr(data, "sources", [data]) for s in part.data_sources})
+    return data
+
+
+def check_sources(config: PipelineConfig, sources: set[str]) -> None:
+    """DataError when reward.by_source routes some of `sources` to no reward."""
+    from roll_backend.rewards.source_routing import SourceRouting
+
+    if config.reward.by_source is None:
+        return
+    weights = config.reward.builtin_weights(config.other_rewards())
+    routing = SourceRouting.build(config.reward.by_source, weights)
+    problems = routing.problems(sources)
+    if problems:
+        raise DataError("\n".join(problems))
 
 
 def check_data(config: PipelineConfig):
@@ -34,7 +57,7 @@ def check_data(config: PipelineConfig):
         from roll_backend.pipelines.data.offline_datasets import offline_datasets
 
         return offline_datasets(config, tokenizer)[0]
-    return training_prompts(config.data, tokenizer, config.seed)
+    return run_prompts(config, tokenizer)
 
 
 def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | None:
@@ -46,7 +69,8 @@ def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | No
     parts = []
     plain = dataclasses.replace(config.data, train_path=None, synthetic=None, reasoning_gym=None, shuffle=False)
     for path in config.data.val_paths():
-        dataset = PromptDataset(dataclasses.replace(plain, train_path=path), tokenizer, config.seed)
+        data = dataclasses.replace(plain, train_path=path)
+        dataset = PromptDataset(data, tokenizer, config.seed, answer_needed=config.needs_answers())
         dataset.data_sources[dataset.data_sources == ""] = Path(path).stem
         parts.append(dataset.batch_at(0, len(dataset)))
     if config.data.val_reasoning_gym is not None:
@@ -58,6 +82,7 @@ def load_validation_prompts(config: PipelineConfig, tokenizer) -> DataProto | No
     if not parts:
         return None
     prompts = DataProto.concat(parts)
+    check_sources(config, {str(source) for source in prompts.non_tensor_batch[keys.DATA_SOURCE]})
     prompts.non_tensor_batch[keys.UID] = np.array([f"val-{i}" for i in range(len(prompts))], dtype=object)
     prompts.meta_info = {}
     return prompts

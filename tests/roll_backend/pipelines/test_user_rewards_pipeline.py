@@ -186,3 +186,97 @@ def test_ppo_critic_starts_from_a_trained_reward_model(ray_session, base_config,
         assert metrics["critic/vf_loss"] > 0 and "timing/critic_train" in metrics
         after = run.groups.critic.call(CriticWorker.compute_values, batch).batch[keys.VALUES]
         assert (after[mask] - values[mask]).abs().max() > 1e-4  # and the critic trains from there
+
+
+# ---- other frameworks' data: a verl parquet and a ROLL JSONL, mixed, scored by source -------------------------
+
+SYSTEM = "be brief."
+FRAMEWORK_REWARDS = """
+class TypedCheck:
+    # Scores a copy and reports what reached it: the conversation with its system prompt, ground truths typed.
+
+    def compute_rewards(self, rows):
+        out = []
+        for messages, answer, response, source in zip(rows.messages, rows.answers, rows.responses, rows.data_sources):
+            accepted = answer if isinstance(answer, list) else [answer]
+            typed = isinstance(answer, list) if source == "copy" else isinstance(answer, str)
+            out.append({{
+                "score": float(response.strip() in accepted),
+                "typed": float(typed),
+                "system_prompt": float(messages[0] == {{"role": "system", "content": {system!r}}}),
+                "roll_rows": float(source == "math_rule"),
+            }})
+        return out
+"""
+
+
+def write_framework_files(folder) -> tuple[str, str]:
+    """A verl RL parquet (chat-message prompt, data_source, reward_model.ground_truth a list) and a ROLL RLVR JSONL
+    (messages as a JSON string with the system prompt, ground_truth, tag), as each documents its schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def conversation(d):
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"copy: {d}"}]
+
+    verl = [
+        {
+            "data_source": "copy",
+            "prompt": conversation(d),
+            "ability": "copy",
+            "reward_model": {"style": "rule", "ground_truth": [str(d), f"{d}{d}"]},
+            "extra_info": {"split": "train", "index": d},
+        }
+        for d in range(6)
+    ]
+    pq.write_table(pa.Table.from_pylist(verl), folder / "verl.parquet")
+    roll = [
+        {
+            "id": str(d),
+            "source": "copy",
+            "prompt": f"copy: {d}",
+            "messages": json.dumps(conversation(d)),
+            "ground_truth": str(d),
+            "tag": "math_rule",
+        }
+        for d in range(6, 10)
+    ]
+    (folder / "rlvr.jsonl").write_text("".join(json.dumps(row) + "\n" for row in roll))
+    return str(folder / "verl.parquet"), str(folder / "rlvr.jsonl")
+
+
+def test_a_verl_parquet_and_a_roll_jsonl_train_together_scored_by_source(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
+    verl, roll = write_framework_files(tmp_path)
+    reward_file = tmp_path / "framework_rewards.py"
+    reward_file.write_text(FRAMEWORK_REWARDS.format(system=SYSTEM))
+    config = load_config(
+        base_config,
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "run",
+            "max_steps=2",
+            f"data.train_path=[{{path: {verl}}}, {{path: {roll}}}]",
+            "data.max_prompt_length=64",
+            "actor_infer.strategy.max_prompt_length=64",
+            "actor_infer.strategy.max_model_len=96",
+            "reward.rewards=null",
+            f"reward.functions=[{{path: {reward_file}, name: TypedCheck}}]",
+            "reward.by_source={copy: framework_rewards.TypedCheck, math_rule: auto}",
+            *hybrid_roles(1, 1),
+        ),
+    )
+    run_pipeline(config)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in steps] == [1, 2]
+    label = "reward/framework_rewards.TypedCheck"
+    for metrics in steps:
+        # both files in every step, named by their sources (verl's data_source, ROLL's tag)
+        assert metrics["data/copy/prompts"] + metrics["data/math_rule/prompts"] == 4
+        assert metrics["data/copy/prompts"] >= 1 and metrics["data/math_rule/prompts"] >= 1
+        # The verl rows reached the class with their list ground truths and their conversation's system prompt.
+        assert metrics[f"{label}/typed"] == 1.0 and metrics[f"{label}/system_prompt"] == 1.0
+        assert metrics[f"{label}/roll_rows"] == 0.0  # only the `copy` source is routed to it
+        assert "reward/math_verify_mean" in metrics  # ROLL's math_rule tag: the built-in MATH scorer (auto)

@@ -182,3 +182,32 @@ def test_a_callable_in_a_pipeline_config_is_named_in_the_saved_yaml():
     )
     text = config_to_yaml(config)
     assert "fn: <python callable" in text and "my_score>" in text
+
+
+def test_a_reward_class_is_built_once_with_its_kwargs_and_its_failures_name_it():
+    class Scorer:  # given directly from a driver script; from YAML the spec names a class in a file
+        built = 0
+
+        def __init__(self, scale):
+            Scorer.built += 1
+            self.scale = scale
+
+        def compute_rewards(self, batch):
+            return [self.scale * float(r == a) for r, a in zip(batch.responses, batch.answers)]
+
+    scorer = FunctionScorer(RewardFunctionSpec(fn=Scorer, kwargs={"scale": 3.0}))
+    assert list(scorer.score(rows()).scores) == [3.0, 0.0, 3.0]
+    assert list(scorer.score(rows()).scores) == [3.0, 0.0, 3.0] and Scorer.built == 1
+
+    class Broken:
+        def __init__(self):
+            raise OSError("no model file")
+
+    with pytest.raises(UserCodeError, match=r"building reward class Broken\(\{\}\) raised OSError: no model file"):
+        FunctionScorer(RewardFunctionSpec(fn=Broken)).score(rows())
+
+    class Batched:
+        def __call__(self, data_sources, solution_strs, ground_truths, extra_infos):
+            return [float(s == "math") for s in data_sources]
+
+    assert list(FunctionScorer(RewardFunctionSpec(fn=Batched)).score(rows()).scores) == [1.0, 0.0, 1.0]
