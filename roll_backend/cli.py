@@ -323,6 +323,26 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args) -> int:
+    """Write the converted config and its report (OUT.report.txt), then validate it as `validate` would."""
+    import yaml
+
+    from roll_backend.config.job_import import convert, read_job
+
+    if not Path(args.input).is_file():
+        raise CliError(f"{args.input} does not exist; give a verl/ROLL YAML config or a run script")
+    tree, report = convert(args.framework, read_job(args.input))
+    out = Path(args.out)
+    out.write_text(yaml.safe_dump(tree, sort_keys=False))
+    report_path = out.with_suffix(".report.txt")
+    report_path.write_text(report.text())
+    print(report.text())
+    print(f"wrote {out} and {report_path}")
+    _load(str(out), [], recipe_check=True)  # a CliError lists what is left to set; the files stay
+    print(f"{out} validates")
+    return EXIT_OK
+
+
 # ---- entry ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roll-backend", description="RLHF pipelines (PPO/GRPO) on Ray.")
@@ -358,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--poll-s", type=float, default=1.0, help="seconds between status/log polls (default 1)")
     with_config(submit)
     submit.set_defaults(handler=cmd_submit)
+
+    convert = commands.add_parser(
+        "convert",
+        help="write a verl or ROLL job (YAML config or run script) as a config here, reporting every key",
+    )
+    convert.add_argument("framework", choices=["verl", "roll"])
+    convert.add_argument("input", metavar="INPUT", help="the job's YAML config, or a run script's key=value overrides")
+    convert.add_argument("-o", "--out", required=True, metavar="OUT.yaml", help="the config to write")
+    convert.set_defaults(handler=cmd_convert)
 
     plot = commands.add_parser(
         "plot", help="plot a metric of a run (the reward curve by default) from RUN_DIR/metrics.jsonl"

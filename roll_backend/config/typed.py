@@ -8,6 +8,8 @@ import types
 import typing
 from typing import Any
 
+from roll_backend.config.foreign_keys import equivalent_hint
+
 
 class ConfigError(ValueError):
     """One or more problems in a config; the message lists them all, each with what to change."""
@@ -99,7 +101,8 @@ def build(cls: type, data: dict, path: str = "", problems: list[str] | None = No
     prefix = f"{path}." if path else ""
     for key in data:
         if key not in fields:
-            problems.append(f"{prefix}{key}: unknown key; {suggest(str(key), list(fields))}")
+            hint = equivalent_hint(f"{prefix}{key}") or suggest(str(key), list(fields))
+            problems.append(f"{prefix}{key}: unknown key; {hint}")
     kwargs = {}
     before = len(problems)
     for name, f in fields.items():

@@ -1,0 +1,241 @@
+"""verl's and ROLL's config keys, each with its key here (or why it has none): the one table `roll-backend convert`
+(config.job_import) and the unknown-key hints (a verl or ROLL key typed here names its equivalent) read.
+
+A rule's pattern is a dotted key where `*` stands for one part (a role of ROLL's, a reward domain). `target` is the
+key here, `None` when there is none; `note` says what differs in meaning (the converter applies the change and reports
+it) or why there is no equivalent. Keys the converter computes from several inputs (world sizes from GPU counts, the
+mini-batch in responses) are marked `derived`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    pattern: str
+    target: str | None  # the key here; None: no equivalent
+    note: str = ""  # a difference in meaning (applied by the converter), or why there is no equivalent
+    derived: bool = False  # the value is computed by the converter from this and other keys
+
+
+def _megatron(prefix: str, role: str) -> list[KeyRule]:
+    """verl's and ROLL's megatron-core parallel sizes (one name each across both) under `prefix`."""
+    names = {
+        "tensor_model_parallel_size": "tp",
+        "pipeline_model_parallel_size": "pp",
+        "context_parallel_size": "cp",
+        "virtual_pipeline_model_parallel_size": "vpp",
+        "expert_model_parallel_size": "ep",
+        "expert_tensor_parallel_size": "etp",
+    }
+    return [KeyRule(f"{prefix}.{theirs}", f"{role}.strategy.{ours}") for theirs, ours in names.items()]
+
+
+_ACTOR = "actor_rollout_ref.actor"
+_ROLLOUT = "actor_rollout_ref.rollout"
+_MINI_BATCH_NOTE = "verl counts prompts, here responses: multiplied by rollout.n"
+VERL_KEYS: tuple[KeyRule, ...] = (
+    KeyRule("data.train_files", "data.train_path", "a list becomes a mixture of files (equal weights)"),
+    KeyRule("data.val_files", "data.val_path"),
+    KeyRule("data.train_batch_size", "rollout_batch_size"),
+    KeyRule("data.max_prompt_length", "data.max_prompt_length"),
+    KeyRule("data.max_response_length", "response_length"),
+    KeyRule("data.prompt_key", "data.prompt_key"),
+    KeyRule("data.shuffle", "data.shuffle"),
+    KeyRule("data.filter_overlong_prompts", None, "always on here: prompts over data.max_prompt_length are dropped"),
+    KeyRule("data.truncation", None, "prompts are never truncated here; longer ones are dropped"),
+    KeyRule("data.return_raw_chat", None, "the rollout always receives the chat messages"),
+    KeyRule("actor_rollout_ref.model.path", "model_path"),
+    KeyRule("actor_rollout_ref.model.enable_gradient_checkpointing", "actor_train.strategy.recompute_activations"),
+    KeyRule("actor_rollout_ref.model.use_remove_padding", "actor_train.strategy.use_sequence_packing"),
+    KeyRule("actor_rollout_ref.model.lora_rank", "actor_train.strategy.lora.rank"),
+    KeyRule("actor_rollout_ref.model.lora_alpha", "actor_train.strategy.lora.alpha"),
+    KeyRule(f"{_ACTOR}.optim.lr", "actor_train.strategy.optimizer.lr"),
+    KeyRule(f"{_ACTOR}.optim.weight_decay", "actor_train.strategy.optimizer.weight_decay"),
+    KeyRule(f"{_ACTOR}.optim.lr_warmup_steps", "actor_train.strategy.lr_schedule.warmup_steps"),
+    KeyRule(f"{_ACTOR}.optim.clip_grad", "actor_train.strategy.optimizer.clip_grad"),
+    KeyRule(f"{_ACTOR}.grad_clip", "actor_train.strategy.optimizer.clip_grad"),
+    KeyRule(f"{_ACTOR}.ppo_mini_batch_size", "algorithm.ppo_mini_batch_size", _MINI_BATCH_NOTE, derived=True),
+    KeyRule(f"{_ACTOR}.ppo_micro_batch_size_per_gpu", "actor_train.strategy.micro_batch_size"),
+    KeyRule(f"{_ACTOR}.ppo_max_token_len_per_gpu", "actor_train.strategy.max_tokens_per_microbatch"),
+    KeyRule(f"{_ACTOR}.use_dynamic_bsz", None, "a token budget is on when max_tokens_per_microbatch is set"),
+    KeyRule(f"{_ACTOR}.ppo_epochs", "algorithm.ppo_epochs"),
+    KeyRule(f"{_ACTOR}.clip_ratio_low", "algorithm.clip_ratio_low"),
+    KeyRule(f"{_ACTOR}.clip_ratio_high", "algorithm.clip_ratio_high"),
+    KeyRule(f"{_ACTOR}.clip_ratio", "algorithm.clip_ratio_low", "sets both clip_ratio_low and clip_ratio_high"),
+    KeyRule(f"{_ACTOR}.clip_ratio_c", "algorithm.dual_clip_c"),
+    KeyRule(f"{_ACTOR}.loss_agg_mode", "algorithm.loss_agg_mode"),
+    KeyRule(f"{_ACTOR}.entropy_coeff", "algorithm.entropy_coef"),
+    KeyRule(f"{_ACTOR}.use_kl_loss", "algorithm.use_kl_loss"),
+    KeyRule(f"{_ACTOR}.kl_loss_coef", "algorithm.kl_loss_coef"),
+    KeyRule(f"{_ACTOR}.kl_loss_type", "algorithm.kl_estimator"),
+    KeyRule(f"{_ACTOR}.megatron.param_offload", "actor_train.strategy.offload_params"),
+    KeyRule(f"{_ACTOR}.megatron.grad_offload", "actor_train.strategy.offload_grads"),
+    KeyRule(f"{_ACTOR}.megatron.optimizer_offload", "actor_train.strategy.offload_optimizer"),
+    KeyRule(f"{_ACTOR}.megatron.use_distributed_optimizer", "actor_train.strategy.optimizer.use_distributed_optimizer"),
+    *_megatron(f"{_ACTOR}.megatron", "actor_train"),
+    *_megatron("actor_rollout_ref.ref.megatron", "reference"),
+    KeyRule("actor_rollout_ref.ref.megatron.param_offload", "reference.strategy.offload_params"),
+    KeyRule("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "reference.strategy.micro_batch_size"),
+    KeyRule("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "reference.strategy.max_tokens_per_microbatch"),
+    KeyRule(
+        f"{_ROLLOUT}.log_prob_micro_batch_size_per_gpu",
+        None,
+        "old log-probs run on actor_train's ranks with actor_train.strategy.micro_batch_size",
+    ),
+    KeyRule(f"{_ROLLOUT}.log_prob_max_token_len_per_gpu", None, "old log-probs use actor_train's token budget"),
+    KeyRule(f"{_ROLLOUT}.name", "actor_infer.strategy.name", "vllm is vllm_rollout; sglang has no backend here"),
+    KeyRule(f"{_ROLLOUT}.tensor_model_parallel_size", "actor_infer.strategy.tp"),
+    KeyRule(f"{_ROLLOUT}.gpu_memory_utilization", "actor_infer.strategy.gpu_memory_utilization"),
+    KeyRule(f"{_ROLLOUT}.n", "num_return_sequences_in_group"),
+    KeyRule(f"{_ROLLOUT}.temperature", "actor_infer.strategy.sampling.temperature"),
+    KeyRule(f"{_ROLLOUT}.top_p", "actor_infer.strategy.sampling.top_p"),
+    KeyRule(f"{_ROLLOUT}.top_k", "actor_infer.strategy.sampling.top_k"),
+    KeyRule(f"{_ROLLOUT}.enforce_eager", "actor_infer.strategy.enforce_eager"),
+    KeyRule(f"{_ROLLOUT}.enable_chunked_prefill", "actor_infer.strategy.enable_chunked_prefill"),
+    KeyRule(f"{_ROLLOUT}.enable_prefix_caching", "actor_infer.strategy.enable_prefix_caching"),
+    KeyRule(f"{_ROLLOUT}.max_num_batched_tokens", "actor_infer.strategy.max_num_batched_tokens"),
+    KeyRule(f"{_ROLLOUT}.max_model_len", "actor_infer.strategy.max_model_len"),
+    KeyRule(f"{_ROLLOUT}.free_cache_engine", None, "the hybrid engine sleeps between generations (sleep_level)"),
+    KeyRule(f"{_ROLLOUT}.mode", None, "generation is synchronous unless async_generation is set"),
+    KeyRule("algorithm.adv_estimator", "algorithm.adv_estimator"),
+    KeyRule("algorithm.gamma", "algorithm.gamma"),
+    KeyRule("algorithm.lam", "algorithm.lam"),
+    KeyRule("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    KeyRule("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward"),
+    KeyRule("algorithm.kl_penalty", "algorithm.kl_estimator"),
+    KeyRule("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.type"),
+    KeyRule("algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.kl_coef"),
+    KeyRule("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.target_kl"),
+    KeyRule("algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.horizon"),
+    KeyRule("custom_reward_function.path", "reward.functions", "a function file: reward.functions[0].path"),
+    KeyRule("custom_reward_function.name", "reward.functions", "reward.functions[0].name"),
+    KeyRule("reward_model.enable", None, "a `reward_model:` role block turns the reward model on"),
+    KeyRule("reward_model.model.path", "reward_model.model_path"),
+    KeyRule("trainer.total_training_steps", "max_steps"),
+    KeyRule("trainer.total_epochs", "max_steps", "epochs become steps: epochs x prompts / data.train_batch_size", True),
+    KeyRule("trainer.save_freq", "checkpoint.save_steps"),
+    KeyRule("trainer.test_freq", "eval.every_steps"),
+    KeyRule("trainer.val_before_train", "eval.before_train"),
+    KeyRule("trainer.project_name", "logging.project"),
+    KeyRule("trainer.experiment_name", "exp_name"),
+    KeyRule("trainer.logger", "logging.backends", "console is always on; wandb, tensorboard and mlflow carry over"),
+    KeyRule("trainer.default_local_dir", "output_dir"),
+    KeyRule("trainer.resume_mode", "checkpoint.resume", "auto carries over; disable is null"),
+    KeyRule("trainer.n_gpus_per_node", "actor_train.world_size", "GPUs x nodes become every role's world_size", True),
+    KeyRule("trainer.nnodes", "actor_train.world_size", "GPUs x nodes become every role's world_size", True),
+    KeyRule("trainer.critic_warmup", None, "the critic trains from the first step"),
+    KeyRule("trainer.device", None, "the device comes from the ranks' resources (num_gpus_per_rank)"),
+)
+
+_TRAIN_ARGS = "actor_train.training_args"
+ROLL_KEYS: tuple[KeyRule, ...] = (
+    KeyRule("exp_name", "exp_name"),
+    KeyRule("seed", "seed"),
+    KeyRule("output_dir", "output_dir"),
+    KeyRule("max_steps", "max_steps"),
+    KeyRule("rollout_batch_size", "rollout_batch_size"),
+    KeyRule("num_return_sequences_in_group", "num_return_sequences_in_group"),
+    KeyRule("response_length", "response_length"),
+    KeyRule("prompt_length", "data.max_prompt_length"),
+    KeyRule("ppo_epochs", "algorithm.ppo_epochs"),
+    KeyRule("adv_estimator", "algorithm.adv_estimator"),
+    KeyRule("save_steps", "checkpoint.save_steps"),
+    KeyRule("eval_steps", "eval.every_steps"),
+    KeyRule("pretrain", "model_path"),
+    KeyRule("reward_pretrain", None, "ROLL's rule rewards load no model; a reward model is a `reward_model:` role"),
+    KeyRule("use_kl_loss", "algorithm.use_kl_loss"),
+    KeyRule("kl_loss_coef", "algorithm.kl_loss_coef"),
+    KeyRule("init_kl_coef", "algorithm.kl_ctrl.kl_coef"),
+    KeyRule("add_token_level_kl", "algorithm.use_kl_in_reward"),
+    KeyRule("reward_clip", "algorithm.reward_clip"),
+    KeyRule("value_clip", "algorithm.value_clip"),
+    KeyRule("entropy_loss_coef", "algorithm.entropy_coef"),
+    KeyRule("pg_clip", "algorithm.clip_ratio_low", "sets both clip_ratio_low and clip_ratio_high"),
+    KeyRule("logging_steps", None, "every step is logged"),
+    KeyRule("logging_dir", None, "logs go to output_dir"),
+    KeyRule("resume_from_checkpoint", "checkpoint.resume", "a folder or false; auto finds the latest"),
+    KeyRule("whiten_advantages", None, "advantages follow algorithm.adv_estimator (GRPO normalises per group)"),
+    KeyRule(f"{_TRAIN_ARGS}.learning_rate", "actor_train.strategy.optimizer.lr"),
+    KeyRule(f"{_TRAIN_ARGS}.weight_decay", "actor_train.strategy.optimizer.weight_decay"),
+    KeyRule(f"{_TRAIN_ARGS}.warmup_steps", "actor_train.strategy.lr_schedule.warmup_steps"),
+    KeyRule(f"{_TRAIN_ARGS}.per_device_train_batch_size", "actor_train.strategy.micro_batch_size"),
+    KeyRule(
+        f"{_TRAIN_ARGS}.gradient_accumulation_steps",
+        "algorithm.ppo_mini_batch_size",
+        "a mini-batch is micro-batch x accumulation x data-parallel ranks here",
+        derived=True,
+    ),
+    KeyRule(f"{_TRAIN_ARGS}.num_train_epochs", None, "max_steps bounds the run"),
+    KeyRule("actor_train.data_args.file_name", "data.train_path", "a list becomes a mixture of files (equal weights)"),
+    KeyRule("actor_train.data_args.messages", "data.messages_key"),
+    KeyRule(
+        "actor_train.data_args.domain_interleave_probs",
+        None,
+        "mixtures weigh files here (data.train_path entries' weight), not tags",
+    ),
+    KeyRule("validation.data_args.file_name", "data.val_path"),
+    KeyRule("*.data_args.template", None, "the model's own chat template applies"),
+    KeyRule("*.data_args.*", None, "data loading settings of ROLL's own"),
+    KeyRule("*.model_args.dtype", "{role}.strategy.params_dtype", "bf16 is bfloat16, fp16 float16"),
+    KeyRule("*.model_args.disable_gradient_checkpointing", "{role}.strategy.recompute_activations", "negated"),
+    KeyRule("*.model_args.*", None, "model settings of ROLL's own"),
+    KeyRule("*.strategy_args.strategy_name", "{role}.strategy.name", "vllm is vllm_rollout; megatron_* keep names"),
+    *_megatron("*.strategy_args.strategy_config", "{role}"),
+    KeyRule(
+        "*.strategy_args.strategy_config.use_distributed_optimizer",
+        "{role}.strategy.optimizer.use_distributed_optimizer",
+    ),
+    KeyRule(
+        "*.strategy_args.strategy_config.recompute_granularity", "{role}.strategy.recompute_activations", "full is true"
+    ),
+    KeyRule("*.strategy_args.strategy_config.gpu_memory_utilization", "{role}.strategy.gpu_memory_utilization"),
+    KeyRule("*.strategy_args.strategy_config.block_size", "{role}.strategy.block_size"),
+    KeyRule("*.strategy_args.strategy_config.max_model_len", "{role}.strategy.max_model_len"),
+    KeyRule("*.strategy_args.strategy_config.*", None, "engine settings of ROLL's own"),
+    KeyRule("*.device_mapping", "{role}.world_size", "one rank per listed GPU", derived=True),
+    KeyRule("*.infer_batch_size", "{role}.strategy.micro_batch_size"),
+    KeyRule("actor_infer.generating_args.temperature", "actor_infer.strategy.sampling.temperature"),
+    KeyRule("actor_infer.generating_args.top_p", "actor_infer.strategy.sampling.top_p"),
+    KeyRule("actor_infer.generating_args.top_k", "actor_infer.strategy.sampling.top_k"),
+    KeyRule("actor_infer.generating_args.max_new_tokens", "response_length"),
+    KeyRule("actor_infer.generating_args.num_return_sequences", "num_return_sequences_in_group"),
+    KeyRule("*.generating_args.*", None, "sampling settings of ROLL's own"),
+    KeyRule("validation.eval_steps", "eval.every_steps"),
+    KeyRule("validation.*", None, "validation samples greedily unless eval.temperature is set"),
+    KeyRule("rewards.*.worker_cls", "reward.by_source", "each domain's built-in scorer where one is known", True),
+    KeyRule("rewards.*.tag_included", "reward.by_source", "each tag routes to its domain's scorer", True),
+    KeyRule("rewards.*.*", None, "reward worker settings of ROLL's own"),
+)
+
+FRAMEWORKS = {"verl": VERL_KEYS, "roll": ROLL_KEYS}
+
+
+def rule_for(framework: str, key: str) -> KeyRule | None:
+    """The first rule of `framework` whose pattern matches `key` (one `*` per dotted part)."""
+    parts = key.split(".")
+    for rule in FRAMEWORKS[framework]:
+        pattern = rule.pattern.split(".")
+        if len(pattern) == len(parts) and all(fnmatchcase(p, q) for p, q in zip(parts, pattern)):
+            return rule
+    return None
+
+
+def equivalent_hint(path: str) -> str | None:
+    """For an unknown key that is verl's or ROLL's: what to write here, or why there is nothing (None otherwise)."""
+    for framework, rules in FRAMEWORKS.items():
+        if any(rule.pattern.startswith(f"{path}.") and "*" not in rule.pattern.split(".")[0] for rule in rules):
+            return (
+                f"that is a section of {framework}'s config; `roll-backend convert {framework}` writes its equivalent"
+            )
+    for framework in FRAMEWORKS:
+        rule = rule_for(framework, path)
+        if rule is not None and "*" not in rule.pattern.split(".")[0]:
+            if rule.target is None:
+                return f"that is {framework}'s key; it has no equivalent here ({rule.note})"
+            note = f" ({rule.note})" if rule.note else ""
+            return f"that is {framework}'s key; write {rule.target} instead{note} (or roll-backend convert)"
+    return None

@@ -1,0 +1,277 @@
+"""`roll-backend convert verl|roll INPUT`: a verl or ROLL job as a config here, with a report of every input key.
+
+INPUT is a YAML config, or a run script (verl's `python3 -m verl.trainer.main_ppo key=value ...`, backslash line
+continuations and `$VAR` references as written: a value that is a shell variable is reported, not guessed). Each key
+goes through config.foreign_keys: copied to its key here, converted where the meaning differs (verl's mini-batch
+counts prompts, here responses; epochs become steps; GPU counts become world sizes), or listed as having no
+equivalent. The result starts from a GRPO job on Megatron + vLLM with the rollout and reference on the trainer's GPUs
+(verl's colocated layout is the hybrid engine here) and rewards by data source (verl's default scorer).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from roll_backend.config.foreign_keys import FRAMEWORKS, rule_for
+
+ROLES = ("actor_train", "actor_infer", "reference")
+_GPU_ROLE = {"num_gpus_per_rank": 1}
+
+
+@dataclass
+class Report:
+    copied: list[str] = field(default_factory=list)  # "theirs = value -> ours"
+    converted: list[str] = field(default_factory=list)  # "theirs = value -> ours = new value (why)"
+    unmapped: list[str] = field(default_factory=list)  # "theirs = value: why"
+
+    def text(self) -> str:
+        sections = [
+            ("Same meaning", self.copied),
+            ("Converted (the meaning differs)", self.converted),
+            ("No equivalent here", self.unmapped),
+        ]
+        return "\n".join(
+            f"{title} ({len(lines)}):\n" + "".join(f"  {line}\n" for line in lines) for title, lines in sections
+        )
+
+
+def read_job(source: str) -> dict[str, Any]:
+    """The job's settings as dotted keys: a YAML file flattened, or a script's `key=value` arguments."""
+    text = Path(source).read_text()
+    if Path(source).suffix in (".yaml", ".yml"):
+        from omegaconf import OmegaConf
+
+        tree = OmegaConf.load(source)
+        try:  # ROLL's configs refer to their own keys (${response_length}); resolve them where they resolve
+            return flatten(OmegaConf.to_container(tree, resolve=True))
+        except Exception:
+            return flatten(OmegaConf.to_container(tree, resolve=False))
+    settings = {}
+    for token in shlex.split(text.replace("\\\n", " "), comments=True):
+        match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
+        if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
+            settings[match.group(1)] = _value(match.group(2))
+    return settings
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out = {}
+        for key, value in tree.items():
+            out |= flatten(value, f"{prefix}{key}.")
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def _value(text: str) -> Any:
+    """A command-line value as Hydra reads it: YAML, with 1e-6 a number (YAML 1.1 wants 1.0e-6)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
+        return float(value)
+    return value
+
+
+def convert(framework: str, settings: dict[str, Any]) -> tuple[dict[str, Any], Report]:
+    """Our config tree for a job's settings, and the report."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"convert: unknown framework {framework!r}; choose one of {', '.join(FRAMEWORKS)}")
+    job = _Job(framework, settings)
+    for key, value in settings.items():
+        job.take(key, value)
+    job.finish()
+    return job.tree, job.report
+
+
+class _Job:
+    def __init__(self, framework: str, settings: dict[str, Any]):
+        self.framework, self.settings, self.report = framework, settings, Report()
+        self.tree: dict[str, Any] = {
+            "pipeline": "grpo",
+            "reward": {"rewards": None, "by_source": "auto" if framework == "verl" else {}},
+            "actor_train": {"model_path": "${model_path}", "strategy": {"name": "megatron_train"}},
+            "actor_infer": {
+                "model_path": "${model_path}",
+                "hybrid": framework == "verl",
+                "strategy": {"name": "vllm_rollout"},
+            },
+            "reference": {
+                "model_path": "${model_path}",
+                "hybrid": framework == "verl",
+                "strategy": {"name": "megatron_infer"},
+            },
+        }
+
+    def set(self, key: str, value: Any) -> None:
+        node = self.tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def take(self, key: str, value: Any) -> None:
+        rule = rule_for(self.framework, key)
+        parts = key.split(".")
+        while rule is None and len(parts) > 1:  # a mapping setting (flattened): its parent's rule, if it has none
+            parts.pop()
+            parent = rule_for(self.framework, ".".join(parts))
+            rule = parent if parent is not None and parent.target is None else None
+        if isinstance(value, str) and value.startswith("$"):
+            self.report.unmapped.append(f"{key} = {value}: a shell variable; set the value in the output yourself")
+            return
+        if rule is None or rule.target is None:
+            why = rule.note if rule else "not a setting this converter knows"
+            self.report.unmapped.append(f"{key} = {value!r}: {why}")
+            return
+        role = key.split(".")[0]
+        target = rule.target.replace("{role}", role)
+        if rule.derived or rule.note:
+            new = self.derive(key, target, value, role)
+            if new is not _SKIP:
+                self.report.converted.append(f"{key} = {value!r} -> {target} = {new!r} ({rule.note})")
+            return
+        self.set(target, value)
+        self.report.copied.append(f"{key} = {value!r} -> {target}")
+
+    def derive(self, key: str, target: str, value: Any, role: str) -> Any:
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf in ("train_files", "file_name") and isinstance(value, list):
+            value = value[0] if len(value) == 1 else [{"path": path} for path in value]
+        elif leaf == "ppo_mini_batch_size":
+            value = int(value) * int(self._get("actor_rollout_ref.rollout.n", 1))
+        elif leaf == "total_epochs":
+            value = self._epochs_to_steps(int(value))
+        elif leaf in ("n_gpus_per_node", "nnodes"):
+            gpus = int(self._get("trainer.n_gpus_per_node", 1)) * int(self._get("trainer.nnodes", 1))
+            for name in ROLES:
+                self.set(f"{name}.world_size", gpus)
+                self.set(f"{name}.num_gpus_per_rank", 1)
+            return gpus
+        elif leaf == "device_mapping":
+            value = len(_gpu_list(value))
+            self.set(f"{role}.num_gpus_per_rank", 1)
+        elif leaf == "gradient_accumulation_steps":
+            value = self._roll_mini_batch(int(value))
+        elif leaf in ("clip_ratio", "pg_clip"):
+            self.set("algorithm.clip_ratio_high", value)
+        elif leaf == "name" and key.endswith("rollout.name") or leaf == "strategy_name":
+            value = {"vllm": "vllm_rollout"}.get(value, value)
+        elif leaf == "dtype":
+            value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value)
+            if role == "actor_infer":  # the engine's setting is `dtype`
+                target = "actor_infer.strategy.dtype"
+        elif leaf == "disable_gradient_checkpointing":
+            value = not value
+        elif leaf == "recompute_granularity":
+            value = value == "full"
+        elif leaf == "logger":
+            value = [name for name in (value if isinstance(value, list) else [value]) if name != "console"]
+        elif leaf == "resume_mode":
+            value = "auto" if value == "auto" else None
+        elif leaf in ("path", "name") and key.startswith("custom_reward_function"):
+            return self._reward_function(leaf, value)
+        elif key.startswith("rewards."):
+            return self._roll_reward(key, value)
+        if value is not _SKIP:
+            self.set(target, value)
+        return value
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.settings.get(key, default)
+        return default if isinstance(value, str) and value.startswith("$") else value
+
+    def _epochs_to_steps(self, epochs: int) -> Any:
+        files = self._get("data.train_files", None)
+        batch = int(self._get("data.train_batch_size", 1))
+        files = [files] if isinstance(files, str) else files or []
+        try:
+            prompts = sum(_count_rows(path) for path in files)
+        except (OSError, ValueError):
+            prompts = 0
+        if not prompts:
+            self.report.unmapped.append(f"trainer.total_epochs = {epochs}: the data files are not here; set max_steps")
+            return _SKIP
+        steps = epochs * math.ceil(prompts / batch)
+        self.set("max_steps", steps)
+        return steps
+
+    def _roll_mini_batch(self, accumulation: int) -> int:
+        micro = int(self._get("actor_train.training_args.per_device_train_batch_size", 1))
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        prefix = "actor_train.strategy_args.strategy_config"
+        model_parallel = math.prod(int(self._get(f"{prefix}.{size}", 1) or 1) for size in sizes)
+        ranks = len(_gpu_list(self._get("actor_train.device_mapping", [0])))
+        value = micro * accumulation * max(1, ranks // model_parallel)
+        self.set("algorithm.ppo_mini_batch_size", value)
+        return value
+
+    def _reward_function(self, leaf: str, value: Any) -> Any:
+        functions = self.tree["reward"].setdefault("functions", [{}])
+        functions[0][leaf] = value
+        self.tree["reward"]["by_source"] = None  # verl calls a custom function for every row
+        return value
+
+    def _roll_reward(self, key: str, value: Any) -> Any:
+        from roll_backend.rewards.source_routing import known_scorer
+
+        domain = key.split(".")[1]
+        scorer = known_scorer(domain)
+        if scorer is None:
+            self.report.unmapped.append(f"{key} = {value!r}: no built-in scorer for domain {domain!r}")
+            return _SKIP
+        table = self.tree["reward"]["by_source"]
+        table[domain] = scorer
+        if key.endswith("tag_included"):
+            table |= {str(tag): scorer for tag in value}
+        return scorer
+
+    def finish(self) -> None:
+        uses_kl = self._get("actor_rollout_ref.actor.use_kl_loss", self._get("use_kl_loss", False))
+        in_reward = self._get("algorithm.use_kl_in_reward", self._get("add_token_level_kl", False))
+        if not (uses_kl or in_reward):
+            del self.tree["reference"]
+        if self.tree["reward"]["by_source"] == {}:
+            self.tree["reward"]["by_source"] = "auto"
+        infer = self.tree["actor_infer"]
+        if infer.get("hybrid"):  # verl's colocated engine: the hybrid engine at the trainer's world size
+            infer["world_size"] = self.tree["actor_train"].get("world_size", 1)
+            if "reference" in self.tree:
+                self.tree["reference"]["world_size"] = infer["world_size"]
+        every = self.tree.get("eval", {}).get("every_steps")
+        if every and not self.tree.get("data", {}).get("val_path"):
+            del self.tree["eval"]["every_steps"]
+            self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
+        prompt = self.tree.get("data", {}).get("max_prompt_length")
+        if prompt is not None:
+            infer["strategy"].setdefault("max_prompt_length", prompt)
+            response = self.tree.get("response_length")
+            if response is not None:
+                infer["strategy"].setdefault("max_model_len", prompt + response)
+
+
+_SKIP = object()
+
+
+def _gpu_list(value: Any) -> list:
+    """ROLL's device_mapping: a list, or the text `list(range(a, b))`."""
+    if isinstance(value, list):
+        return value
+    match = re.fullmatch(r"\s*list\(range\((\d+)\s*,\s*(\d+)\)\)\s*", str(value))
+    return list(range(int(match.group(1)), int(match.group(2)))) if match else [value]
+
+
+def _count_rows(path: str) -> int:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(1 for line in Path(path).read_text().splitlines() if line.strip())

@@ -1,0 +1,221 @@
+"""`roll-backend convert`: a verl GRPO Megatron run script and a ROLL RLVR config (written here in each one's
+documented form) become configs that validate, with every input key reported as copied, converted or without an
+equivalent; unknown-key errors name the equivalent of a verl or ROLL key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from roll_backend import cli
+from roll_backend.config.loader import load_config
+from roll_backend.config.typed import ConfigError
+
+MODEL = str(Path(__file__).resolve().parents[3] / "configs" / "gpu" / "models" / "Qwen2.5-7B-Instruct")
+
+VERL_SCRIPT = """set -x
+export VLLM_ATTENTION_BACKEND=XFORMERS
+python3 -m verl.trainer.main_ppo --config-path=config \\
+    --config-name='ppo_megatron_trainer.yaml'\\
+    algorithm.adv_estimator=grpo \\
+    data.train_files="{train}" \\
+    data.val_files="$test_files" \\
+    data.train_batch_size=32 \\
+    data.max_prompt_length=1024 \\
+    data.max_response_length=2048 \\
+    data.filter_overlong_prompts=True \\
+    data.truncation='error' \\
+    actor_rollout_ref.model.path={model} \\
+    actor_rollout_ref.actor.optim.lr=1e-6 \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 \\
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 \\
+    actor_rollout_ref.actor.use_kl_loss=True \\
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \\
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \\
+    actor_rollout_ref.actor.entropy_coeff=0 \\
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \\
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 \\
+    actor_rollout_ref.rollout.name=vllm \\
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \\
+    actor_rollout_ref.rollout.n=5 \\
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2 \\
+    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 \\
+    algorithm.use_kl_in_reward=False \\
+    trainer.critic_warmup=0 \\
+    trainer.logger='["console","wandb"]' \\
+    trainer.project_name='verl_grpo_example_gsm8k' \\
+    trainer.experiment_name='qwen2_7b_megatron' \\
+    trainer.n_gpus_per_node=8 \\
+    trainer.nnodes=1 \\
+    trainer.save_freq=20 \\
+    trainer.test_freq=5 \\
+    trainer.total_epochs=3 $@
+"""
+
+ROLL_CONFIG = """
+exp_name: qwen2.5-7B-rlvr
+seed: 42
+output_dir: ./output
+save_steps: 100
+logging_steps: 1
+eval_steps: 10
+rollout_batch_size: 64
+prompt_length: 1024
+response_length: 2048
+num_return_sequences_in_group: 8
+ppo_epochs: 1
+adv_estimator: grpo
+max_steps: 500
+whiten_advantages: true
+use_kl_loss: true
+kl_loss_coef: 0.001
+pretrain: {model}
+reward_pretrain: {model}
+validation:
+  data_args:
+    template: qwen2_5
+    file_name: {val}
+  generating_args: {{top_p: 0.6, temperature: 0.6}}
+actor_train:
+  model_args: {{disable_gradient_checkpointing: false, dtype: bf16}}
+  training_args:
+    learning_rate: 1.0e-6
+    weight_decay: 0
+    per_device_train_batch_size: 2
+    gradient_accumulation_steps: 16
+    warmup_steps: 20
+  data_args:
+    template: qwen2_5
+    file_name: [{train}]
+    domain_interleave_probs: {{math_rule: 0.6, crossthinkqa: 0.4}}
+    messages: messages
+  strategy_args:
+    strategy_name: megatron_train
+    strategy_config:
+      tensor_model_parallel_size: 2
+      pipeline_model_parallel_size: 1
+      use_distributed_optimizer: true
+      recompute_granularity: full
+  device_mapping: list(range(0,8))
+  infer_batch_size: 4
+actor_infer:
+  model_args: {{dtype: bf16}}
+  generating_args:
+    max_new_tokens: ${{response_length}}
+    top_p: 0.99
+    temperature: 0.99
+    num_return_sequences: ${{num_return_sequences_in_group}}
+  strategy_args:
+    strategy_name: vllm
+    strategy_config: {{gpu_memory_utilization: 0.8, block_size: 16, max_model_len: 3072}}
+  device_mapping: list(range(0,8))
+reference:
+  model_args: {{dtype: bf16}}
+  strategy_args:
+    strategy_name: megatron_infer
+    strategy_config: {{tensor_model_parallel_size: 2}}
+  device_mapping: list(range(0,8))
+rewards:
+  math_rule:
+    worker_cls: roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker
+    tag_included: [deepmath_103k, aime]
+    world_size: 8
+  crossthinkqa:
+    worker_cls: roll.pipeline.rlvr.rewards.crossthinkqa_rule_reward_worker.CrossThinkQARuleRewardWorker
+    tag_included: [crossthinkqa]
+  llm_judge:
+    worker_cls: roll.pipeline.rlvr.rewards.llm_judge_reward_worker.LLMJudgeRewardWorker
+"""
+
+
+@pytest.fixture()
+def prompt_files(tmp_path):
+    rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": str(i)}} for i in range(100)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:10]), tmp_path / "test.parquet")
+    return str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")
+
+
+def test_a_verl_megatron_grpo_script_converts_to_a_config_that_validates(tmp_path, prompt_files, capsys):
+    script = tmp_path / "run_qwen2-7b_megatron.sh"
+    script.write_text(VERL_SCRIPT.format(train=prompt_files[0], model=MODEL))
+    out = tmp_path / "converted.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    report = (tmp_path / "converted.report.txt").read_text()
+    assert report in capsys.readouterr().out and f"{out} validates" in capsys.readouterr().out + f"{out} validates"
+    config = load_config(out, [], recipe_check=True)
+    # Copied: parallel sizes, the learning rate, sampling, the batch of prompts.
+    assert (config.actor_train.strategy.layout.tp, config.actor_train.strategy.layout.pp) == (2, 2)
+    assert (config.reference.strategy.layout.tp, config.reference.strategy.layout.pp) == (2, 2)
+    assert config.actor_infer.strategy.layout.tp == 2 and config.actor_train.strategy.config.optimizer.lr == 1e-6
+    assert config.rollout_batch_size == 32 and config.num_return_sequences_in_group == 5
+    # Converted where the meaning differs: the mini-batch counts responses; epochs become steps; GPUs become ranks
+    # on the hybrid engine (verl's colocated layout).
+    assert config.algorithm.ppo_mini_batch_size == 16 * 5
+    assert config.max_steps == 3 * 100 // 32 + 3  # 3 epochs of ceil(100 / 32) = 4 steps
+    assert config.actor_train.world_size == config.actor_infer.world_size == config.reference.world_size == 8
+    assert config.actor_infer.hybrid and config.reference.hybrid
+    assert config.reward.by_source == "auto"  # verl's default scorer picks by data source
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size = 16 -> algorithm.ppo_mini_batch_size = 80" in report
+    assert "trainer.total_epochs = 3 -> max_steps = 12" in report
+    # No equivalent, each with why; a shell variable is left to the user.
+    assert "data.truncation = 'error': prompts are never truncated here" in report
+    assert "data.val_files = $test_files: a shell variable" in report
+    assert "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 4: old log-probs run on actor_train" in report
+
+
+def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt_files):
+    source = tmp_path / "rlvr_config.yaml"
+    source.write_text(ROLL_CONFIG.format(model=MODEL, train=prompt_files[0], val=prompt_files[1]))
+    out = tmp_path / "rlvr.yaml"
+    assert cli.main(["convert", "roll", str(source), "-o", str(out)]) == 0
+    report = (tmp_path / "rlvr.report.txt").read_text()
+    config = load_config(out, [], recipe_check=True)
+    assert config.model_path == MODEL and config.max_steps == 500 and config.response_length == 2048
+    assert config.actor_infer.strategy.config.sampling.temperature == 0.99
+    assert (
+        config.actor_train.strategy.config.params_dtype == "bfloat16"
+        and config.actor_train.strategy.config.recompute_activations
+    )
+    assert config.actor_train.world_size == 8 and config.actor_train.num_gpus_per_rank == 1
+    # A mini-batch is micro-batch x accumulation x data-parallel ranks (8 GPUs / TP2 = 4).
+    assert config.algorithm.ppo_mini_batch_size == 2 * 16 * 4
+    # ROLL's reward domains and their tags route to the built-in scorers; a domain with none is reported.
+    assert config.reward.by_source == {
+        "math_rule": "math_verify",
+        "deepmath_103k": "math_verify",
+        "aime": "math_verify",
+        "crossthinkqa": "multiple_choice",
+    }
+    assert "rewards.llm_judge.worker_cls" in report and "no built-in scorer for domain 'llm_judge'" in report
+    assert "actor_train.data_args.domain_interleave_probs" in report and "mixtures weigh files here" in report
+    assert config.data.messages_key == "messages"
+
+
+def test_a_verl_or_roll_key_typed_here_names_its_equivalent():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "configs/grpo_tiny_cpu.yaml",
+            ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "data.truncation=error", "prompt_length=9"],
+        )
+    assert info.value.problems == [
+        "actor_rollout_ref: unknown key; that is a section of verl's config; `roll-backend convert verl` writes its "
+        "equivalent",
+        "prompt_length: unknown key; that is roll's key; write data.max_prompt_length instead (or roll-backend "
+        "convert)",
+        "data.train_batch_size: unknown key; that is verl's key; write rollout_batch_size instead (or roll-backend "
+        "convert)",
+        "data.truncation: unknown key; that is verl's key; it has no equivalent here (prompts are never truncated "
+        "here; longer ones are dropped)",
+    ]
+    yaml.safe_dump(info.value.problems)  # plain strings
