@@ -11,6 +11,7 @@ from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import at_last_token, last_token_index, place_on_last_token
+from roll_backend.rewards.retemplate import retemplated
 from roll_backend.workers.strategy_host import StrategyWorker
 
 
@@ -20,6 +21,10 @@ class RewardModelConfig:
 
     strategy: Any  # e.g. MegatronInferConfig(value_head=True)
     strategy_name: str = "megatron_infer"
+    # The reward model's tokenizer is not the policy's (another vocabulary or chat template): it reads the decoded
+    # responses after their prompts, rendered with its own template (rewards.retemplate); scores land on the policy's
+    # rows. False: it reads the policy's token ids as they are (same tokenizer, the fast path).
+    retemplate: bool = False
 
 
 def with_one_more_column(batch: DataProto) -> DataProto:
@@ -67,6 +72,9 @@ class RewardModelWorker(StrategyWorker):
     def compute_rewards(self, batch: DataProto) -> DataProto | None:
         """SEQUENCE_SCORES [B] (the value head at the last response token) and TOKEN_LEVEL_SCORES [B, T_resp]
         (that score on the last response token). None on ranks whose output is not collected."""
+        policy_response_mask = batch.batch[keys.RESPONSE_MASK]
+        if self.config.retemplate:
+            batch = retemplated(batch, self.tokenizer())
         out = self.strategy.compute_values(with_one_more_column(batch))
         if out is None:
             return None
@@ -77,8 +85,19 @@ class RewardModelWorker(StrategyWorker):
         }
         scores = sequence_scores(out.batch[keys.VALUES], torch.nn.functional.pad(response_mask, (0, 1)))  # [B]
         return DataProto.from_dict(
-            tensors={keys.SEQUENCE_SCORES: scores, keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, response_mask)},
+            tensors={
+                keys.SEQUENCE_SCORES: scores,
+                keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, policy_response_mask),
+            },
             meta_info={
                 keys.META_METRICS: {**counts, "reward_model/score_mean": float(scores.mean()) if len(scores) else 0.0}
             },
         )
+
+    def tokenizer(self):
+        """The reward model's own tokenizer (loaded once, from its model folder)."""
+        if getattr(self, "_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.strategy.model_path)
+        return self._tokenizer

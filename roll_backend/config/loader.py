@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from roll_backend import roles
+from roll_backend.config.device_defaults import with_device_defaults
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
 from roll_backend.config.typed import ConfigError, build, suggest, to_dict
 from roll_backend.config.validate import validate
@@ -89,7 +90,7 @@ def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
     """Type errors and unknown keys of the whole tree are reported together; the cross-field rules
     (layouts, batch splits, algorithm names) run once the tree is well-typed."""
     problems: list[str] = []
-    data = _reference_from_actor_base(dict(data), problems)
+    data = with_device_defaults(_reference_from_actor_base(dict(data), problems))
     broken_roles = []
     for role in roles.MODEL_ROLES:
         if data.get(role) is not None:

@@ -27,6 +27,21 @@ def describes_only(model_path: str) -> bool:
     )
 
 
+def same_tokenizer(path: str, other: str) -> bool:
+    """Whether two model folders tokenize alike: the same vocabulary, special tokens and chat template (so one
+    model's token ids mean the same text to the other)."""
+    from transformers import AutoTokenizer
+
+    if Path(path).resolve() == Path(other).resolve():
+        return True
+    first, second = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(other)
+    return (
+        first.get_vocab() == second.get_vocab()
+        and first.all_special_ids == second.all_special_ids
+        and first.chat_template == second.chat_template
+    )
+
+
 def data_files(config: PipelineConfig) -> list[str]:
     """The prompt files the run reads: data.train_path (one file or a mixture's) and data.val_path."""
     train = config.data.train_path

@@ -342,6 +342,20 @@ def _check_eval(config: PipelineConfig, problems: list[str], recipe_check: bool 
         )
 
 
+def _check_colocated_gpus(model_roles: dict[str, RoleConfig | None], problems: list[str]) -> None:
+    """Colocated roles share each rank's bundle: their GPU shares must fit one GPU."""
+    for host in {role.colocate_with for role in model_roles.values() if role and role.colocate_with in model_roles}:
+        members = {n: r for n, r in model_roles.items() if r and (n == host or r.colocate_with == host)}
+        total = sum(r.num_gpus_per_rank for r in members.values())
+        if total > 1:
+            shares = ", ".join(f"{n} {r.num_gpus_per_rank:g}" for n, r in members.items())
+            problems.append(
+                f"roles colocated with {host}: their GPU shares per rank sum to {total:g} ({shares}); colocated ranks "
+                "share one GPU, so give each a share (e.g. 0.5 each), or drop colocate_with to give each role GPUs "
+                "of its own"
+            )
+
+
 def _check_train_path(config: PipelineConfig, problems: list[str], recipe_check: bool = False) -> None:
     """One prompt file, or a mixture whose every entry exists (or is on the machine that runs a recipe checked
     elsewhere: `_data_elsewhere`) and has a positive weight."""
@@ -398,9 +412,10 @@ def _check_distillation(config: PipelineConfig, problems: list[str]) -> None:
 
 
 def _check_same_vocabulary(config: PipelineConfig, problems: list[str]) -> None:
-    """A teacher and a reward model read the policy's token ids: their vocabularies must be the policy's."""
+    """A teacher reads the policy's token ids: its vocabulary must be the policy's. (A reward model with another
+    tokenizer reads the responses as text: model_folders.same_tokenizer.)"""
     policy = run_facts(config, roles.ACTOR_TRAIN).model_config or {}
-    for name in (roles.TEACHER, roles.REWARD_MODEL):
+    for name in (roles.TEACHER,):
         if getattr(config, name) is None:
             continue
         other = run_facts(config, name).model_config or {}
@@ -486,6 +501,7 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
                         f"{name}.colocate_with={role.colocate_with!r}: world sizes differ ({role.world_size} vs "
                         f"{other.world_size}); colocated roles share bundles rank by rank"
                     )
+    _check_colocated_gpus(model_roles, problems)
     _check_train_path(config, problems, recipe_check)
     if not config.model_path and config.build_tiny_model is None:
         problems.append("model_path is empty; point it at a Hugging Face model folder")

@@ -179,11 +179,21 @@ def _role_workers(config: PipelineConfig) -> dict[str, tuple[type, Any]]:
     if config.reward_model is not None:
         workers[roles.REWARD_MODEL] = (
             RewardModelWorker,
-            RewardModelConfig(**_strategy_for_run(config, roles.REWARD_MODEL)),
+            RewardModelConfig(**_strategy_for_run(config, roles.REWARD_MODEL), retemplate=_retemplates(config)),
         )
     if config.teacher is not None:  # log-probs of the student's samples, as a reference computes them
         workers[roles.TEACHER] = (ReferenceWorker, ReferenceConfig(**_strategy_for_run(config, roles.TEACHER)))
     return workers
+
+
+def _retemplates(config: PipelineConfig) -> bool:
+    """A reward model whose tokenizer is not the policy's reads decoded responses in its own chat template."""
+    from roll_backend.config.model_folders import same_tokenizer
+
+    other = not same_tokenizer(config.actor_train.model_path, config.reward_model.model_path)
+    if other:
+        logger.info("reward_model: its tokenizer is not the policy's; it scores the decoded responses re-templated")
+    return other
 
 
 def _hybrid_config(config: PipelineConfig, workers: dict[str, tuple[type, Any]]) -> HybridConfig:

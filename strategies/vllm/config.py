@@ -132,6 +132,13 @@ class VllmRolloutConfig:
         except ValueError as exc:
             return [f"{where}: {exc}"]
         problems = []
+        needed = (self.max_prompt_length or run.max_prompt_length) + run.response_length
+        if not run.multi_turn and self.max_model_len < needed:
+            problems.append(
+                f"{where}.max_model_len={self.max_model_len} holds fewer tokens than the longest prompt "
+                f"({self.max_prompt_length or run.max_prompt_length}) plus the response ({run.response_length}); set "
+                f"it to at least {needed} (or leave it unset: that is its default)"
+            )
         layout = run.layout
         if layout.vpp is not None or layout.cp > 1:
             problems.append(

@@ -4,6 +4,8 @@ read at the last response token, placed there in TOKEN_LEVEL_SCORES, and unaffec
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,3 +134,95 @@ def test_scores_ignore_padding_and_depend_on_the_last_token(reward_model):
     changed = [(prompt, response[:-1] + [response[-1] + 40]) for prompt, response in ROWS]
     moved = reward_model.call(RewardModelWorker.compute_rewards, layout_rows(changed)).batch[keys.SEQUENCE_SCORES]
     assert (moved - base).abs().min() > 1e-6
+
+
+# ---- a reward model with its own tokenizer and chat template ---------------------------------------------------
+
+OTHER_TEMPLATE = (  # not the policy's Qwen-style template: plain role headers, no special tokens around turns
+    "{% for message in messages %}{{ message['role'] | upper + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
+)
+CONVERSATIONS = [  # (prompt as the policy saw it, the response text the policy wrote)
+    ([{"role": "system", "content": "be brief."}, {"role": "user", "content": "copy 7"}], "7"),
+    ([{"role": "user", "content": "add 12 and 30"}], "it is 42"),
+    ("copy 3", ""),  # a raw-text prompt and an empty response
+    ([{"role": "user", "content": "say the longest word you know"}], "pneumonoultramicroscopic"),
+]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_reward_model(tmp_path_factory) -> str:
+    """A BPE reward model (the policy's tokenizer is a char one) whose chat template is another than the policy's."""
+    import json
+
+    folder = build_tiny_reward_model(tmp_path_factory.mktemp("rm_bpe") / "rm", TinyModelSpec(seed=5, tokenizer="bpe"))
+    config_file = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["chat_template"] = OTHER_TEMPLATE
+    config_file.write_text(json.dumps(tokenizer_config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return str(folder)
+
+
+def test_a_reward_model_with_another_tokenizer_scores_the_decoded_responses_as_transformers(
+    make_group, other_tokenizer_reward_model
+):
+    import numpy as np
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from roll_backend.config.model_folders import same_tokenizer
+    from roll_backend.models.tiny import build_char_tokenizer
+    from roll_backend.rewards.retemplate import as_messages
+
+    rm_tokenizer = AutoTokenizer.from_pretrained(other_tokenizer_reward_model)
+    assert rm_tokenizer.chat_template == OTHER_TEMPLATE
+    hf = AutoModelForSequenceClassification.from_pretrained(other_tokenizer_reward_model, dtype=torch.float32).eval()
+    with torch.no_grad():  # the whole conversation as the reward model's template renders it, scored at its end
+        expected = torch.tensor(
+            [
+                float(
+                    hf(
+                        torch.tensor(
+                            [
+                                rm_tokenizer.apply_chat_template(
+                                    [*as_messages(prompt), {"role": "assistant", "content": text}], tokenize=True
+                                )["input_ids"]
+                            ]
+                        )
+                    ).logits[0, 0]
+                )
+                for prompt, text in CONVERSATIONS
+            ]
+        )
+    # The policy's rows: its own (char) token ids, which the reward model must not read.
+    policy = build_char_tokenizer()
+    rows = [
+        (policy.encode(str(prompt), add_special_tokens=False)[:6] or [1], policy.encode(text)[:5] or [2])
+        for prompt, text in CONVERSATIONS
+    ]
+    batch = layout_rows(rows)
+    prompts = np.empty(len(CONVERSATIONS), dtype=object)
+    prompts[:] = [prompt for prompt, _ in CONVERSATIONS]
+    batch.non_tensor_batch[keys.PROMPT_TEXT] = prompts
+    batch.non_tensor_batch[keys.RESPONSE_TEXT] = np.array([text for _, text in CONVERSATIONS], dtype=object)
+    config = RewardModelConfig(
+        strategy=MegatronInferConfig(
+            model_path=other_tokenizer_reward_model, micro_batch_size=2, value_head=True, value_head_init="score_head"
+        ),
+        retemplate=True,
+    )
+    group = make_group(RewardModelWorker, 2, ParallelLayout(tp=2), role="reward_model", worker_config=config)
+    group.call(RewardModelWorker.init_model)
+    out = group.call(RewardModelWorker.compute_rewards, batch)
+    assert expected.std() > 0.05
+    assert torch.allclose(out.batch[keys.SEQUENCE_SCORES], expected, atol=1e-5, rtol=0)
+    # Scores land on the policy's rows: the last token of each policy response.
+    token_level = out.batch[keys.TOKEN_LEVEL_SCORES]
+    assert token_level.shape == batch.batch[keys.RESPONSE_MASK].shape
+    for row, (_, response) in enumerate(rows):
+        assert token_level[row, len(response) - 1] == out.batch[keys.SEQUENCE_SCORES][row]
+    # The driver tells the two tokenizers apart (the same-tokenizer fast path stays for equal ones).
+    policy_dir = Path(other_tokenizer_reward_model).parent / "policy_tokenizer"
+    policy.save_pretrained(policy_dir)
+    assert not same_tokenizer(str(policy_dir), other_tokenizer_reward_model)
+    assert same_tokenizer(other_tokenizer_reward_model, other_tokenizer_reward_model)
