@@ -64,6 +64,10 @@ class AgenticConfig:
     (tools without an environment) at a reply with no tool call."""
 
     env: EnvSpec | None = None  # where the environment comes from: gem, gymnasium or path + name
+    # Several environments in one run (ROLL's env tags): name -> environment, each row's extra_info[env_key] naming
+    # its own; rows without one take `env`.
+    envs: dict[str, EnvSpec] = field(default_factory=dict)
+    env_key: str = "env"  # the extra_info key whose value names a row's environment among `envs`
     tools: tuple[ToolSpec, ...] = ()  # each {builtin: python | calculator, kwargs} or {path, name}
     agent: AgentSpec | None = None  # an agent function that runs its own loop against the rollout's endpoint
     max_turns: int = 4  # assistant turns per trajectory
@@ -86,9 +90,9 @@ class AgenticConfig:
     sandbox: SandboxSettings = SandboxSettings()  # where model-written code runs: bubblewrap | remote | process
 
     def __post_init__(self):
-        if self.env is None and not self.tools and self.agent is None:
+        if self.env is None and not self.envs and not self.tools and self.agent is None:
             raise ValueError("agentic needs an `env`, `tools` or an `agent`; e.g. env: {gymnasium: FrozenLake-v1}")
-        if self.agent is not None and (self.env is not None or self.tools):
+        if self.agent is not None and (self.env is not None or self.envs or self.tools):
             raise ValueError(
                 "agentic.agent runs its own loop (with its own tools and environment); remove agentic.env and "
                 "agentic.tools, or drop the agent"
@@ -119,6 +123,8 @@ class AgenticConfig:
         from roll_backend.rewards.user_functions import RewardFunctionSpec, check_spec
 
         problems = self.env.problems(f"{where}.env") if self.env is not None else []
+        for name, env in self.envs.items():
+            problems += env.problems(f"{where}.envs.{name}")
         for index, tool in enumerate(self.tools):
             if tool.builtin is not None and tool.builtin not in BUILTIN_TOOLS:
                 problems.append(

@@ -57,6 +57,7 @@ class Trajectory:
     error: str | None = None
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_reward: float = 0.0  # stateful tools' reward for the trajectory so far (their `reward(instance_id)`)
     env_seconds: float = 0.0
     later_turn_input_tokens: int = 0  # what the engine computed to start turns 2, 3, ... (the rest: its KV cache)
     done: bool = False
@@ -65,9 +66,11 @@ class Trajectory:
     call: _Call | None = field(default=None, repr=False)  # the admission it came with
 
     def reward(self, mode: str) -> float:
+        """The environment's reward (summed over steps, or its last), plus the stateful tools' reward."""
         if not self.rewards:
-            return 0.0
-        return float(sum(self.rewards)) if mode == "sum" else float(self.rewards[-1])
+            return self.tool_reward
+        env = float(sum(self.rewards)) if mode == "sum" else float(self.rewards[-1])
+        return env + self.tool_reward
 
 
 @dataclass
@@ -103,6 +106,8 @@ class AgenticRollout:
         else:
             spec = EpisodeSpec(
                 env=config.env,
+                envs=tuple(config.envs.items()),
+                env_key=config.env_key,
                 tools=tuple(config.tools),
                 tool_timeout_s=config.step_timeout_s,
                 observation_template=config.observation_template,
@@ -223,7 +228,7 @@ class AgenticRollout:
 
     def first_messages(self, traj: Trajectory, outcome: Outcome) -> list[dict]:
         messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        if self.config.env is not None:
+        if self.config.env is not None or self.config.envs:
             return messages + outcome.messages
         prompt = traj.task["prompt"]
         return messages + (list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}])
@@ -318,6 +323,7 @@ class _Loop:
 
     def _reset(self, traj: Trajectory, outcome: Outcome) -> None:
         traj.env_seconds += outcome.seconds
+        traj.tool_reward = outcome.tool_reward
         traj.conv = self.rollout.turns.start(self.rollout.first_messages(traj, outcome))
         prompt = len(traj.conv.current.prompt_ids)
         width = self.rollout.prompt_width
@@ -383,6 +389,7 @@ class _Loop:
     def _acted(self, traj: Trajectory, outcome: Outcome) -> None:
         traj.env_seconds += outcome.seconds
         traj.rewards.append(outcome.reward)
+        traj.tool_reward = outcome.tool_reward
         traj.tool_calls += outcome.tool_calls
         traj.tool_errors += outcome.tool_errors
         if outcome.success is not None:
@@ -528,6 +535,8 @@ def new_messages(recorded: list[dict], request: list[dict], turn: int) -> list[d
 def _label(config: AgenticConfig) -> str:
     if config.agent is not None:
         return f"agent {config.agent.path}:{config.agent.name}"
-    if config.env is not None:
-        return f"environment {config.env.label}"
+    if config.env is not None or config.envs:
+        return "environments " + ", ".join(
+            env.label for env in [*([config.env] if config.env else []), *config.envs.values()]
+        )
     return "tools " + ", ".join(spec.label for spec in config.tools)

@@ -6,6 +6,7 @@ turns every failure into a tool message for the model instead of an exception fo
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import math
@@ -260,9 +261,10 @@ def _argument_descriptions(doc: str) -> dict[str, str]:
     return described
 
 
-def load_user_tools(path: str, names: Sequence[str]) -> list[Tool]:
+def load_user_tools(path: str, names: Sequence[str], kwargs: Mapping[str, Any] | None = None) -> list[Tool]:
     """The tools `names` defined in `path` (a .py file or an importable module): tool objects (name, description,
-    parameters, __call__), tool classes (made with no arguments), or plain functions (see FunctionTool)."""
+    parameters, __call__ or the stateful create / execute), tool classes (made with `kwargs`), or plain functions
+    (see FunctionTool)."""
     module = _import_user_module(path)
     tools = []
     for name in names:
@@ -270,7 +272,7 @@ def load_user_tools(path: str, names: Sequence[str]) -> list[Tool]:
         if obj is None:
             defined = sorted(n for n, v in vars(module).items() if not n.startswith("_") and _is_defined_in(v, module))
             raise ValueError(f"tools file {path!r} defines no {name!r}; it defines: {', '.join(defined) or 'nothing'}")
-        tools.append(_as_tool(obj, f"{path}:{name}"))
+        tools.append(_as_tool(obj, f"{path}:{name}", kwargs))
     return tools
 
 
@@ -279,12 +281,19 @@ def _is_defined_in(value: Any, module: types.ModuleType) -> bool:
 
 
 def _is_tool_like(obj: Any) -> bool:
-    return all(hasattr(obj, attr) for attr in ("name", "description", "parameters")) and callable(obj)
+    described = all(hasattr(obj, attr) for attr in ("name", "description", "parameters"))
+    return described and (callable(obj) or is_stateful(obj))
 
 
-def _as_tool(obj: Any, where: str) -> Tool:
+def is_stateful(tool: Any) -> bool:
+    """A tool with an instance per trajectory (verl's BaseTool): `create(instance_id, **create_kwargs)`,
+    `execute(instance_id, **arguments)`, and optionally `reward(instance_id)` and `release(instance_id)`."""
+    return callable(getattr(tool, "create", None)) and callable(getattr(tool, "execute", None))
+
+
+def _as_tool(obj: Any, where: str, kwargs: Mapping[str, Any] | None = None) -> Tool:
     if inspect.isclass(obj):
-        obj = obj()
+        obj = obj(**(kwargs or {}))
     if _is_tool_like(obj):
         return obj
     if inspect.isfunction(obj) or inspect.isbuiltin(obj):
@@ -383,7 +392,13 @@ class ToolBox:
     """The tools of one rollout: their schemas for the chat template, and `execute`, which never raises: an
     unknown tool, bad arguments, a raising or slow tool each become an error result the model reads."""
 
-    def __init__(self, tools: Sequence[Tool], timeout_s: float = 30.0, max_result_chars: int = 16_000):
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        timeout_s: float = 30.0,
+        max_result_chars: int = 16_000,
+        instance_id: str | None = None,  # the trajectory's instance of each stateful tool
+    ):
         names = [tool.name for tool in tools]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
@@ -392,6 +407,7 @@ class ToolBox:
             raise ValueError(f"timeout_s={timeout_s!r} and max_result_chars={max_result_chars!r} must be positive")
         self.tools = {tool.name: tool for tool in tools}
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
+        self.instance_id = instance_id
 
     def schemas(self) -> list[dict]:
         return [tool_schema(tool) for tool in self.tools.values()]
@@ -405,7 +421,8 @@ class ToolBox:
         problem = argument_problem(tool.parameters, call.arguments)
         if problem:
             return self._result(call.name, f"tool {call.name!r}: {problem}", True, started)
-        finished, outcome = _call_with_timeout(tool, call.arguments, self.timeout_s)
+        run = functools.partial(tool.execute, self.instance_id) if is_stateful(tool) else tool
+        finished, outcome = _call_with_timeout(run, call.name, call.arguments, self.timeout_s)
         if not finished:
             message = f"tool {call.name!r} did not finish within {self.timeout_s:g}s and was abandoned"
             return self._result(call.name, message, True, started)
@@ -450,7 +467,7 @@ def _has_json_type(value: Any, expected: str) -> bool:
     return python_type is None or isinstance(value, python_type)
 
 
-def _call_with_timeout(tool: Tool, arguments: Mapping, timeout_s: float) -> tuple[bool, Any]:
+def _call_with_timeout(tool: Callable, name: str, arguments: Mapping, timeout_s: float) -> tuple[bool, Any]:
     """(True, the return value or the exception raised), or (False, None) past `timeout_s`. A tool past its time
     keeps running in its daemon thread: Python cannot stop a thread (the python tool ends its process itself)."""
     box: list = []
@@ -461,7 +478,7 @@ def _call_with_timeout(tool: Tool, arguments: Mapping, timeout_s: float) -> tupl
         except BaseException as exc:  # handed to the caller as the outcome, never lost
             box.append(exc)
 
-    thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
+    thread = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
     thread.start()
     thread.join(timeout_s)
     return (True, box[0]) if box else (False, None)

@@ -82,6 +82,7 @@ def trajectory_metrics(trajs: list, reward_mode: str) -> dict[str, float]:
         "agentic/truncated_fraction": float(np.mean([t.truncated for t in trajs])),
         "agentic/tool_calls_count": float(sum(t.tool_calls for t in trajs)),
         "agentic/tool_errors_count": float(sum(t.tool_errors for t in trajs)),
+        "agentic/tool_reward_mean": float(np.mean([t.tool_reward for t in trajs])),  # stateful tools' share
         "agentic/env_errors_count": float(sum(t.error is not None for t in trajs)),
         "agentic/template_breaks_count": float(sum(t.conv.breaks for t in trajs)),
         "agentic/env_seconds": float(sum(t.env_seconds for t in trajs)),

@@ -36,3 +36,36 @@ async def two_turn_agent(task, client, follow_up: str = "and now?"):
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow_up}]
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     return float(len(reply))
+
+
+class CounterTool:
+    """A stateful tool (verl's create / execute / calc_reward / release): an instance per trajectory, created with
+    the row's `bonus`; its reward is the bonus plus 1 per call. Writes each create and release to `log` (a file) so a
+    test sees the lifecycle across the worker processes."""
+
+    name = "counter"
+    description = "Count a call."
+    parameters = {"type": "object", "properties": {"step": {"type": "integer"}}, "required": []}
+
+    def __init__(self, log: str):
+        self.log, self.instances = log, {}
+
+    def _write(self, line: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(line + "\n")
+
+    def create(self, instance_id, bonus: float = 0.0):
+        self.instances[instance_id] = {"bonus": float(bonus), "calls": 0}
+        self._write(f"create {instance_id} {bonus}")
+
+    def execute(self, instance_id, step: int = 1):
+        self.instances[instance_id]["calls"] += step
+        return f"counted {self.instances[instance_id]['calls']}"
+
+    def reward(self, instance_id):
+        state = self.instances[instance_id]
+        return state["bonus"] + state["calls"]
+
+    def release(self, instance_id):
+        del self.instances[instance_id]
+        self._write(f"release {instance_id}")

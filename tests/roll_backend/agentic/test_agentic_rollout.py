@@ -382,3 +382,30 @@ def test_agent_functions_stream_too(rollout, tokenizer):
             assert [value for value, _, _ in runs(sampled[row][:present].tolist())] == [1, 0, 1]
         versions = batch.batch[keys.TOKEN_POLICY_VERSION]
         assert torch.equal(versions, torch.where(sampled.bool(), 0, -1))
+
+
+TWO_ENVS_YAML = """
+envs:
+  short: {{path: agentic_fixtures, name: CountdownEnv, kwargs: {{start: 1}}}}
+  long: {{path: agentic_fixtures, name: CountdownEnv, kwargs: {{start: 2}}}}
+env_key: game
+tools: [{{path: agentic_fixtures, name: CounterTool, kwargs: {{log: {log}}}}}]
+max_turns: 3
+max_tokens_per_turn: 4
+"""
+
+
+def test_rows_choose_their_environment_and_stateful_tool_rewards_join_the_trajectorys(rollout, tmp_path):
+    """Two environments from YAML, each row naming its own (ROLL's env tags), and a stateful tool created per
+    trajectory with the row's tools_kwargs (verl's), its reward added to the environment's and released at the end."""
+    log = tmp_path / "tool.log"
+    config = build(AgenticConfig, yaml.safe_load(TWO_ENVS_YAML.format(log=log)))
+    bonus = {"tools_kwargs": {"counter": {"create_kwargs": {"bonus": 0.25}}}}
+    rows = [{"extra_info": {"seed": 1, "game": "short", **bonus}}, {"extra_info": {"seed": 2, "game": "long"}}]
+    batch = generate(rollout, config, prompts(rows))
+    # short ends at its first action, long at its second; each pays 1 at zero; the first row's tool adds its bonus
+    assert batch.batch[keys.ENV_REWARDS].tolist() == [1.25] * N + [1.0] * N
+    assert metric(batch, "agentic/turns_mean") == pytest.approx((1 + 2) / 2)
+    assert metric(batch, "agentic/tool_reward_mean") == pytest.approx(0.25 / 2)
+    events = [line.split()[0] for line in log.read_text().splitlines()]
+    assert events.count("create") == events.count("release") == 2 * N  # one instance per trajectory, all released

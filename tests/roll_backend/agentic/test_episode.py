@@ -71,3 +71,38 @@ def test_the_config_names_unknown_tools_envs_and_agents_before_running_anything(
     assert problems[2].startswith("agentic.tools[1].path=")
     with pytest.raises(ValueError, match="agentic needs an `env`, `tools` or an `agent`"):
         AgenticConfig()
+
+
+def test_a_stateful_tool_lives_one_trajectory_with_the_rows_arguments_and_its_reward(tmp_path):
+    log = tmp_path / "lifecycle.log"
+    tool = ToolSpec(path="agentic_fixtures", name="CounterTool", kwargs={"log": str(log)})
+    spec = EpisodeSpec(env=None, tools=(tool,))
+    first, second = Episode(spec), Episode(spec)
+    row = {"prompt": "p", "extra_info": {"tools_kwargs": {"counter": {"create_kwargs": {"bonus": 0.5}}}}}
+    assert first.reset(None, row).tool_reward == 0.5  # created with the row's arguments
+    assert second.reset(None, {"prompt": "q", "extra_info": {}}).tool_reward == 0.0  # the tool's own default
+    turn = first.act(call("counter", step=2))
+    assert turn.messages[0]["content"] == "counted 2" and turn.tool_reward == 2.5  # its own instance's state
+    assert second.act(call("counter")).tool_reward == 1.0  # the other trajectory's instance is apart
+    final = first.act("done")
+    assert final.done and final.tool_reward == 2.5
+    first.close()
+    second.close()
+    events = [line.split() for line in log.read_text().splitlines()]
+    assert [event[0] for event in events] == ["create", "create", "release", "release"]
+    assert {events[0][1], events[1][1]} == {events[2][1], events[3][1]}  # each instance released once
+    assert events[0][2] == "0.5"
+
+
+def test_the_row_names_its_environment_among_several(tmp_path):
+    envs = (
+        ("short", EnvSpec(path="agentic_fixtures", name="CountdownEnv", kwargs={"start": 1})),
+        ("long", EnvSpec(path="agentic_fixtures", name="CountdownEnv", kwargs={"start": 3})),
+    )
+    spec = EpisodeSpec(env=None, envs=envs, env_key="game")
+    short, long = Episode(spec), Episode(spec)
+    assert short.reset(1, {"extra_info": {"game": "short"}}).messages[0]["content"] == "count 1"
+    assert long.reset(1, {"extra_info": {"game": "long"}}).messages[0]["content"] == "count 3"
+    assert short.act("go").done and not long.act("go").done
+    with pytest.raises(ValueError, match=r"extra_info\['game'\]='chess' names no environment of agentic.envs"):
+        Episode(spec).reset(1, {"extra_info": {"game": "chess"}})
