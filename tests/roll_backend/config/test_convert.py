@@ -219,3 +219,11 @@ def test_a_verl_or_roll_key_typed_here_names_its_equivalent():
         "here; longer ones are dropped)",
     ]
     yaml.safe_dump(info.value.problems)  # plain strings
+
+
+def test_the_coming_from_page_lists_every_key_of_the_table():
+    from roll_backend.config.foreign_keys import FRAMEWORKS
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "coming_from_verl_roll.md").read_text()
+    missing = [rule.pattern for rules in FRAMEWORKS.values() for rule in rules if f"| `{rule.pattern}` |" not in page]
+    assert not missing, f"docs/coming_from_verl_roll.md lacks {missing}; regenerate its key map"
