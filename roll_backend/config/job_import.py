@@ -125,7 +125,7 @@ class _Job:
             parts.pop()
             parent = rule_for(self.framework, ".".join(parts))
             rule = parent if parent is not None and parent.target is None else None
-        if isinstance(value, str) and value.startswith("$"):
+        if _shell_variable(value):
             self.report.unmapped.append(f"{key} = {value}: a shell variable; set the value in the output yourself")
             return
         if rule is None or rule.target is None:
@@ -187,7 +187,7 @@ class _Job:
 
     def _get(self, key: str, default: Any) -> Any:
         value = self.settings.get(key, default)
-        return default if isinstance(value, str) and value.startswith("$") else value
+        return default if _shell_variable(value) else value
 
     def _epochs_to_steps(self, epochs: int) -> Any:
         files = self._get("data.train_files", None)
@@ -259,6 +259,13 @@ class _Job:
 
 
 _SKIP = object()
+
+
+def _shell_variable(value: Any) -> bool:
+    """A value the run script takes from a shell variable (`$train_files`, or a list of them): not known here."""
+    if isinstance(value, list):
+        return any(_shell_variable(item) for item in value)
+    return isinstance(value, str) and value.startswith("$")
 
 
 def _gpu_list(value: Any) -> list:
