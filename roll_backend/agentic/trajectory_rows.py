@@ -100,7 +100,11 @@ def tasks_of(batch: DataProto) -> list[dict]:
     pick = lambda name, default: list(columns[name]) if name in columns else [default] * rows  # noqa: E731
     prompts, answers, extras = pick(keys.PROMPT_TEXT, ""), pick(keys.ANSWER, ""), pick(keys.EXTRA_INFO, None)
     return [
-        {"prompt": plain_prompt(p), "answer": str(a), "extra_info": dict(e) if isinstance(e, dict) else {}}
+        {
+            "prompt": plain_prompt(p),
+            "answer": "" if a is None else str(a),
+            "extra_info": dict(e) if isinstance(e, dict) else {},
+        }
         for p, a, e in zip(prompts, answers, extras)
     ]
 

@@ -118,8 +118,9 @@ def _needed_columns(layout: RowLayout, answer_needed: bool) -> list[tuple[str, t
     if answer_needed:
         if layout.answer_key is None:
             raise DataError(
-                "data.answer_key is null but a reward compares responses with a reference answer (a built-in such as "
-                "math_verify, or reward.functions); name the answer column"
+                "data.answer_key is null but the run needs a reference answer (a built-in reward such as math_verify "
+                "compares with it; sft trains on it; reward_model and dpo take it as the chosen response); name the "
+                "answer column"
             )
         needed.append((repr(layout.answer_key), (layout.answer_key,)))
     return needed

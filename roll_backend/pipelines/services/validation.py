@@ -103,10 +103,10 @@ class Validation:
                     "data_source": str(columns[keys.DATA_SOURCE][i]),
                     "prompt": _jsonable(columns[keys.PROMPT_TEXT][i]),
                     "response": text,
-                    "answer": str(columns[keys.ANSWER][i]),
+                    "answer": columns[keys.ANSWER][i],  # as the data stored it (None: no answer)
                     "reward": reward,
                 }
-                out.write(json.dumps(row) + "\n")
+                out.write(json.dumps(row, default=str) + "\n")
 
 
 def _jsonable(prompt):
