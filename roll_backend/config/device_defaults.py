@@ -51,8 +51,10 @@ def _gpus(section: Any) -> float:
 def _filled(settings: dict, defaults: dict) -> dict:
     out = dict(settings)
     for key, value in defaults.items():
-        if isinstance(value, dict):
-            out[key] = _filled(out.get(key) or {}, value) if isinstance(out.get(key) or {}, dict) else out[key]
+        if isinstance(value, dict):  # a nested section (optimizer): fill inside it; a non-mapping is typed later
+            inner = out.get(key) or {}
+            if isinstance(inner, dict):
+                out[key] = _filled(inner, value)
         else:
             out.setdefault(key, value)
     return out

@@ -152,7 +152,8 @@ def test_a_verl_megatron_grpo_script_converts_to_a_config_that_validates(tmp_pat
     out = tmp_path / "converted.yaml"
     assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
     report = (tmp_path / "converted.report.txt").read_text()
-    assert report in capsys.readouterr().out and f"{out} validates" in capsys.readouterr().out + f"{out} validates"
+    printed = capsys.readouterr().out
+    assert report in printed and f"{out} validates" in printed
     config = load_config(out, [], recipe_check=True)
     # Copied: parallel sizes, the learning rate, sampling, the batch of prompts.
     assert (config.actor_train.strategy.layout.tp, config.actor_train.strategy.layout.pp) == (2, 2)
