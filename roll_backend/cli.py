@@ -94,6 +94,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---- plan -----------------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Each role's planned memory per rank and each device's by phase (roll_backend/config/run_memory.py); exit 2
+    when it does not fit the declared device memory (`device_memory_gib`, or --device-memory-gib)."""
+    from roll_backend.config.run_memory import render
+
+    overrides = list(args.overrides)
+    if args.device_memory_gib is not None:
+        overrides.append(f"device_memory_gib={args.device_memory_gib}")
+    config = _load(args.config, overrides, recipe_check=True)  # (a plan that does not fit is a CliError here)
+    print(render(config))
+    return EXIT_OK
+
+
 # ---- run ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
@@ -361,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="print the resolved config, or every problem in it (exit 2)")
     with_config(validate)
     validate.set_defaults(handler=cmd_validate)
+
+    plan = commands.add_parser("plan", help="print each rank's planned memory (model state, activations, KV cache)")
+    plan.add_argument("--device-memory-gib", type=float, metavar="GIB", help="check it against devices of this size")
+    with_config(plan)
+    plan.set_defaults(handler=cmd_plan)
 
     evaluation = commands.add_parser(
         "eval", help="validate a model or checkpoint on data.val_path alone (add checkpoint=PATH or checkpoint=auto)"

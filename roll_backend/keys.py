@@ -73,4 +73,6 @@ META_VALIDATE = "validate"  # bool: the rollout samples with its validation sett
 META_MAX_TOKENS_PER_MICROBATCH = "max_tokens_per_microbatch"  # int, or None for fixed-size micro-batches
 META_SEQUENCE_PACKING = "use_sequence_packing"  # bool: micro-batches pack sequences without padding
 META_BASE_MODEL = "base_model"  # bool: a LoRA strategy's forward runs the frozen base, adapters off (the reference)
+# bool: the Megatron phases of this call count the memory they allocate (a CPU rank's count costs time; a GPU's is free)
+META_MEASURE_MEMORY = "measure_memory"
 META_LIVE_ROUTES = "live_routes"  # bool: a MoE forward routes live whatever router_replay says (weight-sync probe)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +55,53 @@ class RunFacts:
     adapter_rank: int | None = None  # the rollout receives LoRA adapters of this rank (lora.sync: adapter), not weights
     exports_adapters: bool = False  # the run writes the role's LoRA adapters as a PEFT folder at its end
     hybrid: bool = False  # the role runs in actor_train's processes (the hybrid engine), handing the device over
+    device_memory: int | None = None  # bytes of each device the run declares (device_memory_gib), None: not declared
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The memory plan of some ranks of a role (`ranks` says which: "every rank", "pp stage 1 of 2"), in bytes per
+    device: the model state it holds between calls by part, and each phase's peak on top of it by term."""
+
+    ranks: str
+    state: Mapping[str, int]  # "params", "grads", "optimizer" (a rollout engine: "weights")
+    phases: Mapping[str, Mapping[str, int]]  # "train", "forward", "generate" -> term -> bytes
+    offloaded: frozenset[str] = frozenset()  # state parts that wait in host memory while another role has the device
+    # A rollout engine that takes a fixed share of the device whatever its terms (vLLM's gpu_memory_utilization)
+    reserved: int | None = None
+    hints: Mapping[str, str] = field(default_factory=dict)  # term or part -> the settings that shrink it
+    notes: tuple[str, ...] = ()  # what the plan assumed or could not know
+
+    def phase_peak(self, phase: str) -> int:
+        """The device bytes of this rank during `phase`: the engine's reservation, or its state plus the phase's
+        terms."""
+        if self.reserved is not None:
+            return self.reserved
+        return sum(self.state.values()) + sum(self.phases.get(phase, {}).values())
+
+    def resident(self, offloading: bool) -> int:
+        """What stays on the device while another role runs: the state less the parts it offloads (`offloading`:
+        the role hands the device over, as a hybrid role does)."""
+        if self.reserved is not None and not offloading:
+            return self.reserved
+        kept = {part: size for part, size in self.state.items() if not (offloading and part in self.offloaded)}
+        return sum(kept.values())
+
+
+class MemoryPlanner(Protocol):
+    """A strategy's memory planner (strategies.registry.STRATEGY_MEMORY: a module with these functions), before
+    anything starts and beside what its ranks measure."""
+
+    def plan(self, cfg: StrategyConfig, run: RunFacts) -> list[RankMemory]:
+        """What each kind of rank of the role will hold on its device in this run ([] when the model's config is not
+        known)."""
+
+    def planned_at(self, cfg: StrategyConfig, run: RunFacts, measured: Mapping[str, Any]) -> dict[str, int]:
+        """The plan of the rank that reported `measured` (InferStrategy.measured_memory) at the micro-batches that
+        ran: {"model_state": bytes, <phase>: bytes on top}; {} for a strategy that does not measure."""
+
+    def problems(self, cfg: StrategyConfig, run: RunFacts, planned: list[RankMemory]) -> list[str]:
+        """What in the plan keeps the role from starting on its device (e.g. a KV cache that holds no sequence)."""
 
 
 class StrategyConfig(Protocol):
@@ -76,6 +123,11 @@ class Strategy:
     def call_context(cls, device: str) -> contextlib.AbstractContextManager:
         """What a rank enters around each call into this strategy on `device` (nothing by default)."""
         return contextlib.nullcontext()
+
+    def measured_memory(self) -> dict[str, Any]:
+        """This rank's measured memory (see InferStrategy.measured_memory); nothing for a strategy that does not
+        measure."""
+        return {"model_state": {}, "phases": {}, "micro_batches": {}}
 
 
 class InferStrategy(Strategy):
@@ -112,6 +164,14 @@ class InferStrategy(Strategy):
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's model state on the device now, by part ("params", "grads", "optimizer")."""
         raise NotImplementedError(f"{type(self).__name__} does not account its memory")
+
+    def measured_memory(self) -> dict[str, Any]:
+        """This rank's measured memory: "model_state" (model_state_bytes), "phases" (the most bytes each phase,
+        "train" or "forward", allocated on top of it over the calls that measured: every call on a GPU, on a CPU
+        those whose batch set keys.META_MEASURE_MEMORY) and "micro_batches" (per phase, the largest micro-batch of
+        the call that set the peak: rows, width, response width, the call's micro-batch count, and the sequences
+        whose responses it holds: more than its rows when packed)."""
+        return {"model_state": self.model_state_bytes(), "phases": {}, "micro_batches": {}}
 
 
 class TrainStrategy(InferStrategy):

@@ -19,6 +19,14 @@ STRATEGY_CONFIGS: dict[str, str] = {
 }
 
 
+# The memory planner of each strategy (a module with plan, planned_at and problems: strategies.base.MemoryPlanner).
+STRATEGY_MEMORY: dict[str, str] = {
+    "megatron_train": "roll_backend.strategies.megatron.memory_accounting",
+    "megatron_infer": "roll_backend.strategies.megatron.memory_accounting",
+    "vllm_rollout": "roll_backend.strategies.vllm.engine_memory",
+}
+
+
 class UnknownStrategyError(ValueError):
     """A strategy name that is not in STRATEGIES."""
 
@@ -44,6 +52,12 @@ def config_class(name: str, role: str | None = None) -> type:
     if name not in STRATEGY_CONFIGS:
         raise UnknownStrategyError(f"strategy {name!r} registers no config class in STRATEGY_CONFIGS")
     return _load(STRATEGY_CONFIGS[name])
+
+
+def memory_planner(name: str):
+    """Strategy `name`'s memory planner (strategies.base.MemoryPlanner), or None for one that plans nothing."""
+    _check_name(name)
+    return importlib.import_module(STRATEGY_MEMORY[name]) if name in STRATEGY_MEMORY else None
 
 
 def create_strategy(name: str, config: Any, **kwargs: Any):

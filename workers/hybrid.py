@@ -194,7 +194,7 @@ class HybridWorker(Worker):
         facet = self.facets[role]
         how = method_dispatch(getattr(type(facet), method_name))
         deadline = how.deadline if how is not None else None
-        if self.handover is not None and method_name != "init_model":
+        if self.handover is not None and method_name not in ("init_model", "measured_memory"):
             if role == roles.ACTOR_INFER:
                 self.handover.for_engine()
             else:

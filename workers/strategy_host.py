@@ -34,5 +34,10 @@ class StrategyWorker(Worker):
         self.check_config()
         self.strategy = start_strategy(self.config.strategy_name, self.config.strategy, self.layout, self.device)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def measured_memory(self) -> dict:
+        """This rank's measured memory (InferStrategy.measured_memory) and its pipeline stage, one entry per rank."""
+        return {**self.strategy.measured_memory(), "pp_rank": self.coords.pp if self.coords else 0}
+
     def check_config(self) -> None:
         """A role's own rule on its strategy's config, before the model is built (none by default)."""

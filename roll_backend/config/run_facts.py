@@ -4,6 +4,7 @@ run settings from them (`for_run`). Nothing here knows a strategy by name."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ _TINY_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "num_experts",
+    "num_experts_per_tok",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
 )
@@ -42,11 +44,30 @@ def model_fields(config: PipelineConfig, model_path: str) -> dict[str, Any] | No
         spec = TinyModelSpec(**{k: v for k, v in config.build_tiny_model.items() if k in known})
         fields = {f: getattr(spec, f) for f in _TINY_FIELDS if getattr(spec, f, None) is not None}
         fields["model_type"] = spec.family
+        fields["vocab_size"] = spec.model_vocab_size or _tokenizer_size(spec)
+        fields["tie_word_embeddings"] = spec.tie_word_embeddings
         if not spec.family.endswith("_moe"):
-            for name in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            for name in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+            ):
                 fields.pop(name, None)
         return fields
     return None
+
+
+@functools.cache
+def _char_tokenizer_size(alphabet: str) -> int:
+    from roll_backend.models.tiny import build_char_tokenizer
+
+    return len(build_char_tokenizer(alphabet))
+
+
+def _tokenizer_size(spec) -> int:
+    """The vocabulary of a tiny model's tokenizer: BPE's target size, or the characters of a char tokenizer."""
+    return spec.vocab_size if spec.tokenizer == "bpe" else _char_tokenizer_size(spec.char_alphabet)
 
 
 def responses_per_step(config: PipelineConfig) -> int:
@@ -103,6 +124,7 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         adapter_rank=synced_adapter_rank(config) if name == roles.ACTOR_INFER else None,
         exports_adapters=name == roles.ACTOR_TRAIN and bool(config.checkpoint.export_peft_dir),
         hybrid=name in hosted or (name == roles.ACTOR_TRAIN and bool(hosted)),
+        device_memory=int(config.device_memory_gib * 2**30) if config.device_memory_gib else None,
     )
 
 

@@ -419,6 +419,9 @@ class PipelineConfig:
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
+    # GiB of memory on each device the roles take (80 for an H100 80GB): validation then refuses a run whose memory
+    # plan (`roll-backend plan`) does not fit; null: the plan is reported, not checked.
+    device_memory_gib: float | None = None
 
     @property
     def uses_gpus(self) -> bool:

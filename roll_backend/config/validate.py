@@ -10,6 +10,7 @@ from roll_backend.config.hybrid_rules import hybrid_problems
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
 from roll_backend.config.reward_rules import reward_problems
 from roll_backend.config.run_facts import replays_rollout_routes, run_facts
+from roll_backend.config.run_memory import memory_problems
 from roll_backend.config.schema import (
     ASYNC_MODES,
     DISTILL_MODES,
@@ -518,7 +519,8 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
         _check_same_vocabulary(config, problems)
     for check in (_check_lora_uses, _check_fault_tolerance, _check_perf, _check_logging):
         check(config, problems)
-    return problems + hybrid_problems(config)
+    problems += hybrid_problems(config)
+    return problems or memory_problems(config)  # (the plan of a config with problems would plan the wrong run)
 
 
 def _check_lora_uses(config: PipelineConfig, problems: list[str]) -> None:

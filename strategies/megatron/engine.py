@@ -19,6 +19,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.perf.memory import PhasePeaks
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron import lora, schedule
 from roll_backend.strategies.megatron import micro_batches as mb
@@ -29,6 +30,12 @@ from roll_backend.strategies.megatron.model_setup import set_train_mode
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
 from roll_backend.strategies.megatron.shared_micro_batches import split_shared
+
+
+def measures_memory(batch: DataProto) -> bool:
+    """The call asks its phases to count their memory (keys.META_MEASURE_MEMORY)."""
+    return bool(batch.meta_info.get(keys.META_MEASURE_MEMORY))
+
 
 LossFunc = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -65,6 +72,7 @@ class MegatronEngine:
         self.route_replayer = (
             None if moe is None else RouteReplayer([unwrap(c) for c in chunks], arch.num_layers, moe.topk, device)
         )
+        self.memory = PhasePeaks(device)  # what each phase allocated at its peak ("train", "forward")
 
     def output_spec(self, batch: DataProto, value_head: bool) -> OutputSpec:
         """This call's outputs: the config's temperature unless batch.meta_info overrides it."""
@@ -86,13 +94,27 @@ class MegatronEngine:
         return micro_batches, num_rows
 
     def forward_backward(
-        self, micro_batches: list[MicroBatch], loss_func: LossFunc, forward_only: bool, routes: RouteCall | None
+        self,
+        micro_batches: list[MicroBatch],
+        loss_func: LossFunc,
+        forward_only: bool,
+        routes: RouteCall | None,
+        measure: bool = False,
     ) -> list[dict]:
         """Megatron's schedule over the micro-batches (see schedule.forward_backward): the loss_func dicts on the
-        last pipeline stage, [] elsewhere."""
-        return schedule.forward_backward(
-            self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes
-        )
+        last pipeline stage, [] elsewhere. Its memory peak goes to `self.memory` (on a CPU rank when `measure`)."""
+        if measure and self.device == "cpu":  # count the scores' buffer in every measured phase, as the plan does
+            from megatron.core import parallel_state as mpu
+
+            mpu.get_global_memory_buffer().buffer.clear()
+        largest = max(micro_batches, key=lambda m: (m.input_ids.numel(), m.responses.numel()))
+        rows, width = largest.input_ids.shape
+        sequences, response_width = largest.responses.shape  # (a packed row holds several sequences)
+        shape = [rows, width, response_width, len(micro_batches), sequences, largest.gather is not None]
+        with self.memory.measure("forward" if forward_only else "train", measure, shape):
+            return schedule.forward_backward(
+                self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes
+            )
 
     # ---- forward only ------------------------------------------------------------------------------------
     def forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:
@@ -124,7 +146,7 @@ class MegatronEngine:
 
         set_train_mode(self.chunks, False)
         with torch.no_grad():
-            stored = self.forward_backward(micro_batches, collect, True, routes)
+            stored = self.forward_backward(micro_batches, collect, True, routes, measures_memory(batch))
             recorded = self._recorded_routes(routes, micro_batches, batch) if routes is not None else None
         metrics = routes.replayer.pop_metrics("moe/log_probs_") if routes is not None else {}
         for micro in micro_batches:

@@ -62,6 +62,14 @@ class MegatronStrategyBase:
     def model_state_bytes(self) -> dict[str, int]:
         return self._offload().device_bytes()
 
+    def measured_memory(self) -> dict:
+        memory = self.ready("measured_memory").memory
+        return {
+            "model_state": self._offload().sizes(),  # (a hybrid role's offloaded parts count as they are on the device)
+            "phases": dict(memory.peaks),
+            "micro_batches": dict(memory.shapes),
+        }
+
     def _offload(self) -> ModelStateOffload:
         if getattr(self, "_state_offload", None) is None:
             chunks = self.ready("move_model_state").chunks

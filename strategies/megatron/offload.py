@@ -76,6 +76,14 @@ class ModelStateOffload:
         """Bytes of each part now on the device (0 for a part on the host)."""
         return {part: 0 if part in self.on_host else sum(s.nbytes() for s in self.storages(part)) for part in PARTS}
 
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each part wherever it is (what it takes on the device when there)."""
+        on_device = self.device_bytes()
+        return {
+            part: sum(copy.nbytes for _, copy in self.on_host[part]) if part in self.on_host else on_device[part]
+            for part in PARTS
+        }
+
     def to_host(self, parts: Iterable[str]) -> int:
         moved = 0
         for part in parts:

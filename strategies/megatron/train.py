@@ -21,7 +21,7 @@ from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron import hf_export, lora, mtp, schedule, weights
 from roll_backend.strategies.megatron.builder import DTYPES, unwrap
 from roll_backend.strategies.megatron.config import MegatronTrainConfig
-from roll_backend.strategies.megatron.engine import MegatronEngine
+from roll_backend.strategies.megatron.engine import MegatronEngine, measures_memory
 from roll_backend.strategies.megatron.layers import ValueHead
 from roll_backend.strategies.megatron.model_setup import MegatronStrategyBase, build_model_chunks, set_train_mode
 from roll_backend.strategies.megatron.router_replay import route_call
@@ -206,7 +206,9 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
             return loss * undo_scaling, reported
 
         self._zero_grads()
-        stored = engine.forward_backward(micro_batches, loss_func, forward_only=False, routes=routes)
+        stored = engine.forward_backward(
+            micro_batches, loss_func, forward_only=False, routes=routes, measure=measures_memory(batch)
+        )
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)

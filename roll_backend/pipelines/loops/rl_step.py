@@ -8,6 +8,7 @@ from roll_backend.pipelines.data.mixture import per_source_reward_metrics
 from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.dynamic_sampling import generate_filled
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.memory_report import memory_report
 from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
@@ -74,6 +75,8 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     sampling left nothing to learn from."""
     config, groups, algo = run.config, run.groups, run.config.algorithm
     prepared = batch.meta_info.pop(keys.META_PREPARED, None)
+    measuring = step == run.first_step  # the first step's model phases count their memory (memory_report)
+    batch.meta_info[keys.META_MEASURE_MEMORY] = measuring
     if prepared is None:
         metrics, batch = prepare_batch(run, batch, timer, seconds_generating)
     else:  # its phases ran off the trainer's path; their seconds still count for their MFU
@@ -97,6 +100,8 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     with timer.phase(roles.TRAIN):
         metrics |= phases.train_actor(groups, batch, algo, phases.step_seed(config, step, salt=1))
     metrics |= phases.prompt_share_saved(metrics)
+    if measuring:
+        metrics |= memory_report(run)
     run.policy_version += 1
     run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
     return metrics, batch

@@ -8,6 +8,7 @@ config.json. No Ray, no model runs."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -144,3 +145,31 @@ def test_the_console_script_validates_a_gpu_recipe_on_a_machine_without_gpus():
     assert done.returncode == 0, done.stderr
     assert "num_gpus_per_rank: 0.5" in done.stdout and "ep: 8" in done.stdout
     assert f"{SKIPPED} the data files missing here: data/math/train.parquet, data/math/test500.parquet" in done.stderr
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
+def test_every_recipe_has_a_memory_plan(recipe, tmp_path, capsys):
+    """`roll-backend plan` plans every model role of every recipe; a GPU recipe's declared devices fit every phase
+    (its validation checks that too), and the numbers its comments state are the plan's."""
+    overrides = [f"output_dir={tmp_path}", *([f"model_path={model_folder(recipe)}"] if recipe in GPU else [])]
+    code = cli.main(["plan", str(recipe), *overrides, *chained_inputs(recipe, tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_OK, err
+    tree = resolve_yaml(recipe)
+    for name in ("actor_train", "actor_infer", "reference", "critic", "reward_model", "teacher"):
+        if tree.get(name) is not None and not tree[name].get("from_actor_base"):  # (that one runs on the actor)
+            assert f"\n{name} (" in out, out
+    assert "not planned" not in out and "DOES NOT FIT" not in out, out
+    if recipe in GPU:
+        assert tree["device_memory_gib"] and "fits" in out
+        stated = re.findall(r"([0-9.]+ [GMK]iB) \(plan\)", recipe.read_text())  # "... 40.94 GiB (plan) ..."
+        assert stated, f"{recipe_id(recipe)} states no figure of its plan"
+        for figure in stated:
+            assert figure in out, f"{recipe_id(recipe)} states {figure} (plan); the plan says:\n{out}"
+
+
+@pytest.mark.parametrize("recipe", GPU, ids=recipe_id)
+def test_a_gpu_recipe_on_smaller_devices_is_refused_naming_the_largest_terms(recipe, capsys):
+    code, out, err = validate(recipe, capsys, f"model_path={model_folder(recipe)}", "device_memory_gib=16")
+    assert code == cli.EXIT_USAGE and out == ""
+    assert "over device_memory_gib=16; largest: actor_train" in err and "to shrink them: actor_train.strategy:" in err

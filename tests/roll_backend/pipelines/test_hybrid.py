@@ -98,6 +98,17 @@ def test_hybrid_sync_probe_and_memory_by_phase(hybrid_demo):
         assert allocated[roles.TRAIN] > 2 * allocated[roles.REFERENCE_LOG_PROBS] > 0, allocated
         assert all(row[f"memory/{phase}/host_gib"] > 0 for phase in phases)
         assert row["memory/handover_gib"] > 0  # (the moves ran: on CPU within host memory)
+    # The first step measured its Megatron phases and set them beside the plan at the micro-batches that ran (#51):
+    # the model state exactly, each phase within the plan's tolerance (the hybrid roles share their processes).
+    first, later = hybrid_demo[0], hybrid_demo[1]
+    for role, what in [("actor_train", "model_state"), ("actor_train", "train"), ("actor_train", "forward")] + [
+        ("reference", "model_state"),
+        ("reference", "forward"),
+    ]:
+        measured, planned = (first[f"memory/{role}_{what}/{kind}_gib"] for kind in ("measured", "planned"))
+        tolerance = 0.05 if what == "model_state" else 0.15
+        assert measured > 0 and planned == pytest.approx(measured, rel=tolerance), (role, what, measured, planned)
+        assert f"memory/{role}_{what}/measured_gib" not in later  # (measured at the first step only, on CPU)
 
 
 def test_resharded_ppo_with_critic_and_lora_restarts_after_a_rank_kill_and_ends_as_the_split_run(ray_session, tmp_path):

@@ -1,0 +1,54 @@
+"""Plan beside measured at the end of the first step: every role that runs a model counts the memory of its phases
+in that step (keys.META_MEASURE_MEMORY: tensor accounting on a CPU rank, the allocator's peak on a GPU), and the run
+log shows it beside the plan, at the micro-batches that ran and at the config's largest (`roll-backend plan`)."""
+
+from __future__ import annotations
+
+import logging
+
+from roll_backend import roles
+from roll_backend.config.run_facts import run_facts
+from roll_backend.config.run_memory import role_plans, size
+from roll_backend.strategies.registry import memory_planner
+
+logger = logging.getLogger(__name__)
+MEASURED_ROLES = (roles.ACTOR_TRAIN, roles.REFERENCE, roles.CRITIC, roles.REWARD_MODEL, roles.TEACHER)
+
+
+def memory_report(run) -> dict[str, float]:
+    """Log each measured role's phases, measured vs planned, and return them as `memory/<role>_<phase>/...`
+    metrics (GiB, the largest over the role's ranks)."""
+    from roll_backend.workers.strategy_host import StrategyWorker
+
+    config, metrics = run.config, {}
+    plans = role_plans(config)
+    for name in MEASURED_ROLES:
+        group, role = getattr(run.groups, name, None), getattr(config, name, None)
+        if group is None or role is None or not plans.get(name):
+            continue
+        facts, planner = run_facts(config, name, role), memory_planner(role.strategy.name)
+        largest = max(plans[name], key=lambda rank: sum(rank.state.values()))
+        measured, planned = {}, {}
+        for report in group.call(StrategyWorker.measured_memory):
+            at = planner.planned_at(role.strategy.config, facts, report)
+            figures = {"model_state": sum(report["model_state"].values()), **report["phases"]}
+            for what, value in figures.items():
+                if value >= measured.get(what, -1):
+                    measured[what], planned[what] = value, at.get(what, 0)
+        for what, value in measured.items():
+            prefix = f"memory/{name}_{what}"
+            metrics[f"{prefix}/measured_gib"] = value / 2**30
+            metrics[f"{prefix}/planned_gib"] = planned[what] / 2**30
+            config_plan = sum(largest.state.values()) if what == "model_state" else largest.phase_peak(what)
+            config_plan -= 0 if what == "model_state" else sum(largest.state.values())
+            logger.info(
+                "memory at step 1, %s %s: measured %s, planned %s at the micro-batches that ran (%+.0f%%), %s at "
+                "the config's largest",
+                name,
+                what,
+                size(value),
+                size(planned[what]),
+                100 * (planned[what] / value - 1) if value else 0.0,
+                size(config_plan),
+            )
+    return metrics

@@ -1,0 +1,277 @@
+"""Activation memory of a Megatron rank's largest micro-batch (see memory_accounting.py for what is counted and why).
+
+Counts are elements per tensor kept for backward, by the module that keeps it; `local_layer` follows Megatron's local
+spec with this backend's RMSNorm (what CPU ranks run and the suite measures), `te_layer` TransformerEngine's fused
+layers with flash attention (what a GPU runs; an estimate until measured on one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.strategies.megatron.builder import HFArch
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP32 = 4
+SWIGLU_KEPT = 5  # fc1's output (2 x ffn), the activation, the product with the gate, and the product's input copy
+
+
+@dataclass(frozen=True)
+class MicroShape:
+    """A micro-batch as the model sees it: `rows` sequences of `width` tokens (a packed row holds several), of which
+    `response_width` columns per row are response positions whose log-probs the head computes."""
+
+    rows: int
+    width: int
+    response_width: int
+    packed: bool = False
+    sequences: int | None = None  # sequences whose responses the head reads (a packed row holds several); None: rows
+    gathered: bool = False  # the response positions are gathered out of the rows (token-budget or packed micro-batches)
+
+    @property
+    def response_rows(self) -> int:
+        return self.rows if self.sequences is None else self.sequences
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What of a Megatron config moves its activations."""
+
+    params_dtype: str = "float32"
+    lora: bool = False  # a frozen base: norms keep only the inputs adapters need, the output layer no gradient
+    value_head: bool = False
+    recompute: bool = False
+    entropy: bool = True
+    mtp_layers: int = 0
+    transformer_engine: bool = False
+    sequence_parallel: bool = False
+
+    @property
+    def width(self) -> int:
+        return DTYPE_BYTES[self.params_dtype]
+
+
+def _heads(arch: HFArch, tp: int) -> tuple[int, int]:
+    """Query and key-value heads on a TP rank (key-value heads replicate when fewer than TP)."""
+    return arch.num_heads // tp, max(1, arch.num_kv_heads // tp)
+
+
+def _moe_elements(arch: HFArch, layout: ParallelLayout, tokens: int, local_tokens: int) -> int:
+    """A MoE layer's kept elements: the tokens permuted to their experts (again after EP's exchange), each expert's
+    SwiGLU over its tokens (top-k per token in expectation), the router's float32 scores, the shared expert."""
+    moe, h = arch.moe, arch.hidden_size
+    routed = tokens * moe.topk
+    kept = routed * h * (2 if layout.ep > 1 else 1) + routed * 6 * moe.expert_ffn_hidden_size // layout.expert_tp
+    # the router's scores (and transposed copies) over this rank's tokens (its part of the sequence under sequence
+    # parallelism), the top-k; the experts' combined output (and the shared expert's gated one)
+    kept += 4 * local_tokens * moe.num_experts + 2 * routed
+    kept += local_tokens * h * (2 if moe.shared_expert_ffn_hidden_size else 1)
+    if moe.shared_expert_ffn_hidden_size:
+        kept += SWIGLU_KEPT * tokens * moe.shared_expert_ffn_hidden_size // layout.tp + tokens
+    return kept
+
+
+def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """Bytes one decoder layer of the local spec keeps for backward over a micro-batch on this rank."""
+    cp, tp, width = layout.cp, layout.tp, options.width
+    tokens, seq = micro.tokens // cp, micro.width // cp
+    h, d = arch.hidden_size, arch.head_dim
+    nq, nkv = _heads(arch, tp)
+    q, kv = nq * d, nkv * d
+    norm_tokens = tokens // tp if options.sequence_parallel else tokens
+    # RMSNorm (float32 math): the scaled output for its weight's gradient, x * rsqrt, rsqrt; a frozen base keeps the
+    # normalised input its adapters need only.
+    norms = 2 * norm_tokens * ((1 if options.lora else 2) * h + 1) * FP32
+    residuals = 2 * norm_tokens * h * width
+    if options.lora:  # the row-parallel projections' outputs with their adapters' branch added
+        residuals += 2 * tokens * h * width
+    attention = tokens * q  # the context, linear_proj's input
+    keys = micro.tokens  # key positions: every position of the sequence (CP gathers them)
+    if nq > nkv:
+        attention += tokens * q + 2 * keys * q  # the query after RoPE; key and value repeated to every query head
+    else:
+        attention += tokens * (q + 2 * kv) + tokens * (q + kv)  # the fused QKV output; query and key after RoPE
+        attention += 2 * keys * kv if cp > 1 else 0  # (and the key and value CP gathered, which the scores read)
+    if arch.qk_norm:
+        attention += tokens * (q + kv) + tokens * (nq + nkv)  # the normed query and key, their rsqrt
+        if nq > nkv:
+            attention += tokens * (q + 2 * kv) + tokens * q  # the QKV output the norms read, the grouped query
+    scores = micro.rows * nq * seq * micro.width * FP32  # the float32 softmax
+    rope = 4 * seq * d * FP32
+    if arch.moe is None:
+        mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
+    else:
+        mlp = _moe_elements(arch, layout, tokens, norm_tokens)
+    return norms + residuals + (attention + mlp) * width + scores + rope
+
+
+def te_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """Bytes one TransformerEngine layer keeps (fused norm + linear, flash attention keeping q, k, v, its output and
+    the softmax statistics, no scores)."""
+    cp, tp, width = layout.cp, layout.tp, options.width
+    tokens = micro.tokens // cp
+    h, d = arch.hidden_size, arch.head_dim
+    nq, nkv = _heads(arch, tp)
+    norm_tokens = tokens // tp if options.sequence_parallel else tokens
+    norms = 2 * norm_tokens * h * (1 if options.lora else 2) * width + 2 * norm_tokens * FP32
+    attention = tokens * (nq + 2 * nkv) * d + tokens * nq * d  # q, k, v after RoPE; the output
+    stats = tokens * nq * FP32
+    if arch.moe is None:
+        mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
+    else:
+        mlp = _moe_elements(arch, layout, tokens, norm_tokens)
+    return norms + 2 * norm_tokens * h * width + (attention + mlp) * width + stats
+
+
+def layer_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    return (te_layer if options.transformer_engine else local_layer)(arch, layout, micro, options)
+
+
+def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions, training: bool) -> int:
+    """The last stage's head over a micro-batch at its peak: the logits and the float32 buffers of the log-prob /
+    entropy of each response position (every local position under CP); in training the larger of that and the head's
+    backward (the logits' gradient and the output layer's weight gradient)."""
+    tp, cp, width = layout.tp, layout.cp, options.width
+    tokens = micro.tokens // cp
+    if options.value_head:
+        return tokens * width + (arch.hidden_size * width if training else 0)
+    vocab = arch.padded_vocab_size(tp) // tp
+    positions = tokens if cp > 1 else micro.response_rows * micro.response_width
+    # /temperature, shifted, exp (, *shifted for the entropy, the float32 copy of 16-bit logits, the response positions
+    # gathered out of a token-budget or packed micro-batch)
+    buffers = 3 + int(options.entropy) + int(options.width != FP32) + int(micro.gathered)
+    logits = tokens * vocab * width
+    heads = 1 + options.mtp_layers  # each MTP depth has its logits too (in a forward without gradients as well)
+    # The model's logits and their batch-first copy (with the final norm's output) while the copy is made, or the
+    # logits with the response positions' float32 buffers, whichever is larger.
+    # (one row is contiguous already, but with MTP the head's output is captured as a copy)
+    copy = logits + 2 * tokens * arch.hidden_size * width if micro.rows > 1 or options.mtp_layers else 0
+    forward_end = max(heads * (logits + copy), logits + buffers * positions * vocab * FP32)
+    if not training:
+        return forward_end
+    # The head's backward: the logits' gradient beside the output layer's weight gradient, or with MTP that weight
+    # gradient once per head reading it and their sum (the logits' gradients gone by then).
+    weight_grad = 0 if options.lora else vocab * arch.hidden_size * width
+    backward = max(logits + weight_grad, (1 + 2 * options.mtp_layers) * weight_grad)
+    return max(forward_end, backward + tokens * arch.hidden_size * width)
+
+
+def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """What a layer's backward holds beside the saved activations: its largest weight gradient (fc1's, or an expert's)
+    before DDP adds it to the gradient buffer, that projection's output gradient and the hidden-state gradients."""
+    tokens, h, width = micro.tokens // layout.cp, arch.hidden_size, options.width
+    if arch.moe is None:
+        ffn, ffn_tokens = arch.ffn_hidden_size // layout.tp, tokens
+    else:
+        ffn, ffn_tokens = arch.moe.expert_ffn_hidden_size // layout.expert_tp, tokens * arch.moe.topk
+    weight = 0 if options.lora else 2 * ffn * h
+    return (weight + 2 * ffn_tokens * ffn + 3 * tokens * h) * width
+
+
+def mtp_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """What the MTP depths on the last stage keep for backward: each a layer and its input projection's input (their
+    logits are in head_bytes)."""
+    tokens = micro.tokens // layout.cp
+    depth = layer_bytes(arch, layout, micro, options) + 2 * tokens * arch.hidden_size * options.width
+    return options.mtp_layers * depth
+
+
+def in_flight(layout: ParallelLayout, stage: int, micro_batches: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at once in training, in units of the stage's layers:
+    1F1B keeps pp - stage; the interleaved schedule keeps Megatron's warm-up count of chunks (each 1/vpp of them)."""
+    pp, vpp = layout.pp, layout.vpp or 1
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return min(pp - stage, micro_batches)
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+    return chunks / vpp
+
+
+def activation_terms(
+    arch: HFArch,
+    layout: ParallelLayout,
+    micro: MicroShape,
+    options: PlanOptions,
+    layers: int,
+    stage: int,
+    micro_batches: int,
+    training: bool,
+) -> dict[str, int]:
+    """A pipeline rank's phase peak on top of its model state, by term, for micro-batches of `micro`'s shape."""
+    last = stage == layout.pp - 1
+    tokens = micro.tokens // layout.cp
+    # the embedding's output, or the activation a stage receives (this rank's part of the sequence under SP)
+    edge = (tokens // layout.tp if options.sequence_parallel else tokens) * arch.hidden_size * options.width
+    terms: dict[str, int] = {}
+    if not options.transformer_engine:  # Megatron's global buffer for the scores' matmul, kept between calls
+        nq = arch.num_heads // layout.tp
+        terms["attention scores buffer"] = micro.rows * nq * (micro.width // layout.cp) * micro.width * options.width
+    if not training:
+        return _forward_terms(arch, layout, micro, options, terms, edge, stage)
+    one_layer = layer_bytes(arch, layout, micro, options)
+    held = in_flight(layout, stage, micro_batches)
+    head = head_bytes(arch, layout, micro, options, training) if last else 0
+    backward = layer_backward_bytes(arch, layout, micro, options)
+    if backward > head:
+        terms["a layer's backward"] = backward
+    if options.recompute:  # each layer keeps its input; in backward one layer at a time is recomputed (the head's
+        # buffers are gone by then)
+        terms["activations"] = int(held * (layers * edge + edge)) + max(0, one_layer - head)
+    else:
+        terms["activations"] = int(held * (layers * one_layer + edge))
+    if last and head >= backward:
+        terms["logits and log-prob buffers"] = head
+    if last:
+        if options.mtp_layers:
+            terms["MTP heads"] = mtp_bytes(arch, layout, micro, options)
+    return terms
+
+
+def _forward_terms(
+    arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions, terms: dict, edge: int, stage: int
+) -> dict[str, int]:
+    """A forward without gradients frees each layer's tensors as it goes: its peak is the larger of one layer's
+    working set and, on the last stage, the head's buffers. The attention's working set holds the layer's input and
+    output, the QKV output, the query (normed, rotated), key and value repeated to every query head, the context,
+    and on the local spec the scores and their float32 softmax; the MLP's its fc1 output, activation and product."""
+    tokens, seq = micro.tokens // layout.cp, micro.width // layout.cp
+    nq, nkv = _heads(arch, layout.tp)
+    q, kv = nq * arch.head_dim, nkv * arch.head_dim
+    scores = 0 if options.transformer_engine else micro.rows * nq * seq * micro.width * (options.width + FP32)
+    # QKV's output; the query and key rotated (and normed: qwen3); the context and its copy
+    attention = tokens * (q + 2 * kv) + 3 * tokens * q + tokens * kv + (tokens * (q + kv) if arch.qk_norm else 0)
+    if nq > nkv:
+        attention += 2 * micro.tokens * q  # key and value repeated to every query head, at every key position
+    if layout.cp > 1:
+        attention += 2 * micro.tokens * kv  # key and value gathered over CP
+    # fc1's output (2 x ffn) and the SwiGLU's steps; with LoRA its branch beside fc1 (B's outputs, their concatenation
+    # and scaling, each as wide as fc1's output)
+    ffn_factor = 8 if options.lora else 5
+    moe = arch.moe
+    if moe is None:
+        mlp = ffn_factor * tokens * arch.ffn_hidden_size // layout.tp
+    else:  # the permuted tokens and their output, and one expert's SwiGLU at a time; or the shared expert
+        local = max(1, moe.num_experts // layout.ep)
+        routed = tokens * moe.topk
+        # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
+        busiest = min(tokens, 2 * -(-routed // local))
+        mlp = 2 * routed * arch.hidden_size + ffn_factor * busiest * moe.expert_ffn_hidden_size
+        mlp = max(mlp, ffn_factor * tokens * (moe.shared_expert_ffn_hidden_size or 0) // layout.tp)
+    # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
+    # too); at TP > 1 a row-parallel output before its all-reduce; between pipeline stages the output being sent, and
+    # with vpp the received inputs of the micro-batches the schedule runs ahead.
+    edges = (layout.tp > 1) + (layout.pp > 1 and stage < layout.pp - 1) + ((layout.vpp or 1) - 1) * layout.pp
+    working = edges * edge + max(attention * options.width + scores + 3 * edge, mlp * options.width + 4 * edge)
+    last = stage == layout.pp - 1
+    head = head_bytes(arch, layout, micro, options, training=False) if last else 0
+    if head >= working:
+        terms["logits and log-prob buffers"] = head
+    else:
+        terms["activations"] = working
+    return terms

@@ -1,0 +1,120 @@
+"""The memory plan of a vLLM rollout rank: its shard of the weights and the KV cache it can hold.
+
+On a GPU vLLM takes `gpu_memory_utilization` of the device whatever the model: weights, the peak of its profiling
+run, and the KV cache in what is left, so the plan reserves that share and checks that the cache left over holds at
+least one sequence of max_model_len (vLLM refuses to start otherwise) and how many full-length sequences run at
+once. On a CPU the cache is `cpu_kvcache_space_gib` beside the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default concurrency
+HINTS = {
+    "weights": "tp shards them; dtype: bfloat16 halves them",
+    "kv_cache": "gpu_memory_utilization (or cpu_kvcache_space_gib on CPU); max_model_len; tp shards it",
+    "engine activations": "max_num_batched_tokens",
+}
+
+
+def _fields(fields: Mapping[str, Any]) -> dict[str, int]:
+    heads = fields["num_attention_heads"]
+    return {
+        "h": fields["hidden_size"],
+        "layers": fields["num_hidden_layers"],
+        "nq": heads,
+        "nkv": fields.get("num_key_value_heads") or heads,
+        "d": fields.get("head_dim") or fields["hidden_size"] // heads,
+        "ffn": fields.get("intermediate_size", 0),
+        "vocab": fields.get("vocab_size", 32000),
+        "experts": fields.get("num_experts") or fields.get("num_local_experts") or 0,
+        "expert_ffn": fields.get("moe_intermediate_size") or 0,
+        "shared_ffn": fields.get("shared_expert_intermediate_size") or 0,
+    }
+
+
+def weight_elements(fields: Mapping[str, Any], tp: int) -> int:
+    """Parameters one TP rank of the engine holds (projections and the vocabulary split by TP)."""
+    m = _fields(fields)
+    h, d = m["h"], m["d"]
+    attention = h * (m["nq"] + 2 * m["nkv"]) * d + m["nq"] * d * h
+    if m["experts"]:
+        mlp = m["experts"] * 3 * h * m["expert_ffn"] + 3 * h * m["shared_ffn"]
+    else:
+        mlp = 3 * h * m["ffn"]
+    heads = 1 if fields.get("tie_word_embeddings") else 2
+    return m["layers"] * (attention + mlp) // tp + heads * m["vocab"] * h // tp + (2 * m["layers"] + 1) * h
+
+
+def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
+    """Key and value of one token in every layer, on one TP rank (key-value heads replicate below TP)."""
+    m = _fields(fields)
+    return 2 * m["layers"] * max(1, m["nkv"] // tp) * m["d"] * width
+
+
+def plan(cfg, run) -> list:
+    """The rollout config's memory plan in this run (MemoryPlanner.plan)."""
+    from roll_backend.strategies.base import RankMemory
+
+    fields = run.model_config
+    if not fields or "hidden_size" not in fields:
+        return []
+    tp, width = run.layout.tp, DTYPE_BYTES.get(cfg.dtype, 2)
+    weights = weight_elements(fields, tp) * width
+    per_token = kv_bytes_per_token(fields, tp, width)
+    m = _fields(fields)
+    batched = cfg.max_num_batched_tokens or max(cfg.max_model_len, 2048)
+    activations = batched * (4 * m["h"] + (m["nq"] + 2 * m["nkv"]) * m["d"] // tp + 3 * m["ffn"] // tp) * width
+    activations += DEFAULT_MAX_NUM_SEQS * m["vocab"] // tp * 4  # the sampler's float32 logits
+    notes = []
+    # Asleep (the hybrid engine on a GPU) it keeps nothing on the device: level 1 moves the weights to host memory
+    # and frees the cache, level 2 discards both. vLLM on CPU has no sleep mode.
+    offloaded = frozenset({"weights"}) if run.hybrid and run.device == "cuda" and cfg.sleep_level >= 1 else frozenset()
+    if run.device == "cuda" and run.device_memory is None:
+        phases = {"generate": {"engine activations": activations}}
+        notes.append("the KV cache takes gpu_memory_utilization of a device whose size is not declared")
+        return [RankMemory("every rank", {"weights": weights}, phases, offloaded, hints=HINTS, notes=tuple(notes))]
+    if run.device == "cuda":
+        reserved = int(cfg.gpu_memory_utilization * run.device_memory)
+        cache = max(0, reserved - weights - activations)
+        notes.append(
+            f"KV cache {cache / GIB:.1f} GiB: {cache // max(1, per_token)} tokens, "
+            f"{cache // max(1, per_token * cfg.max_model_len)} sequences of max_model_len={cfg.max_model_len} at once"
+        )
+    else:
+        reserved, cache = None, cfg.cpu_kvcache_space_gib * GIB
+    phases = {"generate": {"engine activations": activations, "kv_cache": cache}}
+    memory = RankMemory(
+        "every rank", {"weights": weights}, phases, offloaded, reserved=reserved, hints=HINTS, notes=tuple(notes)
+    )
+    return [memory]
+
+
+def problems(cfg, run, planned: list) -> list[str]:
+    """Why the engine would not start on the declared device: its KV cache cannot hold one max_model_len sequence."""
+    if not planned or planned[0].reserved is None:
+        return []
+    per_token = kv_bytes_per_token(run.model_config, run.layout.tp, DTYPE_BYTES.get(cfg.dtype, 2))
+    cache = planned[0].phases["generate"]["kv_cache"]
+    if cache >= per_token * cfg.max_model_len:
+        return []
+    need = per_token * cfg.max_model_len + sum(planned[0].phases["generate"].values()) - cache
+    weights = planned[0].state["weights"]
+    need += weights
+    return [
+        f"{run.role}.strategy: the KV cache left in gpu_memory_utilization={cfg.gpu_memory_utilization} of "
+        f"{run.device_memory / GIB:.0f} GiB ({cache / GIB:.2f} GiB after {weights / GIB:.1f} GiB of weights) "
+        f"cannot hold one sequence of max_model_len={cfg.max_model_len} "
+        f"({per_token * cfg.max_model_len / GIB:.2f} GiB); raise gpu_memory_utilization to at least "
+        f"{math.ceil(100 * need / run.device_memory) / 100:g}, raise tp, or lower max_model_len"
+    ]
+
+
+def planned_at(cfg, run, measured) -> dict[str, int]:
+    """(The engine measures nothing of its own: vLLM logs its KV cache.)"""
+    return {}

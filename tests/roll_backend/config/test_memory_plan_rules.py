@@ -1,0 +1,116 @@
+"""The memory plan's arithmetic without ranks (roll_backend/config/run_memory.py, the strategies' memory planners): the
+parameters it counts are the Hugging Face model's, for every family the backend builds; the sharding rules move the
+counts as the layouts do; roles sharing devices add up as they hand the device over (hybrid) or not (colocated); and
+a rollout engine whose KV cache cannot hold one sequence is refused with the fraction that would. Measured against
+real ranks in tests/strategies/megatron/test_memory_plan.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from roll_backend.config.loader import load_config
+from roll_backend.config.run_memory import device_phases, memory_problems, role_plans
+from roll_backend.config.typed import ConfigError
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.strategies.megatron.config import LoRASettings
+from roll_backend.strategies.megatron.memory_accounting import arch_of, model_state, stage_params
+
+HF_CONFIGS = {
+    "qwen2 GQA, qkv bias, untied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3 q/k norms, tied": ("Qwen3Config", dict(num_key_value_heads=4, head_dim=24, tie_word_embeddings=True)),
+    "llama": ("LlamaConfig", dict(num_key_value_heads=8, tie_word_embeddings=False)),
+    "qwen2_moe shared expert": (
+        "Qwen2MoeConfig",
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56),
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)),
+}
+
+
+def _hf_config(name: str):
+    cls, extra = HF_CONFIGS[name]
+    common = dict(vocab_size=1003, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8)
+    return getattr(transformers, cls)(**{**common, **extra})
+
+
+@pytest.mark.parametrize("name", HF_CONFIGS)
+def test_the_parameters_counted_are_the_hugging_face_models(name):
+    hf = _hf_config(name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    arch = arch_of(hf.to_dict())
+    counted = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None)
+    assert counted.total == sum(p.numel() for p in model.parameters())
+
+
+def test_layouts_shard_the_state_as_megatron_does():
+    arch = arch_of(_hf_config("qwen3_moe").to_dict())
+    whole = stage_params(arch, ParallelLayout(), 3, 0, False, 0, None)
+    experts = whole.expert_total
+    at_ep2 = stage_params(arch, ParallelLayout(ep=2), 3, 0, False, 0, None)
+    assert at_ep2.expert_total * 2 == experts and at_ep2.total - at_ep2.expert_total == whole.total - experts
+    # the pipeline stages hold every layer once, and a tied embedding twice (the last stage's output copy)
+    for name, copies in (("qwen3_moe", 0), ("qwen3 q/k norms, tied", 1)):
+        model = arch_of(_hf_config(name).to_dict())
+        one = stage_params(model, ParallelLayout(), 3, 0, False, 0, None).total
+        stages = [stage_params(model, ParallelLayout(pp=2), n, s, False, 0, None) for s, n in ((0, 2), (1, 1))]
+        assert sum(s.total for s in stages) == one + copies * model.vocab_size * model.hidden_size
+    # LoRA: a frozen base, the adapters train; Adam keeps 2 float32 moments (+ a float32 copy of bf16 weights) of what
+    # trains, 1/DP of it with the distributed optimizer, the experts' over expert data parallelism
+    lora = stage_params(arch, ParallelLayout(), 3, 0, False, 0, LoRASettings(rank=4))
+    assert 0 < lora.trainable < lora.total - whole.total + 1
+    bf16 = model_state(whole, "bfloat16", True, False, ParallelLayout(), 4)
+    assert bf16 == {"params": 2 * whole.total, "grads": 4 * whole.total, "optimizer": 12 * whole.total}
+    sharded = model_state(whole, "bfloat16", True, True, ParallelLayout(ep=2), 4)
+    dense = whole.total - whole.expert_total
+    assert sharded["optimizer"] == 12 * dense // 4 + 12 * whole.expert_total // 2
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return load_config(
+        "configs/gpu/qwen2.5-7b_grpo_hybrid_8gpu.yaml",
+        ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", "device_memory_gib=80"],
+        True,
+    )
+
+
+def test_hybrid_roles_hand_the_device_over_and_colocated_ones_keep_everything(hybrid):
+    plans = role_plans(hybrid)
+    phases = {(p.role, p.phase): p for p in device_phases(hybrid, plans)}
+    assert {p.devices for p in phases.values()} == {"actor_train"}
+    # the engine generates while the trainer and the reference wait in host memory (every part offloaded)
+    generate = phases[("actor_infer", "generate")]
+    assert [role for role, _, _ in generate.terms] == ["actor_infer"]
+    assert generate.total == int(0.75 * 80 * 2**30)
+    # the trainer trains beside nothing: the engine sleeps (level 1) and the reference offloads its weights
+    train = phases[("actor_train", "train")]
+    assert {role for role, _, _ in train.terms} == {"actor_train"}
+    assert train.total == plans["actor_train"][0].phase_peak("train")
+    # without offloading, the reference's weights stay beside the trainer
+    kept = load_config(
+        "configs/gpu/qwen2.5-7b_grpo_hybrid_8gpu.yaml",
+        ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", "reference.strategy.offload_params=false"],
+        True,
+    )
+    train_kept = next(p for p in device_phases(kept, role_plans(kept)) if (p.role, p.phase) == ("actor_train", "train"))
+    assert train_kept.total - train.total == plans["reference"][0].state["params"]
+
+
+def test_an_engine_whose_kv_cache_holds_no_sequence_is_refused_with_the_fraction_that_would(hybrid):
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "configs/gpu/qwen2.5-7b_grpo_hybrid_8gpu.yaml",
+            [
+                "model_path=configs/gpu/models/Qwen2.5-7B-Instruct",
+                "device_memory_gib=80",
+                "actor_infer.strategy.gpu_memory_utilization=0.09",
+            ],
+            True,
+        )
+    message = str(info.value)
+    assert "actor_infer.strategy: the KV cache left in gpu_memory_utilization=0.09 of 80 GiB" in message
+    assert "raise gpu_memory_utilization to at least 0.1" in message
+    assert memory_problems(hybrid) == []  # (no device memory declared: reported, not checked)
