@@ -85,12 +85,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     holds only its config.json; what that leaves unchecked is listed on stderr."""
     from roll_backend.config.loader import config_to_yaml
     from roll_backend.config.model_folders import skipped_checks
+    from roll_backend.config.run_memory import summary
 
     config = _load(args.config, args.overrides, recipe_check=True)
     _check_resume(args.config, config)
     print(config_to_yaml(config), end="")
     for note in skipped_checks(config):
         print(f"roll-backend validate: not checked here: {note}", file=sys.stderr)
+    for line in summary(config):
+        print(f"roll-backend validate: {line}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -162,3 +162,16 @@ def render(config: PipelineConfig) -> str:
         verdict = ("  fits" if phase.total <= limit * GIB else "  DOES NOT FIT") if limit else ""
         lines.append(f"  {phase.devices}'s devices, {phase.role} {phase.phase}: {size(phase.total)}{verdict}")
     return "\n".join(lines)
+
+
+def summary(config: PipelineConfig) -> list[str]:
+    """One line per group of devices: its largest phase (validate prints them; `roll-backend plan` has the rest)."""
+    worst: dict[str, DevicePhase] = {}
+    for phase in device_phases(config, role_plans(config)):
+        if phase.devices not in worst or phase.total > worst[phase.devices].total:
+            worst[phase.devices] = phase
+    limit = f" of {config.device_memory_gib:g} GiB" if config.device_memory_gib else ""
+    return [
+        f"memory plan: {devices}'s devices peak at {size(phase.total)}{limit} ({phase.role} {phase.phase})"
+        for devices, phase in worst.items()
+    ]

@@ -162,15 +162,21 @@ def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options:
 
 
 def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
-    """What a layer's backward holds beside the saved activations: its largest weight gradient (fc1's, or an expert's)
-    before DDP adds it to the gradient buffer, that projection's output gradient and the hidden-state gradients."""
+    """What a layer's backward adds to the saved activations at its peak: a weight gradient of the MLP (or an
+    expert's) before DDP adds it to the gradient buffer, with that projection's input and output gradients (for fc1,
+    less what the MLP has given back by then)."""
     tokens, h, width = micro.tokens // layout.cp, arch.hidden_size, options.width
     if arch.moe is None:
         ffn, ffn_tokens = arch.ffn_hidden_size // layout.tp, tokens
     else:
         ffn, ffn_tokens = arch.moe.expert_ffn_hidden_size // layout.expert_tp, tokens * arch.moe.topk
-    weight = 0 if options.lora else 2 * ffn * h
-    return (weight + 2 * ffn_tokens * ffn + 3 * tokens * h) * width
+    weight = 0 if options.lora else ffn * h  # fc2's; fc1's is twice as large
+    fc2 = weight + ffn_tokens * ffn + tokens * h  # its weight gradient, its input's and output's gradients
+    # fc1's, by when the MLP has given back what it kept for its backward but fc1's input
+    fc1 = (
+        2 * weight + 2 * ffn_tokens * ffn + 3 * tokens * h - (SWIGLU_KEPT if arch.moe is None else 6) * ffn_tokens * ffn
+    )
+    return max(fc2, fc1, 0) * width
 
 
 def mtp_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:

@@ -79,6 +79,7 @@ def test_every_recipe_validates(recipe, tmp_path, capsys):
     code, out, err = validate(recipe, capsys, *overrides)
     assert code == cli.EXIT_OK, err
     assert f"output_dir: {tmp_path}" in out
+    assert "roll-backend validate: memory plan: actor_train's devices peak at" in err  # (`plan` prints the rest)
     if on_gpus:  # what config.json alone cannot answer is named, not silently passed
         assert f"{SKIPPED} the tokenizer and weights of '{model_folder(recipe)}', which holds only config.json" in err
     else:
