@@ -27,7 +27,6 @@ def memory_report(run) -> dict[str, float]:
         if group is None or role is None or not plans.get(name):
             continue
         facts, planner = run_facts(config, name, role), memory_planner(role.strategy.name)
-        largest = max(plans[name], key=lambda rank: sum(rank.state.values()))
         measured, planned = {}, {}
         for report in group.call(StrategyWorker.measured_memory):
             at = planner.planned_at(role.strategy.config, facts, report)
@@ -39,8 +38,11 @@ def memory_report(run) -> dict[str, float]:
             prefix = f"memory/{name}_{what}"
             metrics[f"{prefix}/measured_gib"] = value / 2**30
             metrics[f"{prefix}/planned_gib"] = planned[what] / 2**30
-            config_plan = sum(largest.state.values()) if what == "model_state" else largest.phase_peak(what)
-            config_plan -= 0 if what == "model_state" else sum(largest.state.values())
+            ranks = plans[name]
+            if what == "model_state":
+                config_plan = max(sum(rank.state.values()) for rank in ranks)
+            else:
+                config_plan = max(sum(rank.phases.get(what, {}).values()) for rank in ranks)
             logger.info(
                 "memory at step 1, %s %s: measured %s, planned %s at the micro-batches that ran (%+.0f%%), %s at "
                 "the config's largest",
