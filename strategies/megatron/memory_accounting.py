@@ -238,16 +238,15 @@ def planned_micro_shape(cfg, run) -> MicroShape:
     """The largest micro-batch a run gives this config: rows of the longest prompt + response (rounded as the
     micro-batches round their width), as many as micro_batch_size or the token budget allow; packed, one row of the
     budget."""
-    from roll_backend.strategies.megatron.micro_batches import SEQUENCE_MULTIPLE
+    from roll_backend.strategies.megatron.micro_batches import SEQUENCE_MULTIPLE, round_up
 
-    multiple = math.lcm(SEQUENCE_MULTIPLE, 2 * run.layout.cp) if run.layout.cp > 1 else SEQUENCE_MULTIPLE
-    sequence = (run.max_prompt_length or 0) + run.response_length
-    width = -(-sequence // multiple) * multiple
+    multiple = math.lcm(SEQUENCE_MULTIPLE, 2 * run.layout.cp)  # (as micro_batches.batching_plan rounds)
+    width = round_up((run.max_prompt_length or 0) + run.response_length, multiple)
     budget = cfg.max_tokens_per_microbatch
     if budget is None:
         return MicroShape(cfg.micro_batch_size, width, run.response_length)
     if cfg.use_sequence_packing:
-        packed = -(-budget // multiple) * multiple
+        packed = round_up(budget, multiple)
         sequences = max(1, packed // width)
         return MicroShape(1, packed, run.response_length, packed=True, sequences=sequences, gathered=True)
     return MicroShape(max(1, budget // width), width, run.response_length, gathered=True)
