@@ -48,7 +48,11 @@ DEADLINES = (
 )
 # The deadlines whose calls run worker methods (each method says its deadline: `@register(..., deadline=)`), so a
 # fault can target them ("step k": the k-th call of such a method on a rank since it started).
-FAULT_PHASES = DEADLINES[2:]
+# Points inside a call a fault can target too ("step k": the k-th time a rank passes it): a weight-sync bucket
+# received from the trainer, a layer bucket loaded into the engine (a sync that fails between buckets).
+WEIGHT_SYNC_BUCKET = "weight_sync_bucket"
+ENGINE_LOAD_BUCKET = "engine_load_bucket"
+FAULT_PHASES = (*DEADLINES[2:], WEIGHT_SYNC_BUCKET, ENGINE_LOAD_BUCKET)
 
 
 # ---- phases of a step: timed (`timing/<phase>`), bounded by a deadline, and with a model, measured in perf/ --------

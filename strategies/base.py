@@ -261,6 +261,28 @@ class RolloutStrategy(Strategy):
         """Load HF-named tensors into the engine in place; returns how many it loaded. `version`: the trainer version
         they are; `in_flight`: what happens to streaming requests in flight (keep | recompute | resubmit)."""
 
+    def load_weight_deltas(
+        self,
+        buckets: Iterable[Any],
+        version: int | None = None,
+        in_flight: str | None = None,
+        after_bucket: Callable[[], None] | None = None,
+    ) -> dict[str, int]:
+        """A minimal weight sync, all or nothing: roll_backend.protocol.weight_delta.WeightDeltaBucket's relative to
+        `weights_version`; the engine serves its version until every bucket landed and was checked, and a load that
+        fails part-way leaves it on that version. `after_bucket()` runs after each bucket loaded (fault injection).
+        Returns counts: "bytes" received, "full_bytes" (a full sync's), "tensors" sent, "unchanged", "loaded"."""
+        raise NotImplementedError(f"{type(self).__name__} takes whole weights only (update_weights)")
+
+    @property
+    def weights_version(self) -> int | None:
+        """The version a minimal sync may be relative to (None: the next sync must send whole tensors)."""
+        return None
+
+    def weights_digest(self) -> str:
+        """A digest of the engine's weights (equal digests: bit-for-bit equal weights)."""
+        raise NotImplementedError(f"{type(self).__name__} has no weights digest")
+
     @abc.abstractmethod
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
         """The engine's log-probs of fixed responses given their prompts: [B, T_resp] float32."""

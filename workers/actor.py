@@ -160,6 +160,29 @@ class ActorWorker(TrainedWorker):
         return refs
 
     @register(Dispatch.ONE_TO_ALL)
+    def publish_weight_deltas(self, bucket_bytes: int, version: int | None, engine_version: int | None) -> list:
+        """A minimal sync to `version` for engines holding `engine_version` (roll_backend/protocol/weight_delta.py):
+        every rank joins the gather, rank 0 sends per tensor nothing, its changed elements or the whole tensor
+        (whichever is fewer bytes) against its copy of what it last sent, whole tensors when that copy is not the
+        engines' version, and returns the buckets' refs ([] on other ranks). Rank 0 keeps a host copy of the
+        weights."""
+        import ray
+
+        from roll_backend.protocol.weight_delta import SentWeights
+
+        refs = []
+        if self.rank == 0:
+            if getattr(self, "sent_weights", None) is None:
+                self.sent_weights = SentWeights()
+            base = self.sent_weights.begin(engine_version)
+        for bucket in self.strategy.iter_hf_weights(bucket_bytes):
+            if self.rank == 0:
+                refs.append(ray.put(self.sent_weights.encode(bucket, base, version)))
+        if self.rank == 0:
+            self.sent_weights.sent(version)
+        return refs
+
+    @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str, max_shard_bytes: int | None = None):
         """A Hugging Face checkpoint in `out_dir`, in safetensors files of at most `max_shard_bytes` (None: the
         strategy's default). Returns what the writing rank wrote (None on the others)."""

@@ -116,6 +116,40 @@ class RolloutWorker(Worker):
         return {"tensors": loaded, "bytes": size[0]}
 
     @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
+    def load_weight_deltas(
+        self, bucket_refs: list, version: int | None = None, in_flight: str | None = None
+    ) -> dict[str, int]:
+        """A minimal sync the trainer published (ActorWorker.publish_weight_deltas): the engine serves its version
+        until every bucket has landed and been checked, then switches; a failure part-way leaves it on its version
+        (VllmRolloutStrategy.load_weight_deltas). Returns the counts: "bytes" received, "full_bytes" (a full sync's),
+        "tensors" sent, "unchanged", "loaded" into the engine, and "version" now served."""
+        import ray
+
+        def landed():
+            for ref in bucket_refs:
+                bucket = ray.get(ref)
+                self.fault_point(roles.WEIGHT_SYNC_BUCKET)
+                yield bucket
+
+        counts = self._strategy().load_weight_deltas(
+            landed(),
+            version=version,
+            in_flight=in_flight,
+            after_bucket=lambda: self.fault_point(roles.ENGINE_LOAD_BUCKET),
+        )
+        return counts | {"version": version}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weights_version(self) -> int | None:
+        """The version a minimal sync may be relative to (None: the next must send whole tensors)."""
+        return self._strategy().weights_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weights_digest(self) -> str:
+        """A digest of the engine's weights on this rank (equal digests: bit-for-bit equal weights)."""
+        return self._strategy().weights_digest()
+
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
     def load_adapter(
         self, adapter_refs: list, version: int | None = None, in_flight: str | None = None
     ) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Any
 from roll_backend.distributed import parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
 from roll_backend.distributed.dispatch import Dispatch, MethodDispatch, register
-from roll_backend.distributed.faults import FaultTrigger, fault_for_rank
+from roll_backend.distributed.faults import FAULTS_OFF, FaultTrigger, fault_for_rank
 from roll_backend.distributed.orphans import kill_children_with_this_process
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
 from roll_backend.errors import NotRestartableError, UserCodeError
@@ -107,6 +107,13 @@ class Worker:
         return sorted(p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid)
 
     @register(Dispatch.ONE_TO_ALL)
+    def inject_fault(self, setting: str | None) -> None:
+        """Arm fault injection on this rank from now on (`action:role:rank:phase:step`, counted from this call; the
+        ranks it does not name ignore it), or disarm it with None: a live group's recovery tested without a rebuild."""
+        spec = fault_for_rank(setting or FAULTS_OFF, self.role, self.rank)
+        self._fault = FaultTrigger(spec) if spec is not None else None
+
+    @register(Dispatch.ONE_TO_ALL)
     def measure_gemm_tflops(self, dtype: str, shapes: list[tuple[int, int, int]], seconds: float) -> float:
         """This rank's matmul TFLOP/s in `dtype` on its device (with its own thread count): the MFU peak."""
         from roll_backend.perf.peak import measure_gemm_tflops
@@ -150,6 +157,11 @@ class Worker:
     @property
     def rank_tag(self) -> str:
         return f"[{self.rank_where}]"
+
+    def fault_point(self, point: str) -> None:
+        """A point inside a call fault injection may target (roll_backend.roles.FAULT_PHASES)."""
+        if self._fault is not None:
+            self._fault.before_call(point, self.rank_tag)
 
     def run_registered(self, method, how: MethodDispatch, args: tuple, kwargs: dict):
         try:

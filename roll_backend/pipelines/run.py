@@ -185,6 +185,7 @@ class PipelineRun:
                 self.config.weight_sync_bucket_bytes,
                 self.config.logprob_gap_limit(),
                 version=self.policy_version,
+                delta=self.config.weight_sync_delta,
             )
         if self.config.async_generation.enabled and (Path(path) / ckpt.NEXT_BATCH).is_file():
             # The batch the rollout had generated for the next step (one version behind) resumes as it was.

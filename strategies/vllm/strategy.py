@@ -20,12 +20,13 @@ import torch
 from roll_backend import keys
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import left_pad, sequence_columns
+from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm import adapters, shm_names
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
-from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, layer_buckets
+from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, load_layers, load_version
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         self.tokenizer = None
         self.llm = None
         self.stream = StreamingSession(self)  # streaming mode's requests in flight, and the weights' version
+        self.held = HeldWeights()  # minimal weight sync: a host copy of the weights served (filled by the first)
 
     @property
     def tp(self) -> int:
@@ -416,18 +418,45 @@ class VllmRolloutStrategy(RolloutStrategy):
         requests in flight are kept, recomputed or resubmitted as `in_flight` says (strategies/vllm/stream_session.py);
         without them the prefix cache is reset: its cached keys/values were computed with the old weights.
         """
-        loaded = 0
-        bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
-        for bucket in layer_buckets(named_tensors, bucket_bytes):
-            loaded += self.engine.collective_rpc("load_hf_weights", args=(bucket,))[0]
+        self.held = HeldWeights()  # the engine's weights are no longer the held copy's
+        loaded = load_layers(self.engine, named_tensors, self.config.weight_sync_bucket_mb * 2**20)
+        self._weights_loaded(version, in_flight)
+        return loaded
+
+    def load_weight_deltas(
+        self,
+        buckets: Iterable[WeightDeltaBucket],
+        version: int | None = None,
+        in_flight: str | None = None,
+        after_bucket=None,
+    ) -> dict[str, int]:
+        """A minimal weight sync (roll_backend/protocol/weight_delta.py), all or nothing: the engine switches from
+        its version to `version` only once every bucket landed and checked, and a load that fails part-way restores
+        the old version (strategies/vllm/weight_sync.load_version). `in_flight` as for `update_weights`."""
+        counts = load_version(
+            self.engine, self.held, buckets, version, self.config.weight_sync_bucket_mb * 2**20, after_bucket
+        )
+        self._weights_loaded(version, in_flight)
+        return counts
+
+    @property
+    def weights_version(self) -> int | None:
+        """The version of the held copy a delta must be relative to (None: the next sync must be whole)."""
+        return self.held.version if self.held.complete else None
+
+    def weights_digest(self) -> str:
+        return self.engine.collective_rpc("weights_digest")[0]
+
+    def _weights_loaded(self, version: int | None, in_flight: str | None) -> None:
+        """After a load: streaming requests in flight kept, recomputed or resubmitted; else the prefix cache reset
+        (its keys/values were computed with the old weights)."""
         if in_flight is not None:
             self.stream.after_load(version, in_flight)
-            return loaded
+            return
         if version is not None:
             self.stream.version = version
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
-        return loaded
 
     @property
     def lora_request(self):

@@ -1,12 +1,16 @@
 """Weight sync into a running vLLM engine: HF-named tensors in buckets of whole decoder layers, loaded by a
-worker extension inside vLLM's worker (reached through `LLM.collective_rpc`)."""
+worker extension inside vLLM's worker (reached through `LLM.collective_rpc`); `load_version` loads a minimal sync
+(roll_backend/protocol/weight_delta.py) all or nothing."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, tensor_bits
 
 # vLLM resolves this dotted qualname (module.Class; a "module:Class" form fails in vLLM 0.32).
 WORKER_EXTENSION = "roll_backend.strategies.vllm.weight_sync.VllmWeightSyncExtension"
@@ -52,6 +56,18 @@ def _cpu_moe_experts_processed_as_at_load(model):
                 method.moe_kernel = kernel
 
 
+@torch.no_grad()
+def _packed_cpu_weight(module) -> torch.Tensor | None:
+    """The weight a CPU linear layer's packed kernel (`cpu_linear`) computes with: the kernel applied to the identity
+    (each output element one product with 1.0, so exact); None for other modules."""
+    linear = getattr(module, "cpu_linear", None)
+    width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+    if linear is None or width is None:
+        return None
+    dtype = getattr(module, "params_dtype", None) or torch.get_default_dtype()
+    return linear(torch.eye(width, dtype=dtype), module.weight, None)
+
+
 class VllmWeightSyncExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); reached through `LLM.collective_rpc`."""
 
@@ -66,6 +82,22 @@ class VllmWeightSyncExtension:
         if getattr(self, "route_capture", None) is not None:  # a reload may rebuild a MoE layer's router
             self.route_capture.bind(self.model_runner.get_model())
         return len(named_tensors)
+
+    def weights_digest(self) -> str:
+        """A blake2b digest of this worker's model as it computes (names and bits): every parameter and buffer, and
+        for a CPU linear layer, whose weight vLLM moved into a packed kernel handle (an empty parameter is left), the
+        kernel applied to the identity (its weight matrix, exactly). Equal digests: equal weights."""
+        digest = hashlib.blake2b(digest_size=16)
+        model = self.model_runner.get_model()
+        for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0]):
+            digest.update(name.encode())
+            digest.update(tensor_bits(tensor.data.cpu()).numpy().tobytes())
+        for name, module in sorted(model.named_modules(), key=lambda item: item[0]):
+            weight = _packed_cpu_weight(module)
+            if weight is not None:
+                digest.update(f"{name}.packed".encode())
+                digest.update(tensor_bits(weight).numpy().tobytes())
+        return digest.hexdigest()
 
     def start_route_capture(self) -> tuple[int, int]:
         """Capture every MoE layer's routes from now on (strategies/vllm/routes.py); (layers, top_k)."""
@@ -118,3 +150,52 @@ def layer_buckets(
         current_key = key
     if bucket:
         yield bucket
+
+
+class WeightSyncFailed(RuntimeError):
+    """A weight sync that failed part-way; the message says which version the engine serves now."""
+
+
+def load_layers(
+    engine, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: float, after_bucket=None
+) -> int:
+    """Load HF-named tensors into the engine, layer-aligned buckets at a time; `after_bucket()` runs after each (a
+    fault-injection point). Returns how many tensors were loaded."""
+    loaded = 0
+    for bucket in layer_buckets(named_tensors, bucket_bytes):
+        loaded += engine.collective_rpc("load_hf_weights", args=(bucket,))[0]
+        if after_bucket is not None:
+            after_bucket()
+    return loaded
+
+
+def load_version(
+    engine,
+    held: HeldWeights,
+    buckets: Iterable[WeightDeltaBucket],
+    version: int | None,
+    bucket_bytes: float,
+    after_bucket: Callable[[], None] | None = None,
+) -> dict[str, int]:
+    """All or nothing: every bucket of `version` lands and is rebuilt and checked against the held copy before the
+    engine loads any (a failure there leaves the engine untouched); the engine then loads the changed tensors with
+    the rest of their layers. A load that fails part-way reloads the held version's tensors of those layers, so the
+    engine serves its old version again, and raises WeightSyncFailed saying so. Returns the sync's counts
+    (roll_backend/protocol/weight_delta.HeldWeights.stage) and "loaded": the tensors the engine loaded."""
+    staged, counts = held.stage(buckets)
+    named = held.with_whole_groups(staged, _layer_key)
+    try:
+        counts["loaded"] = load_layers(engine, named, bucket_bytes, after_bucket)
+    except Exception as exc:
+        if not held.complete:
+            raise WeightSyncFailed(
+                f"the first whole weight sync (version {version}) failed part-way ({type(exc).__name__}: {exc}); "
+                "there is no earlier copy to restore, so the engine holds mixed weights: restart the run"
+            ) from exc
+        load_layers(engine, [(name, held.tensors[name]) for name, _ in named if name in held.tensors], bucket_bytes)
+        raise WeightSyncFailed(
+            f"the weight sync to version {version} failed part-way ({type(exc).__name__}: {exc}); the engine "
+            f"reloaded what it had changed and serves version {held.version} again"
+        ) from exc
+    held.commit(staged, version)
+    return counts

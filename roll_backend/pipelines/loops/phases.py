@@ -306,16 +306,20 @@ def sync_weights(
     max_gap: float,
     version: int | None = None,
     in_flight: str | None = None,
+    delta: bool = False,
 ) -> dict[str, float]:
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
-    resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel."""
+    resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel; with `delta` only what
+    changed since the engine's version, switched to all at once (weight_sync_delta)."""
     started = time.perf_counter()
     if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
         loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
     elif groups.adapter_sync:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_adapter) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version, in_flight=in_flight)
+    elif delta:
+        loaded = _sync_deltas(groups, bucket_bytes, version, in_flight)
     else:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
@@ -324,6 +328,9 @@ def sync_weights(
         "weight_sync/bytes": float(loaded[0]["bytes"]),
         "weight_sync/transfer_seconds": time.perf_counter() - started,  # (the probe aside)
     }
+    if "full_bytes" in loaded[0]:  # a minimal sync: what a full one would have sent, what did not change
+        metrics["weight_sync/full_bytes"] = float(loaded[0]["full_bytes"])
+        metrics["weight_sync/unchanged_tensors"] = float(loaded[0]["unchanged"])
     if probe_rows is None:
         return metrics
     probe = probe_rows.select(
@@ -348,6 +355,18 @@ def sync_weights(
             f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact"
         )
     return metrics | {"weight_sync/logprob_gap": gap}
+
+
+def _sync_deltas(groups: RoleGroups, bucket_bytes: int, version: int | None, in_flight: str | None) -> list[dict]:
+    """A minimal sync: relative to the version every engine holds (whole tensors when they differ or hold none)."""
+    held = set(groups.actor_infer.call(RolloutWorker.weights_version))
+    engine_version = held.pop() if len(held) == 1 else None
+    refs = next(
+        refs
+        for refs in groups.actor_train.call(ActorWorker.publish_weight_deltas, bucket_bytes, version, engine_version)
+        if refs
+    )
+    return groups.actor_infer.call(RolloutWorker.load_weight_deltas, refs, version=version, in_flight=in_flight)
 
 
 def batch_metrics(batch: DataProto, seconds_generating: float) -> dict[str, float]:

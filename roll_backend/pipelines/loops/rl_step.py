@@ -121,6 +121,7 @@ def sync_rollout_weights(
             config.logprob_gap_limit(),
             version=run.policy_version,
             in_flight=in_flight,
+            delta=config.weight_sync_delta,
         )
     run.rollout_version = run.policy_version
     return metrics

@@ -60,6 +60,7 @@ def rollout_group(make_group, model_dir: str, role: str, max_lora_rank: int | No
             sampling=SamplingConfig(n=4, temperature=1.0, max_tokens=24),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=GREEDY_TOKENS),
             max_lora_rank=max_lora_rank,
+            weight_sync_bucket_mb=1 / 16,  # a layer per load: a fault can fall between two (a minimal sync's test)
         )
     )
     group = make_group(RolloutWorker, 1, role=role, worker_config=config)
@@ -223,3 +224,101 @@ def test_an_adapter_sync_mid_generation_resubmits_the_requests_under_the_new_ada
     new = megatron_log_probs(actor, batch)
     assert agree(sampled[early], old[early]) and agree(sampled[late], new[late])
     assert (new - old).abs()[early].mean() > 1e-2  # the two adapters really differ there
+
+
+# ---- minimal, all-or-nothing weight sync (issue #52); after the tests above: the actor trains on ----------------
+def train_once(actor, rollout, tokenizer, prompts, seed: int) -> None:
+    samples = rollout.call(RolloutWorker.generate, prompt_batch(prompts, tokenizer.pad_token_id))
+    samples = samples.select(
+        batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES, keys.RESPONSE_MASK]
+    )
+    advantages = torch.randn(samples.batch[keys.RESPONSES].shape, generator=torch.Generator().manual_seed(seed))
+    extra = {keys.OLD_LOG_PROBS: megatron_log_probs(actor, samples), keys.ADVANTAGES: advantages}
+    actor.call(ActorWorker.train_step, samples.union(DataProto.from_dict(tensors=extra)))
+
+
+def minimal_sync(actor, rollout, version: int, engine_version: int | None, **load) -> dict:
+    """The pipeline's minimal sync (phases._sync_deltas) by hand: rank 0 publishes relative to `engine_version`."""
+    refs = next(
+        refs for refs in actor.call(ActorWorker.publish_weight_deltas, 64 * 1024, version, engine_version) if refs
+    )
+    return rollout.call(RolloutWorker.load_weight_deltas, refs, version=version, **load)[0]
+
+
+def engine_state(rollout, probe_rows) -> tuple[str, torch.Tensor]:
+    return (
+        rollout.call(RolloutWorker.weights_digest)[0],
+        rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS],
+    )
+
+
+@pytest.fixture(scope="module")
+def probe_rows(rollout, tokenizer, shared_prefix_prompts, synced):  # noqa: F811
+    return rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], tokenizer.pad_token_id))
+
+
+def test_a_delta_sync_gives_the_full_sync_s_engine_bit_for_bit(
+    rollout, actor, synced, tokenizer, shared_prefix_prompts, probe_rows
+):  # noqa: F811
+    """TP2 actor, LoRA merged into the weights it sends: over three steps, the engine after a delta sync (only the
+    tensors the step changed: LoRA leaves norms and embeddings alone) has the same weights, bit for bit, and the same
+    log-probs as after a full sync of the same trainer weights; the delta is a fraction of the full sync's bytes."""
+    first = minimal_sync(actor, rollout, 100, None)  # no held copy yet: whole tensors
+    assert first["bytes"] == first["full_bytes"] and first["unchanged"] == 0
+    before = engine_state(rollout, probe_rows)
+    for version in (101, 102, 103):
+        train_once(actor, rollout, tokenizer, shared_prefix_prompts[4:8], seed=version)
+        assert rollout.call(RolloutWorker.weights_version) == [version - 1]
+        delta = minimal_sync(actor, rollout, version, version - 1)
+        after_delta = engine_state(rollout, probe_rows)
+        full = minimal_sync(actor, rollout, version, None)  # the same weights, whole
+        after_full = engine_state(rollout, probe_rows)
+        assert after_delta[0] != before[0], "the step changed nothing the engine holds: the test proves nothing"
+        assert after_delta[0] == after_full[0] and torch.equal(after_delta[1], after_full[1])
+        assert full["bytes"] == full["full_bytes"] == delta["full_bytes"]
+        assert delta["unchanged"] > 0 and delta["bytes"] < 0.9 * full["bytes"], delta
+        before = after_full
+
+
+def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
+    rollout, actor, synced, tokenizer, shared_prefix_prompts, probe_rows
+):  # noqa: F811
+    """A bucket lost in transit (the engine has loaded nothing yet), then a fault between two of the engine's layer
+    loads (it had loaded part of the new version): both leave the engine serving its version, with the log-probs and
+    weights it had, bit for bit. The trainer, whose copy moved on, sends whole tensors to that engine next; that sync
+    lands and matches Megatron."""
+    import ray
+
+    version = rollout.call(RolloutWorker.weights_version)[0]
+    if version is None:  # (run alone) a first sync fills the engine's held copy
+        version = 200
+        minimal_sync(actor, rollout, version, None)
+    held = engine_state(rollout, probe_rows)
+    train_once(actor, rollout, tokenizer, shared_prefix_prompts[8:12], seed=7)
+    refs = next(refs for refs in actor.call(ActorWorker.publish_weight_deltas, 64 * 1024, version + 1, version) if refs)
+    assert len(refs) > 2
+
+    @ray.remote
+    def lost_bucket():
+        raise ConnectionError("bucket lost in transit")
+
+    with pytest.raises(Exception, match="lost in transit"):
+        rollout.call(RolloutWorker.load_weight_deltas, [refs[0], lost_bucket.remote(), *refs[2:]], version=version + 1)
+    assert rollout.call(RolloutWorker.weights_version) == [version]
+    after_lost = engine_state(rollout, probe_rows)
+    assert after_lost[0] == held[0] and torch.equal(after_lost[1], held[1])
+
+    rollout.call(RolloutWorker.inject_fault, "raise:rollout:0:engine_load_bucket:2")
+    with pytest.raises(Exception, match=f"serves version {version} again"):
+        rollout.call(RolloutWorker.load_weight_deltas, refs, version=version + 1)
+    rollout.call(RolloutWorker.inject_fault, None)
+    assert rollout.call(RolloutWorker.weights_version) == [version]
+    restored = engine_state(rollout, probe_rows)
+    assert restored[0] == held[0] and torch.equal(restored[1], held[1])
+
+    healed = minimal_sync(actor, rollout, version + 1, version)  # the trainer's copy is of version + 1: whole tensors
+    assert healed["bytes"] == healed["full_bytes"]
+    mask = probe_rows.batch[keys.RESPONSE_MASK].bool()
+    after = rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
+    assert agree(after[mask], megatron_log_probs(actor, probe_rows)[mask])
+    assert (after - held[1]).abs()[mask].mean() > 1e-3  # the new version really differs

@@ -1,0 +1,199 @@
+"""What a minimal weight sync sends, and the two copies that make it exact: the trainer's record of the weights the
+engine holds (`SentWeights`) and the engine's own (`HeldWeights`).
+
+Per tensor, only what changed since the engine's version travels, whichever costs fewer bytes: nothing (no bit
+changed), the changed elements (flat positions + values), or the whole tensor. Changes are found bit by bit (a
+float's bits, so -0.0 / NaN payloads count), and the engine rebuilds each tensor from its held copy, so after a delta
+sync its weights are exactly a full sync's. Each rebuilt tensor is checked against the trainer's checksum of the
+new tensor before anything reaches the engine.
+
+The engine loads a version only once every bucket of it has landed and been rebuilt and checked (`HeldWeights.stage`
+raises before any load otherwise), and `commit`s it only after the engine loaded all of it: a sync that fails
+midway leaves the held copy on the old version, from which the engine restores what it had loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+# Same-size integer dtypes: a tensor's bits, compared and summed exactly.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class WeightDeltaError(RuntimeError):
+    """A delta that does not apply to the engine's held weights (another base version, a tensor it does not hold, a
+    checksum that disagrees): the engine keeps its version."""
+
+
+def tensor_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as a flat integer tensor of the same element size."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if tensor.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat if not (flat.is_floating_point() or flat.is_complex()) else flat.view(_BITS[flat.element_size()])
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """A sum of the tensor's bits (with their positions' parity, so a swap of two elements shows): cheap, exact."""
+    bits = tensor_bits(tensor)
+    return int(bits.sum(dtype=torch.int64)) * 31 + int(bits[1::2].sum(dtype=torch.int64))
+
+
+def nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class TensorDelta:
+    """One tensor's change: `full` (the whole new tensor) or `indices` / `values` (flat positions that changed and
+    their new values); `checksum` is the new tensor's."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    checksum: int
+    full: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.full) + nbytes(self.indices) + nbytes(self.values)
+
+
+@dataclass
+class WeightDeltaBucket:
+    """One bucket of a sync to `version`, relative to the engine's `base_version` (None: whole tensors, no base)."""
+
+    base_version: int | None
+    version: int | None
+    deltas: list[TensorDelta] = field(default_factory=list)
+    full_bytes: int = 0  # what these tensors weigh whole: a full sync's bytes
+    unchanged: int = 0  # tensors of the bucket not sent (no bit changed)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(delta.nbytes for delta in self.deltas)
+
+
+def encode(name: str, new: torch.Tensor, old: torch.Tensor | None) -> TensorDelta | None:
+    """What travels for `new` when the engine holds `old` (None: it holds nothing of it): None if no bit changed,
+    else the changed elements or the whole tensor, whichever is fewer bytes."""
+    delta = TensorDelta(name, tuple(new.shape), new.dtype, checksum(new))
+    if old is None or old.shape != new.shape or old.dtype != new.dtype:
+        delta.full = new
+        return delta
+    changed = tensor_bits(new) != tensor_bits(old)
+    count = int(changed.sum())
+    if count == 0:
+        return None
+    index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
+    sparse_bytes = count * (torch.tensor([], dtype=index_dtype).element_size() + new.element_size())
+    if sparse_bytes >= nbytes(new):
+        delta.full = new
+        return delta
+    positions = changed.nonzero().reshape(-1)
+    delta.indices = positions.to(index_dtype)
+    delta.values = new.reshape(-1)[positions].clone()
+    return delta
+
+
+def apply(delta: TensorDelta, held: torch.Tensor | None) -> torch.Tensor:
+    """The new tensor from the engine's held copy and the delta; WeightDeltaError when it is not the trainer's."""
+    if delta.full is not None:
+        new = delta.full
+    else:
+        if held is None or tuple(held.shape) != delta.shape or held.dtype != delta.dtype:
+            raise WeightDeltaError(
+                f"{delta.name}: a sparse delta for a {list(delta.shape)} {delta.dtype} tensor, but the engine holds "
+                f"{'nothing of it' if held is None else f'{list(held.shape)} {held.dtype}'}"
+            )
+        new = held.clone()
+        new.view(-1)[delta.indices.long()] = delta.values
+    if checksum(new) != delta.checksum:
+        raise WeightDeltaError(f"{delta.name}: the rebuilt tensor's checksum differs from the trainer's (damaged)")
+    return new
+
+
+class SentWeights:
+    """Trainer side (the rank that publishes): host copies of the weights the engine was last sent, and their
+    version: `begin` a sync, `encode` each bucket (what changed since the engines' version), then `sent`."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    def begin(self, engine_version: int | None) -> int | None:
+        """Start a sync for engines holding `engine_version`: the base its deltas are relative to, None (whole
+        tensors) unless the copies are that version. Until `sent`, the copies are of no version (a sync that stops
+        part-way leaves some tensors new: the next one sends whole tensors)."""
+        base = self.version if self.version is not None and self.version == engine_version else None
+        self.version = None
+        return base
+
+    def encode(self, bucket: Iterable[tuple[str, torch.Tensor]], base_version: int | None, version: int | None):
+        """A WeightDeltaBucket of `bucket`'s tensors relative to `base_version` (whole when it is None); the copies
+        are updated to the new tensors. Call `sent(version)` once the whole sync is published."""
+        out = WeightDeltaBucket(base_version, version)
+        for name, tensor in bucket:
+            new = tensor.detach().to("cpu", copy=True)
+            out.full_bytes += nbytes(new)
+            delta = encode(name, new, self.tensors.get(name) if base_version is not None else None)
+            self.tensors[name] = new
+            if delta is None:
+                out.unchanged += 1
+            else:
+                out.deltas.append(delta)
+        return out
+
+    def sent(self, version: int | None) -> None:
+        self.version = version
+
+
+class HeldWeights:
+    """Engine side: a host copy of the weights the engine serves (HF names, as sent) and their version."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the copy holds a whole model (it does after the first whole sync)."""
+        return bool(self.tensors)
+
+    def stage(self, buckets: Iterable[WeightDeltaBucket]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Every bucket of a sync rebuilt and checked, nothing loaded: ({name: new tensor of those that changed},
+        {"bytes": received, "full_bytes": a full sync's, "tensors": sent, "unchanged": not sent}). Raises
+        WeightDeltaError (the engine keeps its version) when a bucket is relative to another version."""
+        staged: dict[str, torch.Tensor] = {}
+        counts = dict.fromkeys(("bytes", "full_bytes", "tensors", "unchanged"), 0)
+        for bucket in buckets:
+            if bucket.base_version is not None and (bucket.base_version != self.version or not self.complete):
+                raise WeightDeltaError(
+                    f"a weight delta relative to version {bucket.base_version} reached an engine holding version "
+                    f"{self.version}; the trainer must send whole tensors (its next sync does)"
+                )
+            for delta in bucket.deltas:
+                staged[delta.name] = apply(delta, self.tensors.get(delta.name))
+            counts["bytes"] += bucket.nbytes
+            counts["full_bytes"] += bucket.full_bytes
+            counts["tensors"] += len(bucket.deltas)
+            counts["unchanged"] += bucket.unchanged
+        return staged, counts
+
+    def with_whole_groups(
+        self, staged: dict[str, torch.Tensor], group_of: Callable[[str], str]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The staged tensors together with every held tensor of the same load group (`group_of(name)`: the engine
+        loads a fused layer whole), in held order then staged-only names."""
+        groups = {group_of(name) for name in staged}
+        named = [(n, staged.get(n, t)) for n, t in self.tensors.items() if group_of(n) in groups]
+        return named + [(n, t) for n, t in staged.items() if n not in self.tensors]
+
+    def commit(self, staged: dict[str, torch.Tensor], version: int | None) -> None:
+        self.tensors.update(staged)
+        self.version = version

@@ -1,0 +1,109 @@
+"""roll_backend/protocol/weight_delta.py: per tensor the cheaper of nothing, the changed elements or the whole tensor;
+rebuilt bit for bit; refused when relative to another version or damaged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll_backend.protocol.weight_delta import (
+    HeldWeights,
+    SentWeights,
+    WeightDeltaBucket,
+    WeightDeltaError,
+    apply,
+    checksum,
+    encode,
+    tensor_bits,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(tensor_bits(a), tensor_bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 0.9, 1.0])
+def test_each_tensor_travels_as_the_cheaper_of_nothing_its_changes_or_whole(dtype, fraction):
+    gen = torch.Generator().manual_seed(int(fraction * 100) + len(str(dtype)))
+    shape = (37, 53)  # odd sizes: no alignment to lean on
+    old = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    new = old.clone()
+    changed = torch.rand(shape, generator=gen) < fraction
+    new[changed] = (torch.randn(int(changed.sum()), generator=gen) * 100).to(dtype) + 1
+    delta = encode("w", new, old)
+    count = int((tensor_bits(new) != tensor_bits(old)).sum())
+    if count == 0:
+        assert delta is None
+        return
+    index_bytes, element = 4, new.element_size()
+    if count * (index_bytes + element) < new.numel() * element:
+        assert delta.full is None and len(delta.indices) == count and delta.nbytes == count * (index_bytes + element)
+    else:
+        assert delta.full is not None and delta.nbytes == new.numel() * element
+    assert same_bits(apply(delta, old), new)
+
+
+def test_changes_are_found_bit_by_bit():
+    """-0.0 vs 0.0 and NaN payloads compare equal as numbers; the engine must still get the trainer's bits."""
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+    new = old.clone()
+    new[0] = -0.0
+    new[2] = torch.tensor(0x7FC00001, dtype=torch.int32).view(torch.float32)  # another NaN
+    delta = encode("w", new, old)
+    assert delta is not None and same_bits(apply(delta, old), new)
+    assert encode("w", old.clone(), old) is None  # the same NaN bits: unchanged
+
+
+def test_a_damaged_delta_or_a_wrong_base_is_refused():
+    old = torch.randn(64, 64)
+    new = old.clone()
+    new[3, :5] += 1
+    delta = encode("w", new, old)
+    other = old.clone()
+    other[0, 0] += 1  # the engine holds something else
+    with pytest.raises(WeightDeltaError, match="checksum"):
+        apply(delta, other)
+    with pytest.raises(WeightDeltaError, match="holds nothing"):
+        apply(delta, None)
+    swapped = new.clone().reshape(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]  # a swap keeps the plain sum
+    assert checksum(swapped) != checksum(new.reshape(-1))
+
+
+def test_sent_and_held_copies_stay_in_step_and_a_stopped_sync_makes_the_next_whole():
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"model.layers.{i}.{p}": torch.randn(16, 16, generator=gen) for i in range(3) for p in "abc"}
+    sent, held = SentWeights(), HeldWeights()
+
+    def sync(version, engine_version):
+        base = sent.begin(engine_version)
+        buckets = [
+            sent.encode(list(weights.items())[:4], base, version),
+            sent.encode(list(weights.items())[4:], base, version),
+        ]
+        sent.sent(version)
+        return buckets
+
+    staged, counts = held.stage(sync(1, None))
+    held.commit(staged, 1)
+    assert counts["bytes"] == counts["full_bytes"] and counts["unchanged"] == 0
+    weights["model.layers.1.b"] = weights["model.layers.1.b"] + 1
+    weights["model.layers.2.c"][0, 0] = 5.0
+    buckets = sync(2, held.version)
+    staged, counts = held.stage(buckets)
+    assert sorted(staged) == ["model.layers.1.b", "model.layers.2.c"] and counts["unchanged"] == 7
+    # The engine loads fused layers whole: the changed tensors come with their layer's others.
+    whole = held.with_whole_groups(staged, lambda name: name.rsplit(".", 1)[0])
+    assert [name for name, _ in whole] == [f"model.layers.{i}.{p}" for i in (1, 2) for p in "abc"]
+    held.commit(staged, 2)
+    assert all(same_bits(held.tensors[n], w) for n, w in weights.items())
+    # A delta relative to version 1 reaches an engine at 2: refused, nothing staged.
+    with pytest.raises(WeightDeltaError, match="relative to version 1"):
+        held.stage([WeightDeltaBucket(1, 3)])
+    # A sync stopped part-way (one bucket encoded) leaves the trainer's copy of no version: the next is whole.
+    base = sent.begin(2)
+    sent.encode(list(weights.items())[:4], base, 3)
+    assert sent.begin(2) is None
