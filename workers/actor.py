@@ -15,6 +15,7 @@ from roll_backend import keys, roles
 from roll_backend.algorithms import agg_loss, get_policy_loss, kl_estimate, token_mean_share
 from roll_backend.algorithms.preference import sft_loss
 from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.faults import poisoned_loss
 from roll_backend.protocol import DataProto
 from roll_backend.workers.reward_model import sequence_scores
 from roll_backend.workers.trained import TrainedWorker
@@ -142,6 +143,8 @@ class ActorWorker(TrainedWorker):
     def train_step(self, batch: DataProto) -> dict[str, float] | None:
         """One optimizer step on the batch; returns the step's metrics (last PP stage; None elsewhere)."""
         loss_fn = functools.partial(actor_loss, self.config.loss)
+        if self.poisoned():  # fault injection (tests): a NaN gradient
+            loss_fn = poisoned_loss(loss_fn)
         metrics = self.strategy.train_step(batch, loss_fn)
         if metrics is not None:
             metrics["broadcast_seconds"] = self.last_broadcast_seconds

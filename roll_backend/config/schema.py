@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_backend import roles
+from roll_backend.config.guard_rules import GuardConfig
 from roll_backend.agentic.config import AgenticConfig
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.rewards.user_functions import RewardFunctionSpec
@@ -424,6 +425,9 @@ class PipelineConfig:
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None
     ray_num_cpus: int = 16  # CPUs a local Ray declares (actor groups take shares, not whole cores)
+    # Run guards: a threshold on a step metric with an action (warn | stop with a checkpoint | skip the update), e.g.
+    # [{metric: actor/grad_norm, action: stop}, {metric: actor/rollout_logprob_gap, above: 0.05, action: skip}]
+    guards: list[GuardConfig] = field(default_factory=list)
     # GiB of memory on each device the roles take (80 for an H100 80GB): validation then refuses a run whose memory
     # plan (`roll-backend plan`) does not fit; null: the plan is reported, not checked.
     device_memory_gib: float | None = None

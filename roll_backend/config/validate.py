@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from roll_backend import roles
+from roll_backend.config.guard_rules import guard_problems
 from roll_backend.config.hybrid_rules import hybrid_problems
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
 from roll_backend.config.reward_rules import reward_problems
@@ -519,7 +520,7 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
         _check_same_vocabulary(config, problems)
     for check in (_check_lora_uses, _check_fault_tolerance, _check_perf, _check_logging):
         check(config, problems)
-    problems += hybrid_problems(config)
+    problems += hybrid_problems(config) + guard_problems(config.guards)
     return problems or memory_problems(config)  # (the plan of a config with problems would plan the wrong run)
 
 

@@ -15,7 +15,7 @@ from roll_backend import roles
 
 FAULT_ENV = "ROLL_BACKEND_INJECT_FAULT"
 FAULTS_OFF = "off"  # passed to a group explicitly: ignore the environment variable too (a restarted run)
-ACTIONS = ("kill", "hang", "raise")
+ACTIONS = ("kill", "hang", "raise", "nan")  # nan: the train call's loss (so its gradient) is NaN
 # A fault's phase is a deadline setting whose calls run worker methods (roll_backend.roles.FAULT_PHASES; each method
 # says its deadline in @register); "step k" is the k-th call of one of them on that rank since it started (one call
 # per step for generate/reward/weight_sync, and for train when a step is one mini-batch).
@@ -45,6 +45,8 @@ class FaultSpec:
             raise ValueError(f"fault injection {text!r}: action {action!r} is not one of {', '.join(ACTIONS)}")
         if phase not in roles.FAULT_PHASES:
             raise ValueError(f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(roles.FAULT_PHASES)}")
+        if action == "nan" and phase != roles.TRAIN_DEADLINE:
+            raise ValueError(f"fault injection {text!r}: action nan poisons a training step's loss; use phase train")
         if not (rank.isdigit() and step.isdigit() and int(step) >= 1):
             raise ValueError(f"fault injection {text!r}: rank and step must be whole numbers, step >= 1 ({example})")
         return cls(action, role, int(rank), phase, int(step))
@@ -78,13 +80,16 @@ class FaultTrigger:
     def __init__(self, spec: FaultSpec):
         self.spec, self.calls = spec, 0
 
-    def before_call(self, deadline: str | None, rank_tag: str) -> None:
-        """A registered method whose calls run under `deadline` is about to run on this rank."""
+    def before_call(self, deadline: str | None, rank_tag: str) -> bool:
+        """A registered method whose calls run under `deadline` is about to run on this rank; True when this call
+        must poison its loss (action nan)."""
         if deadline != self.spec.phase:
-            return
+            return False
         self.calls += 1
         if self.calls != self.spec.step:
-            return
+            return False
+        if self.spec.action == "nan":
+            return True
         if self.spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.spec.action == "hang":
@@ -93,3 +98,13 @@ class FaultTrigger:
             f"{rank_tag} injected fault in {self.spec.phase} at call {self.calls} ({FAULT_ENV} / "
             "fault_tolerance.inject)"
         )
+
+
+def poisoned_loss(loss_fn):
+    """`loss_fn` whose loss is NaN (the `nan` fault: a NaN gradient reaches the optimizer)."""
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = loss_fn(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    return poisoned

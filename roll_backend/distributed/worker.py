@@ -70,6 +70,7 @@ class Worker:
         # Fault injection (tests only): `fault` from the run config, else the environment variable (faults.py).
         spec = fault_for_rank(fault, role, rank)
         self._fault = FaultTrigger(spec) if spec is not None else None
+        self._poisoned = False
 
     # ---- set-up, called by the WorkerGroup -----------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -163,10 +164,13 @@ class Worker:
         if self._fault is not None:
             self._fault.before_call(point, self.rank_tag)
 
+    def poisoned(self) -> bool:
+        """Whether fault injection's `nan` action picked the call now running (it then makes its loss NaN)."""
+        return self._poisoned
+
     def run_registered(self, method, how: MethodDispatch, args: tuple, kwargs: dict):
         try:
-            if self._fault is not None:
-                self._fault.before_call(how.deadline, self.rank_tag)
+            self._poisoned = self._fault is not None and self._fault.before_call(how.deadline, self.rank_tag)
             with self.call_context():
                 if how.mode.broadcast_in_actor:
                     started = time.perf_counter()

@@ -18,6 +18,7 @@ from roll_backend.pipelines.groups import RoleGroups, build_role_groups
 from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.offline import OfflineValidation
 from roll_backend.pipelines.services import checkpoint as ckpt
+from roll_backend.pipelines.services.guards import RunGuards
 from roll_backend.pipelines.services.phase_perf import PhasePerf
 from roll_backend.pipelines.services.tracking import MetricsTracker, phase_deadline
 from roll_backend.pipelines.services.validation import Validation
@@ -101,6 +102,8 @@ class PipelineRun:
         # Streaming mode: the loop's snapshot for a checkpoint, () -> (buffered groups or None, driver state to add).
         self.stream_checkpoint = None
         self.resume_state: dict = {}  # the driver state of the checkpoint resumed from
+        self.guards = RunGuards(config.guards)
+        self.last_checkpoint: tuple[int, Path] | None = None  # (step, folder) of the latest save
         try:
             self.perf = PhasePerf(config, self.groups)
             # On every row: how many parameters the actor has and trains (LoRA: the adapters).
@@ -137,13 +140,22 @@ class PipelineRun:
         if step == self.first_step:
             metrics["timing/startup_s"] = self.startup_seconds
         if step:  # (step 0: validation before training, no training batch)
-            metrics |= self.data.step_metrics(step, self.config.rollout_batch_size)
+            metrics |= self.data.step_metrics(step, self.config.rollout_batch_size) | self.guards.flags(metrics)
         self.history.append({"step": step, **metrics})
         self.tracker.log(step, metrics)
         save_every = self.config.checkpoint.save_steps
         if save_every and step and step % save_every == 0:  # (step 0: validation before training)
             with phase_deadline(self.timeouts, roles.CHECKPOINT):
                 self.save_checkpoint(step)
+        if step:
+            self.guards.after_step(metrics, step, self._checkpoint_of)
+
+    def _checkpoint_of(self, step: int) -> Path:
+        """The checkpoint of `step`: the one just saved, else a new one (a stop guard's)."""
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == step:
+            return self.last_checkpoint[1]
+        with phase_deadline(self.timeouts, roles.CHECKPOINT):
+            return self.save_checkpoint(step)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -163,7 +175,9 @@ class PipelineRun:
             "policy_version": self.policy_version,
             **stream_state,
         }
-        return ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
+        folder = ckpt.commit_checkpoint(staged, state, self.config.checkpoint.keep_last)
+        self.last_checkpoint = (step, folder)
+        return folder
 
     def _resume(self, resume: str) -> None:
         path = ckpt.resume_checkpoint(resume, self.output_dir)  # logs what auto skips; refuses an incomplete folder

@@ -209,7 +209,10 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
         stored = engine.forward_backward(
             micro_batches, loss_func, forward_only=False, routes=routes, measure=measures_memory(batch)
         )
-        update_ok, grad_norm, _ = self.optimizer.step()
+        if self._gradients_finite():
+            update_ok, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN / inf loss or gradient: no update (as verl does), instead of NaN in every weight
+            update_ok, grad_norm = False, float("nan")
         if update_ok:
             self.scheduler.step(increment=1)
         self.steps_done += 1
@@ -230,6 +233,20 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
             metrics["mtp_loss"] = mtp_loss
         metrics.update(router)
         return metrics
+
+    def _gradients_finite(self) -> bool:
+        """Whether every rank's gradients are finite (a sum per gradient buffer, the verdict agreed over the ranks)."""
+        sums = [
+            buffer.grad_data.sum()
+            for chunk in self.model
+            for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]
+            if buffer.grad_data.numel()
+        ]
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        if sums:
+            bad += (~torch.isfinite(torch.stack(sums).float().sum())).float()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def _zero_grads(self) -> None:
         set_train_mode(self.model, True)

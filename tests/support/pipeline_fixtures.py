@@ -58,12 +58,13 @@ def overrides(prompt_file, model_dir, output_dir, *extra: str) -> list[str]:
 
 
 def same_numbers(row: dict) -> dict:
-    """A step's metrics without wall times, rates, memory, the engine's cache state and restart counters: the numbers
+    """A step's metrics without wall times, rates, memory, the engine's cache state, restart counters and the weight
+    sync's transport (a hybrid sync moves nothing between processes; a minimal one sends what changed): the numbers
     two runs of the same steps share wherever their roles run."""
     return {
         k: v
         for k, v in row.items()
-        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/"))
+        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/", "weight_sync/"))
         and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
     }
 

@@ -90,6 +90,9 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
             metrics |= phases.old_log_probs(groups, batch)
     if algo.rollout_correction.enabled:
         metrics |= phases.correct_rollout_mismatch(batch, algo)
+    skipped = run.guards.skip_update(metrics, step)
+    if skipped is not None:  # a skip guard tripped on the batch: no update, no weight sync
+        return metrics | skipped, batch.select_idxs([])
     if groups.critic is not None:
         with timer.phase(roles.VALUES):
             metrics |= phases.values(groups, batch)

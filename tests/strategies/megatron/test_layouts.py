@@ -159,6 +159,24 @@ def test_train_step_equals_tp1_at_tp2cp2pp2_and_vpp2(actor, batch_tensors):
         assert max_masked_diff(_log_probs(group, batch_tensors), expected_after, mask) < TOL, layout
 
 
+def test_a_nan_gradient_on_one_rank_skips_the_update_on_all(actor, batch_tensors):
+    """A NaN loss on one last-stage rank of TP2 x CP2 x PP2 (fault injection's `nan`): every rank skips the update
+    (the weights stay as they were, bit for bit) and reports it; the next clean step updates again. Run guards read
+    update_ok / grad_norm (issue #52)."""
+    from roll_backend.distributed.worker import Worker
+
+    group = actor(TP2_CP2_PP2)
+    before = _log_probs(group, batch_tensors)
+    group.call(Worker.inject_fault, f"nan:actor4:{group.world_size - 1}:train:1")
+    poisoned = _train_step(group, batch_tensors)
+    group.call(Worker.inject_fault, None)
+    assert poisoned["update_ok"] == 0.0 and poisoned["grad_norm"] != poisoned["grad_norm"], poisoned
+    assert torch.equal(_log_probs(group, batch_tensors), before)
+    clean = _train_step(group, batch_tensors)
+    assert clean["update_ok"] == 1.0
+    assert max_masked_diff(_log_probs(group, batch_tensors), before, batch_tensors[keys.RESPONSE_MASK]) > 1e-3
+
+
 def test_vpp_export_and_published_weights_in_hf_order(actor, batch_tensors, tmp_path):
     """After the step: the HF export of the PP2 x vpp2 actor scores like the actor in transformers, and the
     bucketed weights (what a vLLM sync sends) come in HF layer order and equal the export."""
