@@ -17,7 +17,9 @@ class GuardConfig:
     before the update, so its metric must be one a step has by then: reward, staleness, rollout log-prob gaps, route
     agreement)."""
 
-    metric: str  # a step metric's name as logged, e.g. actor/rollout_logprob_gap, reward/mean, async/token_staleness_max
+    metric: (
+        str  # a step metric's name as logged, e.g. actor/rollout_logprob_gap, reward/mean, async/token_staleness_max
+    )
     above: float | None = None  # trips when the value is above this
     below: float | None = None  # trips when the value is below this
     action: str = "warn"  # warn | stop | skip

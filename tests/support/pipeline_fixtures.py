@@ -64,7 +64,9 @@ def same_numbers(row: dict) -> dict:
     return {
         k: v
         for k, v in row.items()
-        if not k.startswith(("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/", "weight_sync/"))
+        if not k.startswith(
+            ("timing/", "throughput/", "perf/", "fault_tolerance/", "rollout/", "memory/", "weight_sync/")
+        )
         and not k.endswith(("_seconds", "_per_s", "_s", "busy_fraction"))
     }
 

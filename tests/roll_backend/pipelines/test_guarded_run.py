@@ -16,7 +16,11 @@ from roll_backend.pipelines.services.guards import GuardStop
 
 
 def test_a_nan_gradient_is_skipped_and_stops_the_run_with_a_checkpoint(
-    ray_session, base_config, prompt_file, model_dir, tmp_path  # noqa: F811
+    ray_session,
+    base_config,
+    prompt_file,
+    model_dir,
+    tmp_path,  # noqa: F811
 ):
     config = load_config(
         base_config,
