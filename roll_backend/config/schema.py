@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_backend import roles
-from roll_backend.config.guard_rules import GuardConfig
 from roll_backend.agentic.config import AgenticConfig
+from roll_backend.config.guard_rules import GuardConfig
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.rewards.user_functions import RewardFunctionSpec
 
