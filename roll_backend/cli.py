@@ -340,6 +340,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """The run's prompt ledger: what became of every prompt it admitted; exit 1 when one was trained twice or lost."""
+    from roll_backend.pipelines.services.ledger import report
+
+    summary, problems = report(args.run_dir)
+    print(summary)
+    for problem in problems[:50]:
+        print(f"  problem: {problem}")
+    if len(problems) > 50:
+        print(f"  ... and {len(problems) - 50} more")
+    return EXIT_FAILED if problems else EXIT_OK
+
+
 def cmd_convert(args) -> int:
     """Write the converted config and its report (OUT.report.txt), then validate it as `validate` would."""
     import yaml
@@ -410,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--out", required=True, metavar="OUT.yaml", help="the config to write")
     convert.set_defaults(handler=cmd_convert)
 
+    _add_run_folder_commands(commands)
+    return parser
+
+
+def _add_run_folder_commands(commands) -> None:
+    """The commands that read a run's output_dir: plot, ledger."""
     plot = commands.add_parser(
         "plot", help="plot a metric of a run (the reward curve by default) from RUN_DIR/metrics.jsonl"
     )
@@ -418,7 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--metric", default="reward/mean", help="the training metric to plot (e.g. actor/loss for sft)")
     plot.add_argument("--val-metric", default="val/reward", help="a validation metric drawn beside it, where logged")
     plot.set_defaults(handler=cmd_plot)
-    return parser
+
+    ledger = commands.add_parser(
+        "ledger", help="report what became of every prompt a run admitted (RUN_DIR/ledger.jsonl); exit 1 on a problem"
+    )
+    ledger.add_argument("run_dir", metavar="RUN_DIR")
+    ledger.set_defaults(handler=cmd_ledger)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ adapters)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 from roll_backend import roles
@@ -19,6 +20,8 @@ from roll_backend.pipelines.run import PipelineRun, StepHistory
 from roll_backend.pipelines.services.tracking import phase_deadline
 from roll_backend.workers.actor import ActorWorker
 
+logger = logging.getLogger(__name__)
+
 
 def run_pipeline(
     config: PipelineConfig, run_metrics: dict[str, float] | None = None, history: StepHistory | None = None
@@ -26,6 +29,8 @@ def run_pipeline(
     """Run `config` to max_steps once (Ray must be initialised); returns the per-step metrics."""
     with PipelineRun(config, run_metrics, history) as run:
         validation = run.validation
+        if not run.ledger.begin(run.resumed_from):
+            logger.warning("checkpoint %s has no prompt ledger (older than ledgers): it starts here", run.resumed_from)
         if validation is not None and config.eval.before_train and run.first_step == 1:
             run.log(0, validation.run(run.groups, 0))
         if config.async_generation.enabled:
@@ -45,6 +50,7 @@ def run_pipeline(
                 if validation is not None and validation.due(step):
                     metrics |= validation.run(run.groups, step)
                 run.log(step, metrics)
+        run.ledger.flush(config.max_steps)  # (streaming: what the run ended with)
         saved = config.checkpoint
         for export, out_dir in (
             (ActorWorker.export_hf, saved.export_hf_dir),

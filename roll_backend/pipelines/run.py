@@ -19,6 +19,7 @@ from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.offline import OfflineValidation
 from roll_backend.pipelines.services import checkpoint as ckpt
 from roll_backend.pipelines.services.guards import RunGuards
+from roll_backend.pipelines.services.ledger import PromptLedger
 from roll_backend.pipelines.services.phase_perf import PhasePerf
 from roll_backend.pipelines.services.tracking import MetricsTracker, phase_deadline
 from roll_backend.pipelines.services.validation import Validation
@@ -103,6 +104,8 @@ class PipelineRun:
         self.stream_checkpoint = None
         self.resume_state: dict = {}  # the driver state of the checkpoint resumed from
         self.guards = RunGuards(config.guards)
+        self.ledger = PromptLedger(self.output_dir)  # (begun by the training loop: evaluation leaves it alone)
+        self.resumed_from: Path | None = None
         self.last_checkpoint: tuple[int, Path] | None = None  # (step, folder) of the latest save
         try:
             self.perf = PhasePerf(config, self.groups)
@@ -141,6 +144,7 @@ class PipelineRun:
             metrics["timing/startup_s"] = self.startup_seconds
         if step:  # (step 0: validation before training, no training batch)
             metrics |= self.data.step_metrics(step, self.config.rollout_batch_size) | self.guards.flags(metrics)
+            metrics |= self.ledger.flush(step)
         self.history.append({"step": step, **metrics})
         self.tracker.log(step, metrics)
         save_every = self.config.checkpoint.save_steps
@@ -168,6 +172,9 @@ class PipelineRun:
             pending, stream_state = self.stream_checkpoint()
         if pending is not None:
             pending.save_to_disk(staged / ckpt.NEXT_BATCH)
+        self.ledger.record("in_flight_at_checkpoint", stream_state.get("stream", {}).get("in_flight", []))
+        self.ledger.flush(step)
+        self.ledger.save_to(staged)
         state = {
             "step": step,
             "kl_coef": self.kl_ctrl.value,
@@ -188,6 +195,7 @@ class PipelineRun:
             self.groups.actor_train.call(ActorWorker.load_checkpoint, str(Path(path).resolve() / "actor"))
             if self.groups.critic is not None:
                 self.groups.critic.call(CriticWorker.load_checkpoint, str(Path(path).resolve() / "critic"))
+        self.resumed_from = Path(path)
         self.kl_ctrl.value = state["kl_coef"]
         ckpt.restore_driver_rng(state["rng"])
         self.resume_state = state

@@ -209,10 +209,7 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
         stored = engine.forward_backward(
             micro_batches, loss_func, forward_only=False, routes=routes, measure=measures_memory(batch)
         )
-        if self._gradients_finite():
-            update_ok, grad_norm, _ = self.optimizer.step()
-        else:  # a NaN / inf loss or gradient: no update (as verl does), instead of NaN in every weight
-            update_ok, grad_norm = False, float("nan")
+        update_ok, grad_norm = self._optimizer_step()
         if update_ok:
             self.scheduler.step(increment=1)
         self.steps_done += 1
@@ -233,6 +230,14 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
             metrics["mtp_loss"] = mtp_loss
         metrics.update(router)
         return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        """(whether the weights were updated, the grad norm): no update when a rank's gradient is not finite (a NaN
+        or inf loss), as verl does, instead of NaN in every weight."""
+        if not self._gradients_finite():
+            return False, float("nan")
+        update_ok, grad_norm, _ = self.optimizer.step()
+        return update_ok, grad_norm
 
     def _gradients_finite(self) -> bool:
         """Whether every rank's gradients are finite (a sum per gradient buffer, the verdict agreed over the ranks)."""

@@ -86,3 +86,19 @@ def hybrid_roles(world_size: int, tp: int) -> tuple[str, ...]:
         "actor_train.strategy.offload_grads=true",
         "actor_train.strategy.offload_optimizer=true",
     )
+
+
+def assert_every_prompt_trained_once(output_dir, steps: int, batch_size: int, in_order: bool = True) -> None:
+    """The run's prompt ledger (issue #52) after its kills and resumes: `roll-backend ledger` finds no problem, and
+    steps x batch_size distinct positions were each trained once (`in_order`: exactly the stream's positions of
+    steps 1..steps, as a synchronous or one-step run trains them)."""
+    from pathlib import Path
+
+    from roll_backend.pipelines.services.ledger import LEDGER_FILE, read_events, report
+
+    summary, problems = report(output_dir)
+    assert problems == [], (summary, problems[:5])
+    trained = [p for _, event, p in read_events(Path(output_dir) / LEDGER_FILE) if event == "trained"]
+    assert len(trained) == len(set(trained)) == steps * batch_size, summary
+    if in_order:
+        assert sorted(trained) == list(range(batch_size, (steps + 1) * batch_size)), summary

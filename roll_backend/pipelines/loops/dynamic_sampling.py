@@ -17,6 +17,7 @@ import numpy as np
 
 from roll_backend import keys, roles
 from roll_backend.pipelines.loops import phases
+from roll_backend.pipelines.services.ledger import admit_prompts, positions_of, refill_positions
 from roll_backend.pipelines.services.tracking import PhaseTimer
 from roll_backend.protocol import DataProto
 
@@ -34,19 +35,24 @@ def generate_filled(run, step: int, timer: PhaseTimer) -> tuple[DataProto, dict[
     config, groups, algo = run.config, run.groups, run.config.algorithm
     wanted = config.rollout_batch_size
     kept: list[DataProto] = []
+    admitted: list[int] = []  # stream positions generated (round 0: the step's; later: refill positions)
     metrics: dict[str, float] = {}
     groups_kept = groups_dropped = responses_dropped = rounds = prompts_generated = 0
     while groups_kept < wanted and rounds < algo.max_generation_rounds:
         if rounds == 0:
-            prompts, salt = run.data.batch_at(step, wanted), 0
+            positions, salt = list(range(step * wanted, (step + 1) * wanted)), 0
+            prompts = run.data.batch_at(step, wanted)
         else:
             size = math.ceil((wanted - groups_kept) * algo.refill_oversample)
+            positions = refill_positions(step, rounds, MAX_ROUNDS, size)
             prompts = run.data.batch_at(REFILL_STEP_OFFSET + step * MAX_ROUNDS + rounds, size)
             prompts.meta_info["step"] = step
             salt = REFILL_SEED_SALT + rounds
+        prompts = admit_prompts(prompts, positions, run.ledger)
         with timer.phase(roles.GENERATE):
             generated = phases.generate(groups, prompts, config, step, salt)
         prompts_generated += len(prompts)
+        admitted += positions
         with timer.phase(roles.SCORE):
             scored = phases.score(groups, generated, config.reward)
         metrics = metrics or scored  # the reward of the step's own prompts, as without dynamic sampling
@@ -59,6 +65,7 @@ def generate_filled(run, step: int, timer: PhaseTimer) -> tuple[DataProto, dict[
         if len(varied):
             kept.append(varied)
     batch = first_groups(DataProto.concat(kept), wanted) if kept else generated.select_idxs([])
+    run.ledger.record("filtered", sorted(set(admitted) - set(positions_of(batch))))
     filled = groups_kept >= wanted
     if not filled:
         logger.warning(

@@ -25,6 +25,7 @@ from roll_backend.pipelines.loops.rl_step import (
     mark_prepared,
     prepare_batch,
     step_perf,
+    step_prompts,
     sync_rollout_weights,
     train_on_batch,
 )
@@ -112,7 +113,7 @@ class OneStepOffPolicyLoop:
     def _submit(self, step: int) -> float:
         """Start generating `step`'s batch with the engine's current weights; returns how long the engine sat idle."""
         run = self.run
-        prompts = run.data.batch_at(step, run.config.rollout_batch_size)
+        prompts = step_prompts(run, step)
         future = phases.submit_generate(run.groups, prompts, run.config, step)
         self.in_flight = _InFlight(future, step, run.rollout_version)
         if self.preparer is not None:

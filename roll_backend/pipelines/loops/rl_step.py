@@ -8,6 +8,7 @@ from roll_backend.pipelines.data.mixture import per_source_reward_metrics
 from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.dynamic_sampling import generate_filled
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.ledger import admit_prompts, positions_of
 from roll_backend.pipelines.services.memory_report import memory_report
 from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer
@@ -24,7 +25,7 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
         batch, refill_metrics = generate_filled(run, step, timer)
     else:
         with timer.phase(roles.GENERATE):
-            batch = phases.generate(run.groups, run.data.batch_at(step, config.rollout_batch_size), config, step)
+            batch = phases.generate(run.groups, step_prompts(run, step), config, step)
         refill_metrics = {}
     phases.stamp_policy_version(batch, run.rollout_version)
     generated = SequenceLengths.of(batch)
@@ -34,6 +35,12 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
         metrics |= sync_rollout_weights(run, trained, timer)
     metrics |= phases.hybrid_memory(run.groups)
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
+
+
+def step_prompts(run: PipelineRun, step: int) -> DataProto:
+    """Step `step`'s prompts, tagged with their stream positions and admitted in the run's ledger."""
+    size = run.config.rollout_batch_size
+    return admit_prompts(run.data.batch_at(step, size), list(range(step * size, (step + 1) * size)), run.ledger)
 
 
 def prepare_batch(
@@ -53,8 +60,10 @@ def prepare_batch(
     metrics |= phases.batch_metrics(batch, seconds_generating)
     metrics |= per_source_reward_metrics(batch)
     if algo.dynamic_sampling and not refilled:  # (the asynchronous loop: drop without refill)
+        generated = positions_of(batch)
         batch, dropped = phases.drop_uniform_groups(batch)
         metrics["dynamic_sampling/dropped_responses"] = dropped
+        run.ledger.record("filtered", sorted(set(generated) - set(positions_of(batch))))
     if groups.has_reference and len(batch):
         with timer.phase(roles.REFERENCE_LOG_PROBS):
             metrics |= phases.reference_log_probs(groups, batch)
@@ -92,6 +101,7 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
         metrics |= phases.correct_rollout_mismatch(batch, algo)
     skipped = run.guards.skip_update(metrics, step)
     if skipped is not None:  # a skip guard tripped on the batch: no update, no weight sync
+        run.ledger.record("skipped_by_guard", positions_of(batch))
         return metrics | skipped, batch.select_idxs([])
     if groups.critic is not None:
         with timer.phase(roles.VALUES):
@@ -105,6 +115,7 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
     metrics |= phases.prompt_share_saved(metrics)
     if measuring:
         metrics |= memory_report(run)
+    run.ledger.record("trained", positions_of(batch))
     run.policy_version += 1
     run.kl_ctrl.update(metrics.get("actor/reference_kl", 0.0), len(batch))
     return metrics, batch

@@ -31,6 +31,7 @@ from roll_backend import keys, roles
 from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.rl_step import step_perf, sync_rollout_weights, train_on_batch
 from roll_backend.pipelines.run import PipelineRun
+from roll_backend.pipelines.services.ledger import positions_of
 from roll_backend.pipelines.services.phase_perf import SequenceLengths
 from roll_backend.pipelines.services.tracking import PhaseTimer, phase_deadline
 from roll_backend.protocol import DataProto
@@ -139,7 +140,9 @@ class StreamingLoop:
                 fresh = split_groups(informative) if len(informative) else []
                 with self.cond:  # dropped groups leave room in the window: the pump admits more
                     self.held -= uniform - len(fresh)
-                    self._forget_metrics(set(positions(batch)) - set(positions(informative)))
+                    filtered = set(positions(batch)) - set(positions(informative))
+                    self._forget_metrics(filtered)
+                    self.run.ledger.record("filtered", sorted(filtered))
                     self.cond.notify_all()
             kept += fresh
         kept.sort(key=lambda group: int(group.batch[keys.STREAM_POSITION][0]))
@@ -176,8 +179,11 @@ class StreamingLoop:
                 self.held -= len(stale)
                 self._forget_metrics({int(g.batch[keys.STREAM_POSITION][0]) for g in stale})
                 self.counters["dropped_stale_groups"] += len(stale)
-                if self.cfg.on_stale == "regenerate":
-                    self.readmit += [int(g.batch[keys.STREAM_POSITION][0]) for g in stale]
+                stale_positions = [int(g.batch[keys.STREAM_POSITION][0]) for g in stale]
+                regenerate = self.cfg.on_stale == "regenerate"
+                self.run.ledger.record("regenerate" if regenerate else "dropped_stale", stale_positions)
+                if regenerate:
+                    self.readmit += stale_positions
                     self.counters["regenerated_groups"] += len(stale)
                 self.cond.notify_all()
         return fresh
@@ -260,6 +266,7 @@ class StreamingLoop:
         else:
             columns, meta = data.columns_at(np.concatenate([data.indices_from(p, 1) for p in positions])), {}
         self.in_flight.update(positions)
+        self.run.ledger.record("admitted", positions)
         return DataProto.from_dict(
             tensors={keys.STREAM_POSITION: torch.as_tensor(positions, dtype=torch.int64)},
             non_tensors=columns,
@@ -304,6 +311,9 @@ class StreamingLoop:
         if self.pump.is_alive():
             self.pump.join(timeout=60)  # its current call returns within steps_per_call engine steps
         self.run.stream_checkpoint = None
+        with self.cond:  # the look-ahead the run ended with
+            left = [p for group in self.buffer for p in positions(group)] + sorted(self.in_flight) + self.readmit
+        self.run.ledger.record("unfinished_at_end", left)
 
 
 # A call's own timings: the step's throughput is step_perf's (perf/...), over the whole step.
@@ -328,8 +338,7 @@ def rollout_metrics_of(shares: list[tuple[int, int, dict]]) -> dict[str, float]:
     }
 
 
-def positions(batch: DataProto) -> list[int]:
-    return sorted(set(batch.batch[keys.STREAM_POSITION].tolist())) if len(batch) else []
+positions = positions_of
 
 
 def split_groups(batch: DataProto) -> list[DataProto]:

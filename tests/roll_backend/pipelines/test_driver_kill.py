@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import psutil
+from pipeline_fixtures import assert_every_prompt_trained_once
 from process_checks import describe, wait_until_gone
 
 from roll_backend.config.loader import load_config
@@ -76,6 +77,7 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
     assert [row["step"] for row in history] == list(range(KILL_AFTER, STEPS + 1))
     steps = [row["step"] for row in read_metrics(tmp_path / "run")]
     assert steps == list(range(1, STEPS + 1))  # the killed run's first row of the step redone was cut
+    assert_every_prompt_trained_once(tmp_path / "run", STEPS, resumed.rollout_batch_size)
     # From the adapter checkpoint of step 27, step 28 is the killed run's step 28.
     (killed_step,) = [row for row in killed_run if row["step"] == KILL_AFTER]
     for key in EXACT_KEYS:

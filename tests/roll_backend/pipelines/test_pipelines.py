@@ -7,7 +7,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from pipeline_fixtures import base_config, hybrid_roles, model_dir, overrides, prompt_file  # noqa: F401  (fixtures)
+from pipeline_fixtures import (  # noqa: F401  (fixtures)
+    assert_every_prompt_trained_once,
+    base_config,
+    hybrid_roles,
+    model_dir,
+    overrides,
+    prompt_file,
+)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
@@ -179,6 +186,7 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
     assert [h["fault_tolerance/restarts"] for h in ahead_history] == [0.0, 0.0, 1.0, 1.0]
     assert [h["async/prepared_ahead"] for h in history + ahead_history] == [0.0] * 4 + [1.0] * 4
     assert (tmp_path / "ahead" / "checkpoints" / "step_2" / "next_batch.dataproto").is_file()
+    assert_every_prompt_trained_once(tmp_path / "ahead", 4, 4)  # across the restart, the saved next batch included
     for record, ahead_record in zip(history, ahead_history):
         for key in (
             "async/trainer_wait_s",

@@ -17,7 +17,14 @@ import re
 import time
 
 import pytest
-from pipeline_fixtures import base_config, model_dir, overrides, prompt_file, same_numbers  # noqa: F401  (shared fixtures)
+from pipeline_fixtures import (  # noqa: F401  (shared fixtures)
+    assert_every_prompt_trained_once,
+    base_config,
+    model_dir,
+    overrides,
+    prompt_file,
+    same_numbers,
+)
 
 from roll_backend import cli
 from roll_backend.config.loader import load_config
@@ -114,6 +121,7 @@ def assert_finished_like(uninterrupted, history, output_dir, restarted_at: int, 
     assert [row[RESTARTS] for row in history] == [0.0 if row["step"] < restarted_at else restarts for row in history]
     logged = [row["step"] for row in read_metrics(output_dir) if row["step"] > 0]
     assert logged == list(range(1, STEPS + 1))  # the redone step once
+    assert_every_prompt_trained_once(output_dir, STEPS, 4)  # (the fixtures' rollout_batch_size)
 
 
 def run_with_one_restart(config, caplog) -> tuple[list[dict], str, float]:

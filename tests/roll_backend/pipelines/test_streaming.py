@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pipeline_fixtures import assert_every_prompt_trained_once
 
 from roll_backend import keys
 from roll_backend.config.loader import load_config
@@ -102,6 +103,8 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
     pending = buffered + stream["in_flight"]
     assert len(set(pending)) == len(pending) and 0 < len(pending) <= 2 * batch_size
     assert all(batch_size <= position < stream["next_chunk"] * batch_size for position in pending)
+    # Across the restart (positions in flight at the checkpoint generated again), every trained prompt once.
+    assert_every_prompt_trained_once(tmp_path, DEMO_STEPS, batch_size, in_order=False)
 
 
 def check_staleness(history: list[dict]) -> None:

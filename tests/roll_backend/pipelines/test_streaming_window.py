@@ -5,6 +5,7 @@ and what a checkpoint keeps. The groups here are made up; test_streaming.py runs
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +21,7 @@ from roll_backend.pipelines.loops.streaming import (
     split_groups,
     token_staleness_metrics,
 )
+from roll_backend.pipelines.services.ledger import PromptLedger
 from roll_backend.protocol import DataProto
 
 N = 2  # samples per prompt
@@ -55,8 +57,15 @@ def make_loop(batch_size=3, max_staleness=1, on_stale="drop", policy_version=0, 
         stream_checkpoint=None,
         data=Prompts(),
         groups=None,  # (dynamic sampling's scoring is stubbed where a test uses it)
+        ledger=PromptLedger(tempfile.mkdtemp(prefix="ledger_")),
     )
     return StreamingLoop(run)
+
+
+def ledger_events(loop) -> dict[str, list[int]]:
+    """The events the loop recorded so far, by kind."""
+    with loop.run.ledger.lock:
+        return {event: sorted(positions) for event, positions in loop.run.ledger.pending.items()}
 
 
 def finished_groups(positions: list[int], versions: list[list[int]]) -> DataProto:
@@ -129,6 +138,8 @@ def test_groups_older_than_the_bound_are_dropped_or_generated_again(on_stale):
     assert counters["dropped_stale_groups"] == 1.0
     assert counters["regenerated_groups"] == (1.0 if on_stale == "regenerate" else 0.0)
     assert loop.readmit == ([8] if on_stale == "regenerate" else [])
+    event = "regenerate" if on_stale == "regenerate" else "dropped_stale"
+    assert ledger_events(loop) == {"admitted": [8, 9, 10, 11], event: [8]}
     metrics = token_staleness_metrics(batch, trainer_version=3, max_staleness=1)
     assert metrics["async/token_staleness_max"] == 1.0 and metrics["async/token_lag_0"] == pytest.approx(6 / 7)
     assert metrics["async/sample_lag_1"] == 0.25 and metrics["async/mixed_version_samples"] == 0.25
@@ -136,6 +147,7 @@ def test_groups_older_than_the_bound_are_dropped_or_generated_again(on_stale):
         with loop.cond:
             again = loop._admissions()
         assert admitted_positions(again)[0] == [8] and list(again[0].non_tensor_batch[keys.PROMPT_TEXT]) == ["8"]
+        assert ledger_events(loop)["admitted"] == [8, 8, 9, 10, 11]  # 8 generated again
 
 
 def test_a_checkpoint_keeps_the_buffer_and_the_positions_in_flight():
@@ -151,6 +163,9 @@ def test_a_checkpoint_keeps_the_buffer_and_the_positions_in_flight():
     with resumed.cond:
         again = resumed._admissions()
     assert admitted_positions(again) == [[2, 4, 5]]  # generated again; the window is full with them
+    assert ledger_events(resumed) == {"admitted": [2, 4, 5]}
+    resumed.__exit__(None, None, None)  # the run ends: what it looked ahead to is recorded as such
+    assert ledger_events(resumed) == {"admitted": [2, 4, 5], "unfinished_at_end": [2, 3, 4, 5]}
     assert len(split_groups(buffered)) == 1
 
 
@@ -185,6 +200,7 @@ def test_dynamic_sampling_drops_uniform_groups_as_taken_and_admits_more(monkeypa
     assert metrics["dynamic_sampling/groups_scored"] == (4 if rounds == 4 else 2)
     assert metrics["dynamic_sampling/groups_kept"] == len(kept)
     assert metrics["dynamic_sampling/dropped_responses"] == (2 * N if rounds == 4 else N)
+    assert ledger_events(loop)["filtered"] == ([2, 4] if rounds == 4 else [2])
     if rounds == 4:
         with loop.cond:  # two groups dropped: a step batch fits the window again
             assert admitted_positions(loop._admissions()) == [[6, 7]]
