@@ -37,9 +37,13 @@ def tensor_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """A sum of the tensor's bits (with their positions' parity, so a swap of two elements shows): cheap, exact."""
-    bits = tensor_bits(tensor)
-    return int(bits.sum(dtype=torch.int64)) * 31 + int(bits[1::2].sum(dtype=torch.int64))
+    """A sum of the tensor's bytes taken 8 at a time as int64 (wrapping, so exact and order-free), plus the sum of
+    every other word (so a swap of two words shows): cheap, exact."""
+    raw = tensor_bits(tensor).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    words = raw[:whole].view(torch.int64)
+    tail = int(raw[whole:].sum(dtype=torch.int64))
+    return (int(words.sum()) * 31 + int(words[1::2].sum()) + tail * 7) % (1 << 64)
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
@@ -49,12 +53,13 @@ def nbytes(tensor: torch.Tensor | None) -> int:
 @dataclass
 class TensorDelta:
     """One tensor's change: `full` (the whole new tensor) or `indices` / `values` (flat positions that changed and
-    their new values); `checksum` is the new tensor's."""
+    their new values, with `checksum` the new tensor's: the engine checks its rebuild; a whole tensor travels as it
+    is, through a transport that keeps it intact)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    checksum: int
+    checksum: int | None = None
     full: torch.Tensor | None = None
     indices: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -82,12 +87,12 @@ class WeightDeltaBucket:
 def encode(name: str, new: torch.Tensor, old: torch.Tensor | None) -> TensorDelta | None:
     """What travels for `new` when the engine holds `old` (None: it holds nothing of it): None if no bit changed,
     else the changed elements or the whole tensor, whichever is fewer bytes."""
-    delta = TensorDelta(name, tuple(new.shape), new.dtype, checksum(new))
+    delta = TensorDelta(name, tuple(new.shape), new.dtype)
     if old is None or old.shape != new.shape or old.dtype != new.dtype:
         delta.full = new
         return delta
     changed = tensor_bits(new) != tensor_bits(old)
-    count = int(changed.sum())
+    count = int(torch.count_nonzero(changed))
     if count == 0:
         return None
     index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
@@ -98,21 +103,22 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor | None) -> TensorDelt
     positions = changed.nonzero().reshape(-1)
     delta.indices = positions.to(index_dtype)
     delta.values = new.reshape(-1)[positions].clone()
+    delta.checksum = checksum(new)
     return delta
 
 
 def apply(delta: TensorDelta, held: torch.Tensor | None) -> torch.Tensor:
-    """The new tensor from the engine's held copy and the delta; WeightDeltaError when it is not the trainer's."""
+    """The new tensor from the engine's held copy and the delta; WeightDeltaError when a rebuilt one is not the
+    trainer's."""
     if delta.full is not None:
-        new = delta.full
-    else:
-        if held is None or tuple(held.shape) != delta.shape or held.dtype != delta.dtype:
-            raise WeightDeltaError(
-                f"{delta.name}: a sparse delta for a {list(delta.shape)} {delta.dtype} tensor, but the engine holds "
-                f"{'nothing of it' if held is None else f'{list(held.shape)} {held.dtype}'}"
-            )
-        new = held.clone()
-        new.view(-1)[delta.indices.long()] = delta.values
+        return delta.full
+    if held is None or tuple(held.shape) != delta.shape or held.dtype != delta.dtype:
+        raise WeightDeltaError(
+            f"{delta.name}: a sparse delta for a {list(delta.shape)} {delta.dtype} tensor, but the engine holds "
+            f"{'nothing of it' if held is None else f'{list(held.shape)} {held.dtype}'}"
+        )
+    new = held.clone()
+    new.view(-1)[delta.indices.long()] = delta.values
     if checksum(new) != delta.checksum:
         raise WeightDeltaError(f"{delta.name}: the rebuilt tensor's checksum differs from the trainer's (damaged)")
     return new

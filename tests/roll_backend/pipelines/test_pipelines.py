@@ -18,6 +18,7 @@ from pipeline_fixtures import (  # noqa: F401  (fixtures)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
+from roll_backend.pipelines.services.ledger import report
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
 ASYNC_STEP_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
@@ -142,6 +143,12 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
         assert (rounds == 1) == (prompts == 4) and prompts <= 4 + (rounds - 1) * 2 * 4, record
         assert record["dynamic_sampling/dropped_responses"] == 4 * record["dynamic_sampling/groups_dropped"]
     assert any(record["dynamic_sampling/rounds"] > 1 for record in history)  # a refill happened
+    # The ledger: every prompt a round generated, refill prompts included, was trained or filtered, none twice.
+    assert report(tmp_path / "bf16")[1] == []
+    for record in history:
+        assert record["ledger/admitted"] == record["dynamic_sampling/prompts"], record
+        assert record["ledger/trained"] == record["dynamic_sampling/groups_kept"], record
+        assert record["ledger/trained"] + record.get("ledger/filtered", 0.0) == record["ledger/admitted"], record
     for record in history:  # the optimizer's fp32 state is its own part: training holds it, generation does not
         assert record["memory/train/allocated_gib"] > 2 * record["memory/reference/allocated_gib"] > 0, record
         assert record["memory/generate/allocated_gib"] == 0.0, record
