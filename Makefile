@@ -17,3 +17,4 @@ bench: setup
 	.venv/bin/python bench/dataproto.py
 	.venv/bin/python bench/broadcast.py
 	.venv/bin/python bench/grpo_step.py
+	.venv/bin/python bench/weight_sync.py
