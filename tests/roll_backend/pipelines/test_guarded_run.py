@@ -52,7 +52,11 @@ def test_a_nan_gradient_is_skipped_and_stops_the_run_with_a_checkpoint(
 
 
 def test_a_skip_guard_skips_the_update_and_the_sync_and_the_ledger_says_so(
-    ray_session, base_config, prompt_file, model_dir, tmp_path  # noqa: F811
+    ray_session,
+    base_config,
+    prompt_file,
+    model_dir,
+    tmp_path,  # noqa: F811
 ):
     """A skip guard that trips on every step (the reward is never above 2): no update, no weight sync, the policy
     stays at version 0; every prompt is in the ledger as skipped_by_guard, none trained."""
