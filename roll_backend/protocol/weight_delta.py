@@ -145,15 +145,32 @@ class SentWeights:
         are updated to the new tensors. Call `sent(version)` once the whole sync is published."""
         out = WeightDeltaBucket(base_version, version)
         for name, tensor in bucket:
-            new = tensor.detach().to("cpu", copy=True)
-            out.full_bytes += nbytes(new)
-            delta = encode(name, new, self.tensors.get(name) if base_version is not None else None)
-            self.tensors[name] = new
+            old = self.tensors.get(name) if base_version is not None else None
+            out.full_bytes += nbytes(tensor)
+            delta = self._encode_one(name, tensor.detach(), old)
             if delta is None:
                 out.unchanged += 1
             else:
                 out.deltas.append(delta)
         return out
+
+    def _encode_one(self, name: str, tensor: torch.Tensor, old: torch.Tensor | None) -> TensorDelta | None:
+        """On the CPU: compared with the host copy, which is replaced. On a device (GPU path): the host copy goes up
+        and the comparison runs there; only the delta comes down, and the host copy takes it in place."""
+        if tensor.device.type == "cpu" or old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
+            new = tensor.to("cpu", copy=True)
+            self.tensors[name] = new
+            return encode(name, new, old)
+        delta = encode(name, tensor, old.to(tensor.device, non_blocking=True))
+        if delta is None:
+            return None
+        if delta.full is not None:
+            delta.full = delta.full.to("cpu", copy=True)
+            old.copy_(delta.full)
+        else:
+            delta.indices, delta.values = delta.indices.cpu(), delta.values.cpu()
+            old.view(-1)[delta.indices.long()] = delta.values
+        return delta
 
     def sent(self, version: int | None) -> None:
         self.version = version

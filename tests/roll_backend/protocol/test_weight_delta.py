@@ -107,3 +107,24 @@ def test_sent_and_held_copies_stay_in_step_and_a_stopped_sync_makes_the_next_who
     base = sent.begin(2)
     sent.encode(list(weights.items())[:4], base, 3)
     assert sent.begin(2) is None
+
+
+@pytest.mark.gpu(1)
+def test_on_a_gpu_the_comparison_runs_on_the_device_and_the_host_copy_takes_the_delta():
+    """The trainer's tensors on a GPU: the host copy goes up, only the delta comes down; the engine's rebuild and the
+    trainer's host copy both equal the new weights bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    weights = {f"w{i}": torch.randn(257, 129, generator=gen).to(torch.bfloat16) for i in range(3)}
+    sent, held = SentWeights(), HeldWeights()
+    staged, _ = held.stage([sent.encode([(n, w.cuda()) for n, w in weights.items()], sent.begin(None), 1)])
+    sent.sent(1)
+    held.commit(staged, 1)
+    weights["w0"][0, :7] += 1  # sparse
+    weights["w1"] += 1  # whole
+    bucket = sent.encode([(n, w.cuda()) for n, w in weights.items()], sent.begin(1), 2)
+    assert [d.full is None for d in bucket.deltas] == [True, False] and bucket.unchanged == 1
+    assert all(t.device.type == "cpu" for d in bucket.deltas for t in (d.full, d.indices, d.values) if t is not None)
+    staged, _ = held.stage([bucket])
+    held.commit(staged, 2)
+    for name, weight in weights.items():
+        assert same_bits(held.tensors[name], weight) and same_bits(sent.tensors[name], weight), name
