@@ -52,7 +52,9 @@ DEADLINES = (
 # received from the trainer, a layer bucket loaded into the engine (a sync that fails between buckets).
 WEIGHT_SYNC_BUCKET = "weight_sync_bucket"
 ENGINE_LOAD_BUCKET = "engine_load_bucket"
-FAULT_PHASES = (*DEADLINES[2:], WEIGHT_SYNC_BUCKET, ENGINE_LOAD_BUCKET)
+FAULT_PHASES = DEADLINES[2:]
+FAULT_POINTS = (WEIGHT_SYNC_BUCKET, ENGINE_LOAD_BUCKET)
+FAULT_TARGETS = (*FAULT_PHASES, *FAULT_POINTS)  # what `action:role:rank:PHASE:step` may name
 
 
 # ---- phases of a step: timed (`timing/<phase>`), bounded by a deadline, and with a model, measured in perf/ --------

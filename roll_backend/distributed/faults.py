@@ -43,8 +43,10 @@ class FaultSpec:
         action, role, rank, phase, step = parts
         if action not in ACTIONS:
             raise ValueError(f"fault injection {text!r}: action {action!r} is not one of {', '.join(ACTIONS)}")
-        if phase not in roles.FAULT_PHASES:
-            raise ValueError(f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(roles.FAULT_PHASES)}")
+        if phase not in roles.FAULT_TARGETS:
+            raise ValueError(
+                f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(roles.FAULT_TARGETS)}"
+            )
         if action == "nan" and phase != roles.TRAIN_DEADLINE:
             raise ValueError(f"fault injection {text!r}: action nan poisons a training step's loss; use phase train")
         if not (rank.isdigit() and step.isdigit() and int(step) >= 1):

@@ -160,7 +160,7 @@ class Worker:
         return f"[{self.rank_where}]"
 
     def fault_point(self, point: str) -> None:
-        """A point inside a call fault injection may target (roll_backend.roles.FAULT_PHASES)."""
+        """A point inside a call fault injection may target (roll_backend.roles.FAULT_POINTS)."""
         if self._fault is not None:
             self._fault.before_call(point, self.rank_tag)
 

@@ -56,8 +56,8 @@ def test_every_phase_names_a_role_and_a_deadline_and_fault_methods_exist():
     assert set(roles.FAULT_PHASES) <= set(roles.DEADLINES)
     assert tagged[("ActorWorker", "train_step")] == roles.TRAIN_DEADLINE
     assert tagged[("RolloutWorker", "stream_run")] == roles.GENERATION_DEADLINE
-    for deadline in roles.FAULT_PHASES:
-        assert FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{deadline}:1").phase == deadline
+    for target in roles.FAULT_TARGETS:  # the phases and the points inside a weight sync
+        assert FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{target}:1").phase == target
     with pytest.raises(ValueError, match="phase 'startup' is not one of generate, reward"):
         FaultSpec.parse(f"kill:{roles.ACTOR_TRAIN}:0:{roles.STARTUP}:1")
     with pytest.raises(KeyError, match="neither a phase"):
