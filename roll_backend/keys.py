@@ -50,7 +50,7 @@ POLICY_VERSION = "policy_version"
 # [B, T_resp] int64, the version that sampled each response token; -1 where no token was sampled (padding, tokens
 # an environment or tool inserted)
 TOKEN_POLICY_VERSION = "token_policy_version"
-STREAM_POSITION = "stream_position"  # [B] int64, streaming mode: the prompt's position in the data stream
+STREAM_POSITION = "stream_position"  # [B] int64, the prompt's position in the data stream (the prompt ledger's key)
 
 # Added by dispatch when a batch does not divide by the DP size; removed again on collect.
 DISPATCH_PADDING = "dispatch_padding"  # [B] bool, True on rows repeated only to make the split even
