@@ -4,8 +4,8 @@ engine holds (`SentWeights`) and the engine's own (`HeldWeights`).
 Per tensor, only what changed since the engine's version travels, whichever costs fewer bytes: nothing (no bit
 changed), the changed elements (flat positions + values), or the whole tensor. Changes are found bit by bit (a
 float's bits, so -0.0 / NaN payloads count), and the engine rebuilds each tensor from its held copy, so after a delta
-sync its weights are exactly a full sync's. Each rebuilt tensor is checked against the trainer's checksum of the
-new tensor before anything reaches the engine.
+sync its weights are exactly a full sync's. Each tensor rebuilt from changed elements is checked against the
+trainer's checksum of the new tensor before anything reaches the engine (a whole tensor travels as it is).
 
 The engine loads a version only once every bucket of it has landed and been rebuilt and checked (`HeldWeights.stage`
 raises before any load otherwise), and `commit`s it only after the engine loaded all of it: a sync that fails
@@ -40,6 +40,8 @@ def checksum(tensor: torch.Tensor) -> int:
     """A sum of the tensor's bytes taken 8 at a time as int64 (wrapping, so exact and order-free), plus the sum of
     every other word (so a swap of two words shows): cheap, exact."""
     raw = tensor_bits(tensor).view(torch.uint8)
+    if raw.data_ptr() % 8:  # (a view into another tensor, e.g. one half of a fused weight: int64 words need alignment)
+        raw = raw.clone()
     whole = raw.numel() // 8 * 8
     words = raw[:whole].view(torch.int64)
     tail = int(raw[whole:].sum(dtype=torch.int64))
