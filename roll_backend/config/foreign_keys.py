@@ -19,6 +19,7 @@ class KeyRule:
     target: str | None  # the key here; None: no equivalent
     note: str = ""  # a difference in meaning (applied by the converter), or why there is no equivalent
     derived: bool = False  # the value is computed by the converter from this and other keys
+    mapping: bool = False  # the value is a mapping, copied entry by entry under the target
 
 
 def _megatron(prefix: str, role: str) -> list[KeyRule]:
@@ -172,11 +173,7 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule(f"{_TRAIN_ARGS}.num_train_epochs", None, "max_steps bounds the run"),
     KeyRule("actor_train.data_args.file_name", "data.train_path", "a list becomes a mixture of files (equal weights)"),
     KeyRule("actor_train.data_args.messages", "data.messages_key"),
-    KeyRule(
-        "actor_train.data_args.domain_interleave_probs",
-        None,
-        "mixtures weigh files here (data.train_path entries' weight), not tags",
-    ),
+    KeyRule("actor_train.data_args.domain_interleave_probs", "data.source_weights", mapping=True),
     KeyRule("validation.data_args.file_name", "data.val_path"),
     KeyRule("*.data_args.template", None, "the model's own chat template applies"),
     KeyRule("*.data_args.*", None, "data loading settings of ROLL's own"),

@@ -120,11 +120,11 @@ class _Job:
 
     def take(self, key: str, value: Any) -> None:
         rule = rule_for(self.framework, key)
-        parts = key.split(".")
+        parts, entry = key.split("."), ""
         while rule is None and len(parts) > 1:  # a mapping setting (flattened): its parent's rule, if it has none
-            parts.pop()
+            entry = f".{parts.pop()}{entry}"
             parent = rule_for(self.framework, ".".join(parts))
-            rule = parent if parent is not None and parent.target is None else None
+            rule = parent if parent is not None and (parent.target is None or parent.mapping) else None
         if _shell_variable(value):
             self.report.unmapped.append(f"{key} = {value}: a shell variable; set the value in the output yourself")
             return
@@ -133,7 +133,7 @@ class _Job:
             self.report.unmapped.append(f"{key} = {value!r}: {why}")
             return
         role = key.split(".")[0]
-        target = rule.target.replace("{role}", role)
+        target = rule.target.replace("{role}", role) + (entry if rule.mapping else "")
         if rule.derived or rule.note:
             new = self.derive(key, target, value, role)
             if new is not _SKIP:

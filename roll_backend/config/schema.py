@@ -204,6 +204,10 @@ class DataConfig:
     # One prompt file (.jsonl, .json or .parquet, one row per prompt), or a mixture: a list of
     # {path, weight, data_source} entries (TrainSource), each step's prompts drawn from them by weight.
     train_path: str | tuple[TrainSource, ...] | None = None
+    # Draw each step's prompts by data source instead of by file (ROLL's domain_interleave_probs): {source: weight},
+    # every source of the train_path rows named (weight 0 leaves its rows out); the files' rows are pooled per source
+    # and each source is read epoch by epoch in its own order. null: by file.
+    source_weights: dict[str, float] | None = None
     synthetic: SyntheticDataConfig | None = None
     # Training prompts from a reasoning-gym dataset (when train_path is unset; it wins over synthetic).
     reasoning_gym: ReasoningGymData | None = None

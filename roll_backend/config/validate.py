@@ -363,6 +363,7 @@ def _check_train_path(config: PipelineConfig, problems: list[str], recipe_check:
     elsewhere: `_data_elsewhere`) and has a positive weight."""
     train_path = config.data.train_path
     data_elsewhere = _data_elsewhere(config, recipe_check)
+    _check_source_weights(config.data, problems)
     if train_path is None:
         if config.data.synthetic is None and config.data.reasoning_gym is None:
             problems.append("data: set data.train_path (JSONL or parquet), data.reasoning_gym or data.synthetic")
@@ -386,6 +387,26 @@ def _check_train_path(config: PipelineConfig, problems: list[str], recipe_check:
             )
         if source.data_source is not None and not source.data_source.strip():
             problems.append(f"{where}.data_source is empty; name the source, or drop the key to use the file's")
+
+
+def _check_source_weights(data, problems: list[str]) -> None:
+    """data.source_weights: over train_path rows, finite weights >= 0 with one > 0, not beside the files' weights."""
+    weights = data.source_weights
+    if weights is None:
+        return
+    if data.train_path is None:
+        problems.append("data.source_weights weighs the sources of data.train_path's rows; set data.train_path")
+    bad = {name: weight for name, weight in weights.items() if not (math.isfinite(weight) and weight >= 0)}
+    if bad or not any(weight > 0 for weight in weights.values()):
+        problems.append(
+            f"data.source_weights={dict(weights)}: weights are finite numbers >= 0 (0 leaves a source out) and at "
+            "least one is > 0"
+        )
+    if not isinstance(data.train_path, str) and any(entry.weight != 1.0 for entry in data.train_path or ()):
+        problems.append(
+            "data.source_weights draws by source, so the data.train_path entries' weights would be ignored; drop "
+            "one of the two"
+        )
 
 
 def _check_logging(config: PipelineConfig, problems: list[str]) -> None:

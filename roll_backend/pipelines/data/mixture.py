@@ -26,7 +26,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.config.schema import DataConfig, TrainSource
-from roll_backend.pipelines.data.prompt_dataset import PromptDataset
+from roll_backend.pipelines.data.prompt_dataset import PromptDataset, epoch_order, epoch_stream
 from roll_backend.pipelines.data.rows import DataError
 from roll_backend.protocol import DataProto
 
@@ -65,19 +65,26 @@ class StreamSplit:
 
 class PromptMixture:
     """Prompt files mixed by weight: each file is its own PromptDataset (same loading and filters), walked epoch by
-    epoch in its own order, so every prompt of a file is seen once per epoch of that file."""
+    epoch in its own order, so every prompt of a file is seen once per epoch of that file. With data.source_weights
+    the components are data sources instead (SourceRows: a source's rows pooled over the files), drawn the same way.
+    One file (data.train_path a string) with source_weights is a mixture of its sources."""
 
     def __init__(self, config: DataConfig, tokenizer, seed: int, answer_needed: bool = True):
-        entries: tuple[TrainSource, ...] = tuple(config.train_path or ())
-        if isinstance(config.train_path, str) or not entries or not all(entry.weight > 0 for entry in entries):
+        path = config.train_path
+        entries: tuple[TrainSource, ...] = (TrainSource(path),) if isinstance(path, str) else tuple(path or ())
+        if not entries or not all(entry.weight > 0 for entry in entries):
             raise ValueError("PromptMixture needs data.train_path as a non-empty list of entries with weight > 0.")
         self.seed = seed
         self.entries = entries
-        self.sources = [
+        self.files = [
             _load_source(config, entry, index, tokenizer, seed, answer_needed) for index, entry in enumerate(entries)
         ]
-        offsets = np.random.default_rng([seed, MIXTURE_SALT]).random(len(entries))  # the split's seeded phase
-        self.split = StreamSplit([entry.weight for entry in entries], offsets.tolist())
+        if config.source_weights is None:
+            self.sources, weights = self.files, [entry.weight for entry in entries]
+        else:
+            self.sources, weights = sources_by_weight(self.files, config.source_weights, seed, config.shuffle)
+        offsets = np.random.default_rng([seed, MIXTURE_SALT]).random(len(self.sources))  # the split's seeded phase
+        self.split = StreamSplit(weights, offsets.tolist())
         self.source_names = sorted({str(name) for source in self.sources for name in source.data_sources})
 
     def __len__(self) -> int:
@@ -85,7 +92,7 @@ class PromptMixture:
 
     def metrics(self) -> dict[str, float]:
         """The bad rows skipped under data.skip_invalid_rows, all files together (as for one file)."""
-        skipped = sum(source.skipped_rows for source in self.sources)
+        skipped = sum(source.skipped_rows for source in self.files)
         return {"data/skipped_rows": skipped} if skipped else {}
 
     def step_metrics(self, step: int, batch_size: int) -> dict[str, float]:
@@ -113,6 +120,65 @@ class PromptMixture:
         order = np.random.default_rng([self.seed, step, MIXTURE_SALT]).permutation(batch_size)
         columns = {key: np.concatenate([part[key] for part in parts])[order] for key in parts[0]}
         return DataProto.from_dict(non_tensors=columns, meta_info={"step": step})
+
+
+class SourceRows:
+    """One data source's rows, pooled over the mixture's files in file order: a component of data.source_weights'
+    split, served like a file (`indices_from` positions of its own epoch-by-epoch stream, `columns_at` them)."""
+
+    def __init__(self, name: str, files: list[PromptDataset], key: tuple[int, ...], shuffle: bool):
+        self.name, self.key, self.shuffle = name, key, shuffle
+        self.parts = [(file, np.flatnonzero(file.data_sources == name)) for file in files]
+        self.parts = [(file, rows) for file, rows in self.parts if len(rows)]
+        self.data_sources = np.full(len(self), name, dtype=object)
+
+    def __len__(self) -> int:
+        return sum(len(rows) for _, rows in self.parts)
+
+    def indices_from(self, start: int, count: int) -> np.ndarray:
+        return epoch_stream(
+            start, count, len(self), lambda epoch: epoch_order(len(self), self.shuffle, self.key, epoch)
+        )
+
+    def columns_at(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """The columns of the pooled rows at `positions`, in that order."""
+        bounds = np.cumsum([0, *(len(rows) for _, rows in self.parts)])
+        part_of = np.searchsorted(bounds, positions, side="right") - 1  # [count]
+        columns = None
+        for index, (file, rows) in enumerate(self.parts):
+            chosen = part_of == index
+            if not chosen.any():
+                continue
+            found = file.columns_at(rows[positions[chosen] - bounds[index]])
+            if columns is None:
+                columns = {key: np.empty(len(positions), dtype=column.dtype) for key, column in found.items()}
+            for key, column in found.items():
+                columns[key][chosen] = column
+        return columns if columns is not None else self.parts[0][0].columns_at(np.empty(0, dtype=np.int64))
+
+
+def sources_by_weight(
+    files: list[PromptDataset], weights: dict[str, float], seed: int, shuffle: bool
+) -> tuple[list[SourceRows], list[float]]:
+    """The mixture's components under data.source_weights: one SourceRows per source of positive weight, with its
+    weight. DataError when a source of the rows has no weight, or a weighted source has no rows."""
+    counts = Counter(str(name) for file in files for name in file.data_sources)
+    unweighted = sorted(set(counts) - set(weights))
+    if unweighted:
+        listed = ", ".join(f"{name!r} ({counts[name]} rows)" for name in unweighted)
+        raise DataError(
+            f"data.source_weights gives no weight to the sources {listed}; give each a weight (0 leaves its rows "
+            "out), or set data.source_key to the column that names the sources"
+        )
+    missing = sorted(name for name, weight in weights.items() if weight > 0 and name not in counts)
+    if missing:
+        raise DataError(
+            f"data.source_weights names {', '.join(map(repr, missing))}, which no training row has (the rows' "
+            f"sources: {', '.join(map(repr, sorted(counts)))}); fix the name or drop it"
+        )
+    named = sorted(name for name in counts if weights[name] > 0)
+    components = [SourceRows(name, files, (seed, MIXTURE_SALT, index), shuffle) for index, name in enumerate(named)]
+    return components, [weights[name] for name in named]
 
 
 def _load_source(

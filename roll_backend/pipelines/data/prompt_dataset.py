@@ -91,12 +91,7 @@ class PromptDataset:
 
     def indices_from(self, start: int, count: int) -> np.ndarray:
         """Row indices at positions [start, start + count) of the endless stream of epochs, each a permutation."""
-        epochs, offsets = np.divmod(np.arange(start, start + count), len(self))
-        indices = np.empty(count, dtype=np.int64)
-        for epoch in np.unique(epochs):  # one permutation per epoch touched, not one per row
-            in_epoch = epochs == epoch
-            indices[in_epoch] = self._epoch_order(int(epoch))[offsets[in_epoch]]
-        return indices
+        return epoch_stream(start, count, len(self), self._epoch_order)
 
     def columns_at(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """The rows' non-tensor columns: PROMPT_TEXT, ANSWER, DATA_SOURCE and EXTRA_INFO, [len(indices)] each."""
@@ -114,10 +109,26 @@ class PromptDataset:
         )
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if not self.config.shuffle:
-            return np.arange(len(self))
-        # One generator per (seed, epoch): the order of epoch e never depends on which steps ran before.
-        return np.random.default_rng([self.seed, *self.order_key, epoch]).permutation(len(self))
+        return epoch_order(len(self), self.config.shuffle, (self.seed, *self.order_key), epoch)
+
+
+def epoch_stream(start: int, count: int, size: int, order_of_epoch) -> np.ndarray:
+    """Indices into `size` rows at positions [start, start + count) of an endless stream of epochs, epoch e in the
+    order `order_of_epoch(e)` gives (a permutation of range(size))."""
+    epochs, offsets = np.divmod(np.arange(start, start + count), size)
+    indices = np.empty(count, dtype=np.int64)
+    for epoch in np.unique(epochs):  # one permutation per epoch touched, not one per row
+        in_epoch = epochs == epoch
+        indices[in_epoch] = order_of_epoch(int(epoch))[offsets[in_epoch]]
+    return indices
+
+
+def epoch_order(size: int, shuffle: bool, key: tuple[int, ...], epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order of `size` rows: one generator per (key, epoch), so it never depends on which steps ran
+    before; the stored order without data.shuffle."""
+    if not shuffle:
+        return np.arange(size)
+    return np.random.default_rng([*key, epoch]).permutation(size)
 
 
 def _load_rows(config: DataConfig, answer_needed: bool) -> Rows:

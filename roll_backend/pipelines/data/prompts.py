@@ -19,9 +19,10 @@ from roll_backend.protocol import DataProto
 
 def training_prompts(config: DataConfig, tokenizer, seed: int, answer_needed: bool = True):
     """The run's prompt set: a PromptDataset for one file or the synthetic task, a PromptMixture for a list of files
-    (both serve `batch_at(step, batch_size)`, `metrics()` and `step_metrics(step, batch_size)`). `answer_needed`:
-    rows must have a reference answer (PipelineConfig.needs_answers)."""
-    if config.train_path is None or isinstance(config.train_path, str):
+    or for data.source_weights (both serve `batch_at(step, batch_size)`, `metrics()` and
+    `step_metrics(step, batch_size)`). `answer_needed`: rows must have a reference answer
+    (PipelineConfig.needs_answers)."""
+    if config.train_path is None or (isinstance(config.train_path, str) and config.source_weights is None):
         return PromptDataset(config, tokenizer, seed, answer_needed=answer_needed)
     return PromptMixture(config, tokenizer, seed, answer_needed)
 

@@ -199,7 +199,7 @@ def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt
         "crossthinkqa": "multiple_choice",
     }
     assert "rewards.llm_judge.worker_cls" in report and "no built-in scorer for domain 'llm_judge'" in report
-    assert "actor_train.data_args.domain_interleave_probs" in report and "mixtures weigh files here" in report
+    assert config.data.source_weights == {"math_rule": 0.6, "crossthinkqa": 0.4}  # domain_interleave_probs
     assert config.data.messages_key == "messages"
 
 

@@ -24,6 +24,7 @@ from roll_backend.pipelines.data.mixture import (
 )
 from roll_backend.pipelines.data.prompt_dataset import PromptDataset
 from roll_backend.pipelines.data.prompts import check_data, training_prompts
+from roll_backend.pipelines.data.rows import DataError
 from roll_backend.protocol import DataProto
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"  # char tokenizer "0123456789 copy"
@@ -224,3 +225,87 @@ def test_mixture_config_errors_name_the_entry_and_the_fix(tmp_path, base):
     assert problems_of([*base, f"data.train_path=[{{path: {a}, wieght: 2}}]"]) == [
         "data.train_path[0].wieght: unknown key; did you mean 'weight'?"
     ]
+
+
+# ---- data.source_weights: drawing by source (ROLL's domain_interleave_probs) ---------------------------------------
+def write_tagged(path: Path, sources: list[str], tag: str) -> str:
+    """One row per entry of `sources`, the row's data_source; its answer `tag-i` names the file and row."""
+    rows = [{"prompt": f"copy {i}", "answer": f"{tag}-{i}", "data_source": name} for i, name in enumerate(sources)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def tagged_files(tmp_path) -> tuple[TrainSource, ...]:
+    """Two files whose rows interleave three sources unevenly: 9 of math, 4 of code, 5 of chat."""
+    first = write_tagged(tmp_path / "f.jsonl", ["math", "code", "math", "chat", "math", "math", "chat", "code"], "f")
+    second = write_tagged(
+        tmp_path / "g.jsonl", ["chat", "math", "math", "code", "math", "chat", "math", "chat", "code", "math"], "g"
+    )  # noqa: E501
+    return (TrainSource(first), TrainSource(second))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_source_weights_draw_each_source_by_weight_and_each_of_its_rows_once_per_epoch(tmp_path, batch_size):
+    entries = tagged_files(tmp_path)
+    config = DataConfig(train_path=entries, source_weights={"math": 3.0, "code": 1.0, "chat": 0.0})
+    data = PromptMixture(config, build_char_tokenizer("0123456789 copy"), seed=3)
+    rows = {"math": 9, "code": 4}
+    drawn, seen = Counter(), {name: Counter() for name in rows}
+    for step in range(120):
+        batch = data.batch_at(step, batch_size)
+        sources, answers = (batch.non_tensor_batch[key] for key in (keys.DATA_SOURCE, keys.ANSWER))
+        drawn.update(str(name) for name in sources)
+        for name, answer in zip(sources, answers):
+            seen[name][answer] += 1
+        total = (step + 1) * batch_size
+        assert "chat" not in drawn  # weight 0: left out
+        assert abs(drawn["math"] - total * 0.75) < 2 and abs(drawn["code"] - total * 0.25) < 2, (step, drawn)
+        for name, counts in seen.items():  # a source's rows (from both files) drawn floor or ceil of k / N times
+            assert len(counts) <= rows[name]
+            if sum(counts.values()) >= rows[name]:
+                assert len(counts) == rows[name] and max(counts.values()) - min(counts.values()) <= 1, (step, counts)
+    # The same again from a fresh object (a resumed run), and a step's metrics count its sources.
+    again = PromptMixture(config, build_char_tokenizer("0123456789 copy"), seed=3)
+    assert list(again.batch_at(57, batch_size).non_tensor_batch[keys.ANSWER]) == list(
+        data.batch_at(57, batch_size).non_tensor_batch[keys.ANSWER]
+    )
+    assert set(data.step_metrics(0, batch_size)) == {"data/math/prompts", "data/code/prompts"}
+
+
+def test_source_weights_on_one_file_make_it_a_mixture_of_its_sources(tmp_path, tokenizer):
+    path = write_tagged(tmp_path / "one.jsonl", ["a"] * 6 + ["b"] * 2, "x")
+    data = training_prompts(DataConfig(train_path=path, source_weights={"a": 1, "b": 1}), tokenizer, seed=0)
+    assert isinstance(data, PromptMixture)
+    assert all(Counter(map(str, data.batch_at(step, 4).non_tensor_batch[keys.DATA_SOURCE])) == {"a": 2, "b": 2}
+               for step in range(10))  # fmt: skip
+
+
+def test_source_weights_name_a_source_without_weight_and_a_weight_without_rows(tmp_path, tokenizer):
+    entries = tagged_files(tmp_path)
+    with pytest.raises(DataError) as info:
+        PromptMixture(DataConfig(train_path=entries, source_weights={"math": 1.0}), tokenizer, seed=0)
+    assert str(info.value) == (
+        "data.source_weights gives no weight to the sources 'chat' (5 rows), 'code' (4 rows); give each a weight (0 "
+        "leaves its rows out), or set data.source_key to the column that names the sources"
+    )
+    with pytest.raises(DataError) as info:
+        weights = {"math": 1.0, "code": 1.0, "chat": 0.0, "maht": 2.0}
+        PromptMixture(DataConfig(train_path=entries, source_weights=weights), tokenizer, seed=0)
+    assert "names 'maht', which no training row has (the rows' sources: 'chat', 'code', 'math')" in str(info.value)
+
+
+def test_source_weights_config_errors_say_what_to_change(tmp_path, base):
+    a = write_tagged(tmp_path / "a.jsonl", ["p", "q"], "a")
+    assert problems_of([*base, f"data.train_path={a}", "data.source_weights={p: -1, q: 0}"]) == [
+        "data.source_weights={'p': -1.0, 'q': 0.0}: weights are finite numbers >= 0 (0 leaves a source out) and at "
+        "least one is > 0"
+    ]
+    assert problems_of([*base, f"data.train_path=[{{path: {a}, weight: 2}}]", "data.source_weights={p: 1, q: 1}"]) == [
+        "data.source_weights draws by source, so the data.train_path entries' weights would be ignored; drop one of "
+        "the two"
+    ]
+    assert "data.source_weights weighs the sources of data.train_path's rows; set data.train_path" in problems_of(
+        [f"output_dir={tmp_path}/run", "data.source_weights={p: 1}"]
+    )
+    config = load_config(CONFIG, [*base, f"data.train_path={a}", "data.source_weights={p: 2, q: 1}"])
+    assert config.data.source_weights == {"p": 2.0, "q": 1.0} and isinstance(check_data(config), PromptMixture)
