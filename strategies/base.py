@@ -56,6 +56,10 @@ class RunFacts:
     exports_adapters: bool = False  # the run writes the role's LoRA adapters as a PEFT folder at its end
     hybrid: bool = False  # the role runs in actor_train's processes (the hybrid engine), handing the device over
     device_memory: int | None = None  # bytes of each device the run declares (device_memory_gib), None: not declared
+    # Bytes of the buckets in which the role's ranks send their weights to a rollout engine (weight_sync_bucket_bytes;
+    # None: the role sends none), and whether the minimal sync compares them with the engine's copy (weight_sync_delta)
+    weight_sync_bucket: int | None = None
+    weight_sync_delta: bool = False
 
 
 @dataclass(frozen=True)

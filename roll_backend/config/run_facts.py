@@ -105,6 +105,7 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
     trains = name in TRAINED_ROLES
     hosted = hybrid_roles(config)
     resources = getattr(config, roles.ACTOR_TRAIN) if name in hosted else role  # a hybrid role runs on the trainer's
+    syncs = name == roles.ACTOR_TRAIN and getattr(config, roles.ACTOR_INFER, None) is not None and not config.offline
     return RunFacts(
         role=name,
         layout=role.strategy.layout,
@@ -125,6 +126,8 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         exports_adapters=name == roles.ACTOR_TRAIN and bool(config.checkpoint.export_peft_dir),
         hybrid=name in hosted or (name == roles.ACTOR_TRAIN and bool(hosted)),
         device_memory=int(config.device_memory_gib * 2**30) if config.device_memory_gib else None,
+        weight_sync_bucket=config.weight_sync_bucket_bytes if syncs else None,
+        weight_sync_delta=syncs and config.weight_sync_delta and not hosted,
     )
 
 

@@ -19,6 +19,7 @@ from roll_backend.strategies.base import RankMemory
 from roll_backend.strategies.registry import memory_planner
 
 GIB = 1 << 30
+SYNC_PHASE = "weight_sync"  # the trainer's phase of sending its weights to the rollout (strategies' weight_sync_terms)
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,18 @@ def device_phases(config: PipelineConfig, plans: dict[str, list[RankMemory]]) ->
             worst = plans[name][0]
             for phase in worst.phases:
                 terms = _terms(name, worst, phase)
+                if phase == SYNC_PHASE and hosted:  # the hybrid sync: the trainer's offloaded parts but its params wait
+                    terms = [t for t in terms if t[1] == "params" or t[1] not in worst.offloaded]
                 for other in members:
                     if other == name:
                         continue
                     kept = plans[other][0]
                     handing_over = other in hosted or (other == roles.ACTOR_TRAIN and bool(hosted))
                     resident = kept.resident(offloading=handing_over)
-                    if resident:
+                    if phase == SYNC_PHASE and other == roles.ACTOR_INFER and other in hosted:
+                        # The hybrid engine wakes its weights to load the new ones (its KV cache after).
+                        terms.append((other, "weights, awake for the sync", sum(kept.state.values())))
+                    elif resident:
                         terms.append((other, "kept while idle", resident))
                 out.append(DevicePhase(owner, name, phase, tuple(sorted(terms, key=lambda t: -t[2]))))
     return out

@@ -201,9 +201,11 @@ def plan_stage(
     stage: int,
     micro: MicroShape,
     micro_batches: int,
+    sync=None,
 ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """(model state by part, {phase: its terms}) of pipeline rank `stage` of a role running Megatron config `cfg`:
-    a training config's "train" and "forward" phases, a forward-only one's "forward"."""
+    a training config's "train" and "forward" phases, a forward-only one's "forward", and "weight_sync" where the
+    run (`sync`: its RunFacts) has the role send weights to a rollout engine."""
     from roll_backend.strategies.megatron.stage_splits import stage_split
 
     trains = hasattr(cfg, "optimizer")
@@ -217,7 +219,33 @@ def plan_stage(
     phases = {"forward": activation_terms(arch, layout, micro, options, layers, stage, micro_batches, False)}
     if trains:
         phases["train"] = activation_terms(arch, layout, micro, options, layers, stage, micro_batches, True)
+    if sync is not None and sync.weight_sync_bucket:
+        phases["weight_sync"] = weight_sync_terms(arch, cfg.params_dtype, sync, device)
     return state, phases
+
+
+def largest_hf_tensor(arch: HFArch) -> int:
+    """Elements of the model's largest Hugging Face tensor (the embedding, an MLP projection, a fused attention
+    projection's widest part or one expert's projection)."""
+    h = arch.hidden_size
+    widths = [arch.vocab_size, arch.ffn_hidden_size, arch.num_heads * arch.head_dim]
+    if arch.moe is not None:
+        widths += [arch.moe.expert_ffn_hidden_size, arch.moe.shared_expert_ffn_hidden_size or 0]
+    return max(widths) * h
+
+
+def weight_sync_terms(arch: HFArch, params_dtype: str, run, device: str) -> dict[str, int]:
+    """A rank's transient bytes while it sends its weights to the rollout (iter_hf_weights): one bucket of full
+    Hugging Face tensors gathered over TP / EP (a tensor bigger than the bucket is a bucket of its own; at most the
+    whole model), and with the minimal sync on a GPU the comparison on the device of the largest tensor with the
+    copy the engine holds (brought up from host memory) and a one-byte mask per element."""
+    width = DTYPE_BYTES[params_dtype]
+    largest = largest_hf_tensor(arch)
+    whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total
+    terms = {"weight-sync bucket": min(max(run.weight_sync_bucket, largest * width), whole * width)}
+    if run.weight_sync_delta and device == "cuda":
+        terms["weight-sync comparison"] = largest * (width + 1)
+    return terms
 
 
 HINTS = {
@@ -231,6 +259,8 @@ HINTS = {
     "a layer's backward": "micro_batch_size / max_tokens_per_microbatch; tp",
     "attention scores buffer": "transformer_impl: transformer_engine (flash attention keeps no scores); cp",
     "MTP heads": "mtp_num_layers; micro_batch_size / max_tokens_per_microbatch",
+    "weight-sync bucket": "weight_sync_bucket_bytes (a tensor bigger than it still goes whole)",
+    "weight-sync comparison": "weight_sync_delta: false sends whole tensors without comparing",
 }
 
 
@@ -280,7 +310,7 @@ def plan(cfg, run) -> list:
         hints["optimizer"] = "more data-parallel ranks shard it further (the distributed optimizer is on)"
     plans = []
     for stage in range(layout.pp):
-        state, phases = plan_stage(cfg, arch, layout, world, run.device, stage, micro, micro_batches)
+        state, phases = plan_stage(cfg, arch, layout, world, run.device, stage, micro, micro_batches, run)
         ranks = "every rank" if layout.pp == 1 else f"pp stage {stage} of {layout.pp}"
         plans.append(RankMemory(ranks, state, phases, cfg.offloaded_parts, hints=hints, notes=tuple(notes)))
     return plans

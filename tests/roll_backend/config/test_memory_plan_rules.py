@@ -114,3 +114,43 @@ def test_an_engine_whose_kv_cache_holds_no_sequence_is_refused_with_the_fraction
     assert "actor_infer.strategy: the KV cache left in gpu_memory_utilization=0.09 of 80 GiB" in message
     assert "raise gpu_memory_utilization to at least 0.1" in message
     assert memory_problems(hybrid) == []  # (no device memory declared: reported, not checked)
+
+
+def test_the_weight_sync_phase_holds_a_bucket_of_whole_tensors_and_the_hybrid_engine_s_weights(hybrid):
+    plans = role_plans(hybrid)
+    trainer, engine = plans["actor_train"][0], plans["actor_infer"][0]
+    arch = arch_of(hybrid_model_fields(hybrid))
+    embedding = arch.vocab_size * arch.hidden_size * 2  # bf16: the largest tensor, a bucket of its own
+    assert hybrid.weight_sync_bucket_bytes < embedding
+    assert trainer.phases["weight_sync"] == {"weight-sync bucket": embedding}  # in-process: no comparison
+    # The hybrid sync: the trainer's parameters (its grads and Adam state on the host) beside the engine's weights.
+    sync = next(p for p in device_phases(hybrid, plans) if (p.role, p.phase) == ("actor_train", "weight_sync"))
+    assert sorted(sync.terms) == sorted(
+        [
+            ("actor_train", "params", trainer.state["params"]),
+            ("actor_train", "weight-sync bucket", embedding),
+            ("actor_infer", "weights, awake for the sync", engine.state["weights"]),
+        ]
+    )
+    # A separate engine on GPUs: the minimal sync compares the largest tensor on the device (with a one-byte mask);
+    # a bucket bigger than the model is the model; an offline run sends nothing.
+    split = load_config(
+        "configs/gpu/qwen2.5-7b_grpo_8gpu.yaml",
+        ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", f"weight_sync_bucket_bytes={1 << 40}"],
+        True,
+    )
+    terms = role_plans(split)["actor_train"][0].phases["weight_sync"]
+    whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total * 2
+    assert terms == {"weight-sync bucket": whole, "weight-sync comparison": embedding // 2 * 3}
+    no_delta = load_config(
+        "configs/gpu/qwen2.5-7b_grpo_8gpu.yaml",
+        ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", "weight_sync_delta=false"],
+        True,
+    )
+    assert role_plans(no_delta)["actor_train"][0].phases["weight_sync"] == {"weight-sync bucket": embedding}
+
+
+def hybrid_model_fields(config) -> dict:
+    from roll_backend.config.run_facts import model_fields
+
+    return model_fields(config, config.model_path)
