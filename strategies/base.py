@@ -278,6 +278,11 @@ class RolloutStrategy(Strategy):
         Returns counts: "bytes" received, "full_bytes" (a full sync's), "tensors" sent, "unchanged", "loaded"."""
         raise NotImplementedError(f"{type(self).__name__} takes whole weights only (update_weights)")
 
+    def revert_weights(self) -> int | None:
+        """Undo the last minimal sync (load_weight_deltas) whose probe failed: the engine serves the version it served
+        before, bit for bit; returns that version. Raises when there is nothing to undo."""
+        raise NotImplementedError(f"{type(self).__name__} cannot undo a weight sync")
+
     @property
     def weights_version(self) -> int | None:
         """The version a minimal sync may be relative to (None: the next sync must send whole tensors)."""

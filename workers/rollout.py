@@ -11,6 +11,7 @@ import torch
 
 from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
+from roll_backend.distributed.faults import perturb_whole_tensor
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
@@ -126,9 +127,11 @@ class RolloutWorker(Worker):
         import ray
 
         def landed():
+            perturb = False
             for ref in bucket_refs:
                 bucket = ray.get(ref)
-                self.fault_point(roles.WEIGHT_SYNC_BUCKET)
+                perturb |= self.fault_point(roles.WEIGHT_SYNC_BUCKET)  # (fault injection's perturb: a silent error)
+                perturb = perturb and not perturb_whole_tensor(bucket)
                 yield bucket
 
         counts = self._strategy().load_weight_deltas(
@@ -138,6 +141,12 @@ class RolloutWorker(Worker):
             after_bucket=lambda: self.fault_point(roles.ENGINE_LOAD_BUCKET),
         )
         return counts | {"version": version}
+
+    @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
+    def revert_weights(self) -> int | None:
+        """Undo the last minimal sync, whose probe failed: the engine serves the version before it again; returns
+        that version (VllmRolloutStrategy.revert_weights)."""
+        return self._strategy().revert_weights()
 
     @register(Dispatch.ONE_TO_ALL)
     def weights_version(self) -> int | None:

@@ -15,7 +15,10 @@ from roll_backend import roles
 
 FAULT_ENV = "ROLL_BACKEND_INJECT_FAULT"
 FAULTS_OFF = "off"  # passed to a group explicitly: ignore the environment variable too (a restarted run)
-ACTIONS = ("kill", "hang", "raise", "nan")  # nan: the train call's loss (so its gradient) is NaN
+# nan: the train call's loss (so its gradient) is NaN; perturb: a weight-sync bucket's first whole tensor arrives
+# off by 0.5 (no checksum covers a whole tensor: a silent error only the probe sees)
+ACTIONS = ("kill", "hang", "raise", "nan", "perturb")
+DATA_ACTIONS = {"nan": roles.TRAIN_DEADLINE, "perturb": roles.WEIGHT_SYNC_BUCKET}  # action -> the phase it acts in
 # A fault's phase is a deadline setting whose calls run worker methods (roll_backend.roles.FAULT_PHASES; each method
 # says its deadline in @register); "step k" is the k-th call of one of them on that rank since it started (one call
 # per step for generate/reward/weight_sync, and for train when a step is one mini-batch).
@@ -47,8 +50,10 @@ class FaultSpec:
             raise ValueError(
                 f"fault injection {text!r}: phase {phase!r} is not one of {', '.join(roles.FAULT_TARGETS)}"
             )
-        if action == "nan" and phase != roles.TRAIN_DEADLINE:
-            raise ValueError(f"fault injection {text!r}: action nan poisons a training step's loss; use phase train")
+        if action in DATA_ACTIONS and phase != DATA_ACTIONS[action]:
+            raise ValueError(
+                f"fault injection {text!r}: action {action} changes the data of phase {DATA_ACTIONS[action]}; use it"
+            )
         if not (rank.isdigit() and step.isdigit() and int(step) >= 1):
             raise ValueError(f"fault injection {text!r}: rank and step must be whole numbers, step >= 1 ({example})")
         return cls(action, role, int(rank), phase, int(step))
@@ -83,14 +88,14 @@ class FaultTrigger:
         self.spec, self.calls = spec, 0
 
     def before_call(self, deadline: str | None, rank_tag: str) -> bool:
-        """A registered method whose calls run under `deadline` is about to run on this rank; True when this call
-        must poison its loss (action nan)."""
+        """A registered method whose calls run under `deadline` (or a fault point) is about to run on this rank;
+        True when this call must change its data (actions nan and perturb)."""
         if deadline != self.spec.phase:
             return False
         self.calls += 1
         if self.calls != self.spec.step:
             return False
-        if self.spec.action == "nan":
+        if self.spec.action in DATA_ACTIONS:
             return True
         if self.spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -110,3 +115,13 @@ def poisoned_loss(loss_fn):
         return loss * float("nan"), metrics
 
     return poisoned
+
+
+def perturb_whole_tensor(bucket) -> bool:
+    """The `perturb` fault on a weight-sync bucket (WeightDeltaBucket): its first whole tensor off by 0.5; False when
+    it carries none (the fault then waits for the next bucket)."""
+    for delta in bucket.deltas:
+        if delta.full is not None:
+            delta.full = delta.full + 0.5
+            return True
+    return False

@@ -159,10 +159,10 @@ class Worker:
     def rank_tag(self) -> str:
         return f"[{self.rank_where}]"
 
-    def fault_point(self, point: str) -> None:
-        """A point inside a call fault injection may target (roll_backend.roles.FAULT_POINTS)."""
-        if self._fault is not None:
-            self._fault.before_call(point, self.rank_tag)
+    def fault_point(self, point: str) -> bool:
+        """A point inside a call fault injection may target (roll_backend.roles.FAULT_POINTS); True when the caller
+        must change its data here (a data action: faults.DATA_ACTIONS)."""
+        return self._fault is not None and self._fault.before_call(point, self.rank_tag)
 
     def poisoned(self) -> bool:
         """Whether fault injection's `nan` action picked the call now running (it then makes its loss NaN)."""

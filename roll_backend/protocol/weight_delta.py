@@ -184,6 +184,10 @@ class HeldWeights:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        # How to go back from the last committed sync: (the version before it, {name: reverse delta}); None: nothing
+        # to undo (no sync yet, or the one before it filled an empty copy). Staged with a sync, kept by its commit.
+        self.undo: tuple[int | None, dict[str, TensorDelta]] | None = None
+        self._staged_undo: dict[str, TensorDelta] | None = None
 
     @property
     def complete(self) -> bool:
@@ -195,6 +199,7 @@ class HeldWeights:
         {"bytes": received, "full_bytes": a full sync's, "tensors": sent, "unchanged": not sent}). Raises
         WeightDeltaError (the engine keeps its version) when a bucket is relative to another version."""
         staged: dict[str, torch.Tensor] = {}
+        undo: dict[str, TensorDelta] | None = {} if self.complete else None
         counts = dict.fromkeys(("bytes", "full_bytes", "tensors", "unchanged"), 0)
         for bucket in buckets:
             if bucket.base_version is not None and (bucket.base_version != self.version or not self.complete):
@@ -203,11 +208,15 @@ class HeldWeights:
                     f"{self.version}; the trainer must send whole tensors (its next sync does)"
                 )
             for delta in bucket.deltas:
-                staged[delta.name] = apply(delta, self.tensors.get(delta.name))
+                held = self.tensors.get(delta.name)
+                staged[delta.name] = apply(delta, held)
+                if undo is not None and held is not None:
+                    undo[delta.name] = reverse(delta, held)
             counts["bytes"] += bucket.nbytes
             counts["full_bytes"] += bucket.full_bytes
             counts["tensors"] += len(bucket.deltas)
             counts["unchanged"] += bucket.unchanged
+        self._staged_undo = undo
         return staged, counts
 
     def with_whole_groups(
@@ -220,5 +229,34 @@ class HeldWeights:
         return named + [(n, t) for n, t in staged.items() if n not in self.tensors]
 
     def commit(self, staged: dict[str, torch.Tensor], version: int | None) -> None:
+        """The engine loaded every staged tensor: they are the held copy of `version`, and the sync can be undone."""
+        self.undo = (self.version, self._staged_undo) if self._staged_undo is not None else None
+        self._staged_undo = None
         self.tensors.update(staged)
         self.version = version
+
+    def revert(self) -> dict[str, torch.Tensor]:
+        """Undo the last committed sync: the copy is the version before it again; returns {name: restored tensor}
+        of what that sync changed (for the engine to load). WeightDeltaError when there is nothing to undo."""
+        if self.undo is None:
+            raise WeightDeltaError(
+                "no weight sync to undo: the engine's first sync filled an empty copy, or it was undone already"
+            )
+        version, undo = self.undo
+        restored = {name: apply(delta, self.tensors[name]) for name, delta in undo.items()}
+        self.tensors.update(restored)
+        self.version, self.undo = version, None
+        return restored
+
+
+def reverse(delta: TensorDelta, held: torch.Tensor) -> TensorDelta:
+    """The delta that takes the tensor `delta` builds back to `held`: the old values at the same positions (checked
+    by `held`'s checksum when applied), or `held` whole."""
+    back = TensorDelta(delta.name, tuple(held.shape), held.dtype)
+    if delta.indices is None:
+        back.full = held
+        return back
+    back.indices = delta.indices
+    back.values = held.reshape(-1)[delta.indices.long()].clone()
+    back.checksum = checksum(held)
+    return back

@@ -26,7 +26,7 @@ from roll_backend.strategies.vllm import adapters, shm_names
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
-from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, load_layers, load_version
+from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, load_layers, load_version, revert_version
 
 logger = logging.getLogger(__name__)
 
@@ -438,6 +438,13 @@ class VllmRolloutStrategy(RolloutStrategy):
         )
         self._weights_loaded(version, in_flight)
         return counts
+
+    def revert_weights(self) -> int | None:
+        """Undo the last minimal sync (its probe failed): the engine serves the version before it again, bit for bit
+        (strategies/vllm/weight_sync.revert_version); returns that version."""
+        version = revert_version(self.engine, self.held, self.config.weight_sync_bucket_mb * 2**20)
+        self._weights_loaded(version, None)
+        return version
 
     @property
     def weights_version(self) -> int | None:

@@ -199,3 +199,11 @@ def load_version(
         ) from exc
     held.commit(staged, version)
     return counts
+
+
+def revert_version(engine, held: HeldWeights, bucket_bytes: float) -> int | None:
+    """The engine back on the version before the last sync (its probe failed): the tensors that sync changed, with
+    the rest of their layers, from the held copy's undo. Returns the version it serves again."""
+    restored = held.revert()
+    load_layers(engine, held.with_whole_groups(restored, _layer_key), bucket_bytes)
+    return held.version

@@ -311,7 +311,8 @@ def sync_weights(
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
     resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel; with `delta` only what
-    changed since the engine's version, switched to all at once (weight_sync_delta)."""
+    changed since the engine's version, switched to all at once (weight_sync_delta), and undone when the probe fails
+    (the engine serves its version again, and the error says so)."""
     started = time.perf_counter()
     if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
         loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
@@ -350,9 +351,12 @@ def sync_weights(
     mask = probe.batch[keys.RESPONSE_MASK].float()
     gap = float(masked_mean((engine - trainer).abs(), mask))
     if not gap <= max_gap:
+        reverted = ""
+        if delta and groups.hybrid is None and not groups.adapter_sync:  # the engine goes back to what it served
+            reverted = f"; the engine serves version {groups.actor_infer.call(RolloutWorker.revert_weights)[0]} again"
         raise WeightSyncError(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
-            f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact"
+            f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact{reverted}"
         )
     return metrics | {"weight_sync/logprob_gap": gap}
 

@@ -38,6 +38,8 @@ def test_fault_specs_parse_or_say_what_is_wrong(monkeypatch):
         ("explode:a:0:train:1", "action 'explode'"),
         ("hang:a:0:sleep:1", "phase 'sleep' is not one of generate"),
         ("raise:a:x:train:0", "whole numbers"),
+        ("nan:a:0:generate:1", "action nan changes the data of phase train; use it"),
+        ("perturb:a:0:train:1", "action perturb changes the data of phase weight_sync_bucket; use it"),
     ]:
         with pytest.raises(ValueError, match=complaint):
             FaultSpec.parse(text)

@@ -109,6 +109,39 @@ def test_sent_and_held_copies_stay_in_step_and_a_stopped_sync_makes_the_next_who
     assert sent.begin(2) is None
 
 
+def test_a_committed_sync_is_undone_bit_for_bit_once():
+    """The probe of a committed sync failed: `revert` gives back the tensors it changed (sparse ones through their
+    old values at the changed positions, whole ones whole), the version before, and only once; a first fill of an
+    empty copy has nothing to go back to."""
+    gen = torch.Generator().manual_seed(1)
+    first = {f"model.layers.{i}.w": torch.randn(32, 32, generator=gen) for i in range(3)}
+    sent, held = SentWeights(), HeldWeights()
+    held.commit(*_staged(held, sent, first, version=1, engine_version=None))
+    with pytest.raises(WeightDeltaError, match="no weight sync to undo"):
+        held.revert()
+    second = dict(first)
+    second["model.layers.0.w"] = first["model.layers.0.w"] + 1  # whole
+    second["model.layers.2.w"] = first["model.layers.2.w"].clone()
+    second["model.layers.2.w"][3, 4] = -0.0  # two elements: sparse
+    second["model.layers.2.w"][7, 1] = 2.5
+    staged, _ = held.stage([sent.encode(list(second.items()), sent.begin(1), 2)])
+    sent.sent(2)
+    assert staged["model.layers.0.w"] is not None and sorted(staged) == ["model.layers.0.w", "model.layers.2.w"]
+    held.commit(staged, 2)
+    assert held.version == 2 and all(same_bits(held.tensors[n], t) for n, t in second.items())
+    restored = held.revert()
+    assert sorted(restored) == ["model.layers.0.w", "model.layers.2.w"] and held.version == 1
+    assert all(same_bits(held.tensors[n], t) for n, t in first.items())
+    with pytest.raises(WeightDeltaError, match="no weight sync to undo"):
+        held.revert()
+
+
+def _staged(held: HeldWeights, sent: SentWeights, weights: dict, version: int, engine_version: int | None):
+    staged, _ = held.stage([sent.encode(list(weights.items()), sent.begin(engine_version), version)])
+    sent.sent(version)
+    return staged, version
+
+
 @pytest.mark.gpu(1)
 def test_on_a_gpu_the_comparison_runs_on_the_device_and_the_host_copy_takes_the_delta():
     """The trainer's tensors on a GPU: the host copy goes up, only the delta comes down; the engine's rebuild and the

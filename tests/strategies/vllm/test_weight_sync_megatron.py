@@ -12,6 +12,8 @@ bytes, and moves the requests in flight at a sync (streaming, partial_rollout: r
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from test_weight_sync import (  # shared helpers of the transformers-trained variant
@@ -32,6 +34,7 @@ from test_weight_sync import (  # shared helpers of the transformers-trained var
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.keys import META_VALIDATE
+from roll_backend.pipelines.loops import phases
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import LoRASettings, MegatronTrainConfig, OptimizerSettings
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
@@ -284,8 +287,9 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
     rollout, actor, synced, tokenizer, shared_prefix_prompts, probe_rows
 ):  # noqa: F811
     """A bucket lost in transit (the engine has loaded nothing yet), then a fault between two of the engine's layer
-    loads (it had loaded part of the new version): both leave the engine serving its version, with the log-probs and
-    weights it had, bit for bit. The trainer, whose copy moved on, sends whole tensors to that engine next; that sync
+    loads (it had loaded part of the new version), then a whole tensor perturbed on its way (all loaded; the probe
+    fails and the sync is undone): each leaves the engine serving its version, with the log-probs and weights it had,
+    bit for bit. The trainer, whose copy moved on, sends whole tensors to that engine next; that sync
     lands and matches Megatron."""
     import ray
 
@@ -315,6 +319,19 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
     assert rollout.call(RolloutWorker.weights_version) == [version]
     restored = engine_state(rollout, probe_rows)
     assert restored[0] == held[0] and torch.equal(restored[1], held[1])
+
+    # A bucket whose whole tensor arrives wrong (no checksum covers it): every bucket lands, the engine loads the new
+    # version, and the pipeline's probe sees it: the engine goes back to its version, bit for bit, before any request.
+    groups = types.SimpleNamespace(hybrid=None, adapter_sync=False, actor_train=actor, actor_infer=rollout)
+    rollout.call(RolloutWorker.inject_fault, "perturb:rollout:0:weight_sync_bucket:1")
+    with pytest.raises(phases.WeightSyncError, match=f"intact; the engine serves version {version} again"):
+        phases.sync_weights(groups, probe_rows, 64 * 1024, max_gap=1e-3, version=version + 1, delta=True)
+    rollout.call(RolloutWorker.inject_fault, None)
+    assert rollout.call(RolloutWorker.weights_version) == [version]
+    reverted = engine_state(rollout, probe_rows)
+    assert reverted[0] == held[0] and torch.equal(reverted[1], held[1])
+    with pytest.raises(Exception, match="no weight sync to undo"):  # undone once only
+        rollout.call(RolloutWorker.revert_weights)
 
     healed = minimal_sync(actor, rollout, version + 1, version)  # the trainer's copy is of version + 1: whole tensors
     assert healed["bytes"] == healed["full_bytes"]
