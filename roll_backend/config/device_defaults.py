@@ -2,7 +2,8 @@
 always wins):
 
 - a role with GPUs (num_gpus_per_rank > 0, or hosted on the hybrid engine of a trainer with GPUs) gets what a GPU
-  user expects: bfloat16 parameters and engine, the distributed optimizer, an engine with CUDA graphs (not eager);
+  user expects: bfloat16 parameters and engine, the distributed optimizer, Megatron's sequence parallelism (at
+  tp > 1), an engine with CUDA graphs (not eager);
   the CPU defaults stay float32 and eager (vLLM's CPU build, bf16 emulated where the CPU lacks it);
 - the rollout engine's max_model_len, unset, holds the longest prompt plus the response (single-turn runs; a
   multi-turn run's conversation is longer, so it sets its own).
@@ -17,8 +18,12 @@ from roll_backend import roles
 from roll_backend.config.schema import DataConfig, PipelineConfig
 
 GPU_DEFAULTS: dict[str, dict[str, Any]] = {
-    "megatron_train": {"params_dtype": "bfloat16", "optimizer": {"use_distributed_optimizer": True}},
-    "megatron_infer": {"params_dtype": "bfloat16"},
+    "megatron_train": {
+        "params_dtype": "bfloat16",
+        "sequence_parallel": True,
+        "optimizer": {"use_distributed_optimizer": True},
+    },
+    "megatron_infer": {"params_dtype": "bfloat16", "sequence_parallel": True},
     "vllm_rollout": {"dtype": "bfloat16", "enforce_eager": False},
 }
 _DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataConfig)}

@@ -167,6 +167,7 @@ class ModelBuildOptions:
     init_method_std: float = 0.02
     recompute_activations: bool = False
     use_torch_compile: bool = False  # local spec: compiled norms, core attention and SwiGLU (compiled_layers.py)
+    sequence_parallel: bool = False  # Megatron's sequence parallelism at tp > 1 (MoE models always take it there)
 
 
 def transformer_config(arch: HFArch, options: ModelBuildOptions):
@@ -204,7 +205,9 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
         # Batched p2p with interleaved stages gives silently wrong gradients on gloo (STACK.md); separate
         # send/recv is exact everywhere.
         batch_p2p_comm=options.vpp is None,
-        sequence_parallel=False,  # torch norms refuse it on CPU; keep one code path
+        # Norms and the residual stream split over TP along the sequence (our RMSNorm marks its weight for the
+        # gradient's sum over TP); a MoE model's settings below turn it on at tp > 1 in any case.
+        sequence_parallel=options.sequence_parallel and options.tp > 1,
         params_dtype=fp,
         pipeline_dtype=fp,
         bf16=fp == torch.bfloat16,
@@ -313,7 +316,9 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
     if options.mtp_num_layers:
         mtp.drop_unused_output_weight(model)
     if options.value_head and post_process:
-        model.output_layer = ValueHead(arch.hidden_size, options.params_dtype, options.init_method_std)
+        model.output_layer = ValueHead(
+            arch.hidden_size, options.params_dtype, options.init_method_std, model.config.sequence_parallel
+        )
     if arch.moe is not None:
         moe_lib.mark_expert_params(model)
     return model

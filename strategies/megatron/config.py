@@ -87,11 +87,6 @@ def value_head_problem(value_head: bool, moe: bool, mtp_num_layers: int, tp: int
     """Why a critic's value head cannot be built this way, or None."""
     if value_head and mtp_num_layers:
         return "a critic (value_head=True) cannot use MTP; set mtp_num_layers=0"
-    if value_head and moe and tp > 1:
-        return (
-            "a critic (value_head=True) on a MoE model runs at tp=1 only (MoE turns on sequence parallelism); "
-            f"got tp={tp}"
-        )
     return None
 
 
@@ -192,6 +187,10 @@ class MegatronModelConfig:
     seed: int = 42  # Megatron's initialisation seed
     params_dtype: str = "float32"  # float32, bfloat16 or float16
     transformer_impl: str = "auto"  # auto: TransformerEngine on cuda when installed, the local spec otherwise
+    # Megatron's sequence parallelism at tp > 1: norms and the residual stream split over the TP ranks along the
+    # sequence (activations outside attention and MLP / tp; the same numbers). null: on where the role's ranks take
+    # GPUs (the device defaults), off on CPU; a MoE model at tp > 1 always uses it.
+    sequence_parallel: bool | None = None
     # torch.compile the local spec's norms, core attention and SwiGLU: ~12% faster bf16 steps on CPU, after a
     # one-off compilation per rank process (seconds warm, ~20 s with a cold inductor cache); for long runs.
     use_torch_compile: bool = False

@@ -9,16 +9,24 @@ import torch.nn.functional as F
 class ValueHead(torch.nn.Module):
     """A critic's head, standing in for GPTModel.output_layer: hidden [S, B, H] -> values [S, B, 1].
 
-    Replicated across TP (its input is identical on every TP rank), so its gradients agree without a reduce.
+    Replicated across TP (its input is identical on every TP rank), so its gradients agree without a reduce. Under
+    sequence parallelism each TP rank holds a slice of the sequence: the head gathers the whole sequence first (as the
+    LM head does), and its backward gives each rank its slice of the gradient, not a sum over ranks (every rank
+    computed the same values and loss).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
         torch.nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states, self.weight, self.bias), None
 
 

@@ -126,6 +126,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str):
         use_transformer_engine=transformer_engine_for(cfg, device),
         recompute_activations=getattr(cfg, "recompute_activations", False),
         use_torch_compile=cfg.use_torch_compile,
+        sequence_parallel=bool(cfg.sequence_parallel),
     )
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)

@@ -1,6 +1,7 @@
-"""Defaults by device: a role with GPUs gets bf16, the distributed optimizer and a compiled engine unless its YAML
-says otherwise (CPU roles keep float32 and eager); the engine's max_model_len defaults to prompt + response and a
-smaller one is refused; colocated roles' GPU shares must fit one GPU. Validated here, not run."""
+"""Defaults by device: a role with GPUs gets bf16, the distributed optimizer, sequence parallelism and a compiled
+engine unless its YAML says otherwise (CPU roles keep float32 and eager); the engine's max_model_len defaults to
+prompt + response and a smaller one is refused; colocated roles' GPU shares must fit one GPU. Validated here, not
+run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_roles_with_gpus_get_the_gpu_defaults_and_set_values_win(tmp_path):
     train, infer, reference = strategies(load_config(CONFIG, [*base, *GPUS]))
     assert (train.params_dtype, reference.params_dtype, infer.dtype) == ("bfloat16",) * 3
     assert train.optimizer.use_distributed_optimizer and not infer.enforce_eager
+    assert train.sequence_parallel and reference.sequence_parallel  # (taken at tp > 1)
     assert train.optimizer.lr == 2.0e-3  # the rest of the YAML's optimizer section kept
     kept = load_config(
         CONFIG,
@@ -32,6 +34,7 @@ def test_roles_with_gpus_get_the_gpu_defaults_and_set_values_win(tmp_path):
     train, infer, reference = strategies(load_config(CONFIG, base))  # CPU ranks: the CPU defaults
     assert (train.params_dtype, reference.params_dtype, infer.dtype) == ("float32",) * 3
     assert not train.optimizer.use_distributed_optimizer and infer.enforce_eager
+    assert train.sequence_parallel is None and reference.sequence_parallel is None  # off on CPU (MoE at tp > 1 aside)
 
 
 def test_hybrid_roles_on_a_gpu_trainer_get_the_gpu_defaults(tmp_path):

@@ -3,7 +3,8 @@
 data-parallel ranks, over which a MoE model splits its experts; also with micro-batches cut by a token budget and
 packed, so the two ranks' micro-batches differ in number and shape) and TP1 with micro-batches of one row must give the
 same, for the actor and for a critic (value head) on the same model, wherever the builder accepts the layout (vpp
-needs the layers to split into chunks; a MoE critic runs at TP1; the skipped layouts are printed):
+needs the layers to split into chunks; the skipped layouts are printed), and a dense model at
+TP2 x PP2 with sequence parallelism (the GPU default; a MoE model takes it at TP2 anyway):
 - log-probs and entropy (values) before the step;
 - every metric the step reports (loss, pg_loss, entropy, kl_loss, ppo_kl, pg_clipfrac, mtp_loss, grad_norm; loss,
   vf_loss, vf_clipfrac, grad_norm);
@@ -344,6 +345,11 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
                     report += moved.check(name, group, mask, example.layers)
             elif name != "tp1":
                 report.append(f"{role_name} not at {name}: {problem}")
+        if "tp2pp2" in runs and not example.moe:  # (a MoE model takes sequence parallelism at TP2 anyway)
+            parallel = dataclasses.replace(config.strategy, sequence_parallel=True)
+            runs["tp2pp2_sp"] = _run(
+                layout_actors["tp2pp2"], dataclasses.replace(config, strategy=parallel), role, batch
+            )
         runs["tp1_mbs1"] = _run(reference, _config(model_dir, example, role, micro_batch_size=1), role, batch)
         width = tensors[keys.RESPONSES].shape[1]
         runs["tp1_wider"] = _narrowed(_run(reference, config, role, _widened(batch, WIDER)), role, width)
