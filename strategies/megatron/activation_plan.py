@@ -138,8 +138,9 @@ def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options:
     backward (the logits' gradient and the output layer's weight gradient)."""
     tp, cp, width = layout.tp, layout.cp, options.width
     tokens = micro.tokens // cp
-    if options.value_head:
-        return tokens * width + (arch.hidden_size * width if training else 0)
+    if options.value_head:  # (under SP the head gathers the sequence's hidden states first: kept for its backward)
+        gathered = tokens * arch.hidden_size * width if options.sequence_parallel else 0
+        return tokens * width + gathered + (arch.hidden_size * width if training else 0)
     vocab = arch.padded_vocab_size(tp) // tp
     positions = tokens if cp > 1 else micro.response_rows * micro.response_width
     # /temperature, shifted, exp (, *shifted for the entropy, the float32 copy of 16-bit logits, the response positions
