@@ -127,7 +127,11 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         hybrid=name in hosted or (name == roles.ACTOR_TRAIN and bool(hosted)),
         device_memory=int(config.device_memory_gib * 2**30) if config.device_memory_gib else None,
         weight_sync_bucket=config.weight_sync_bucket_bytes if syncs else None,
-        weight_sync_delta=syncs and config.weight_sync_delta and not hosted,
+        # (the hybrid engine syncs in its process, adapter sync sends adapters whole: neither compares)
+        weight_sync_delta=syncs
+        and config.weight_sync_delta
+        and roles.ACTOR_INFER not in hosted
+        and synced_adapter_rank(config) is None,
     )
 
 

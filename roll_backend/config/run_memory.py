@@ -79,7 +79,9 @@ def device_phases(config: PipelineConfig, plans: dict[str, list[RankMemory]]) ->
             worst = plans[name][0]
             for phase in worst.phases:
                 terms = _terms(name, worst, phase)
-                if phase == SYNC_PHASE and hosted:  # the hybrid sync: the trainer's offloaded parts but its params wait
+                if (
+                    phase == SYNC_PHASE and roles.ACTOR_INFER in hosted
+                ):  # the hybrid sync: offloaded parts but params wait
                     terms = [t for t in terms if t[1] == "params" or t[1] not in worst.offloaded]
                 for other in members:
                     if other == name:
