@@ -67,7 +67,7 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
     is also one-step off-policy training's schedule (each batch sampled one update behind; the one-step loop's own
     numbers are checked in test_pipelines.py). An actor rank dies in step 12's update: the run restarts from the
     step-10 checkpoint, which kept the buffer's finished groups and the stream positions in flight (generated
-    again)."""
+    again). A warn guard on token staleness flags exactly the steps that trained on a stale batch."""
     config = load_config(
         "configs/grpo_tiny_cpu.yaml",
         [
@@ -84,6 +84,8 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
             "logging.progress_bar=false",
             "perf.measure_peak=false",
             "logging.tensorboard=false",
+            # A batch trained one update behind is stale here: the guard flags exactly those steps (#52).
+            "guards=[{metric: async/token_staleness_max, above: 0.5, action: warn}]",
         ],
     )
     history = run_with_restarts(config)
@@ -92,6 +94,8 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
     rewards = [row["reward/mean"] for row in history]
     assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"
     check_staleness(history)
+    flagged = [row["step"] for row in history if row.get("guard/async/token_staleness_max") == 1.0]
+    assert flagged == [row["step"] for row in history if row["async/token_staleness_max"] > 0.5] and flagged
     batch_size = config.rollout_batch_size
     # The checkpoint holds the admitted prompts not yet trained on: finished in the buffer, or in flight, at most the
     # window's worth after step 10's sync: (max_staleness + 1) batches.
