@@ -280,7 +280,7 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
         options.last_stage_layers,
     )
     for problem in (
-        value_head_problem(options.value_head, arch.moe is not None, options.mtp_num_layers, options.tp),
+        value_head_problem(options.value_head, options.mtp_num_layers),
         mtp_problem(arch.moe is not None, options.mtp_num_layers),
     ):
         if problem:

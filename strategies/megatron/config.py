@@ -83,7 +83,7 @@ def mtp_problem(moe: bool, mtp_num_layers: int) -> str | None:
     return None
 
 
-def value_head_problem(value_head: bool, moe: bool, mtp_num_layers: int, tp: int) -> str | None:
+def value_head_problem(value_head: bool, mtp_num_layers: int) -> str | None:
     """Why a critic's value head cannot be built this way, or None."""
     if value_head and mtp_num_layers:
         return "a critic (value_head=True) cannot use MTP; set mtp_num_layers=0"
@@ -479,9 +479,6 @@ def _model_problems(cfg, run: RunFacts, fields: Mapping[str, Any]) -> list[str]:
             experts, fields.get("moe_intermediate_size"), shared, layout.tp, layout.ep, layout.expert_tp
         )
         problems += [f"{where}.{problem}" for problem in expert_problems]
-    value_problem = value_head_problem(cfg.value_head, moe, 0, layout.tp)
-    if value_problem:
-        problems.append(f"{where}: {value_problem}")
     if cfg.router_replay is not None and not moe:
         problems.append(
             f"{where}.router_replay={cfg.router_replay}: the model ({model_type}) has no routed experts; set it to null"

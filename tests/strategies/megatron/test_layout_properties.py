@@ -47,7 +47,6 @@ from roll_backend.strategies.megatron.config import (
     LoRASettings,
     MegatronTrainConfig,
     OptimizerSettings,
-    value_head_problem,
 )
 from roll_backend.strategies.megatron.stage_splits import default_stage_split
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig
@@ -208,8 +207,9 @@ def _with_meta(batch: DataProto, meta: dict) -> DataProto:
     return DataProto.from_dict(tensors=dict(batch.batch.items()), meta_info={**batch.meta_info, **meta})
 
 
-def _layout_problem(model_dir: str, layout, role: Role) -> str | None:
-    """Why the model cannot run at this layout in this role (the builder's own rules), or None."""
+def _layout_problem(model_dir: str, layout) -> str | None:
+    """Why the model cannot run at this layout (the builder's own rules; a critic runs wherever the actor does: its
+    value head gathers the sequence under sequence parallelism), or None."""
     from transformers import AutoConfig
 
     from roll_backend.strategies.megatron.builder import HFArch
@@ -220,7 +220,7 @@ def _layout_problem(model_dir: str, layout, role: Role) -> str | None:
         arch.check_layout(layout.tp, layout.pp, layout.ep, layout.etp, layout.vpp, first, last)
     except ValueError as exc:
         return str(exc)
-    return value_head_problem(True, arch.moe is not None, 0, layout.tp) if role is CRITIC else None
+    return None
 
 
 def _name(example: Example) -> str:
@@ -338,7 +338,7 @@ def test_every_layout_gives_the_same_numbers(layout_actors, example, tmp_path):
         )
         runs = {}
         for name, group in layout_actors.items():
-            problem = _layout_problem(model_dir, group.layout, role) if name != "tp1" else "the reference"
+            problem = _layout_problem(model_dir, group.layout) if name != "tp1" else "the reference"
             if problem is None:
                 runs[name] = _run(group, config, role, batch)
                 if moved is not None and name in CHECKPOINT_LAYOUTS:
@@ -383,7 +383,7 @@ def test_moe_load_balancing_loss_is_layout_independent(layout_actors, example, t
     width = tensors[keys.RESPONSES].shape[1]
     runs = {"tp1_wider": _narrowed(_run(reference, config, ACTOR, _widened(batch, WIDER)), ACTOR, width)}
     for name in AUX_LAYOUTS:
-        if _layout_problem(model_dir, layout_actors[name].layout, ACTOR) is None:
+        if _layout_problem(model_dir, layout_actors[name].layout) is None:
             runs[name] = _run(layout_actors[name], config, ACTOR, batch)
     report = _compare(example, ACTOR, ref, runs, tensors[keys.RESPONSE_MASK].float())
     print(f"{_name(example)} with the load-balancing loss:", *report, sep="\n  ")
@@ -426,7 +426,7 @@ def test_shared_prompts_give_the_unshared_numbers(layout_actors, example, tmp_pa
         runs = {}
         for name, (layout_name, meta) in SHARED_RUNS.items():
             group = layout_actors[layout_name]
-            problem = _layout_problem(model_dir, group.layout, role)
+            problem = _layout_problem(model_dir, group.layout)
             if problem is None:
                 runs[f"shared_{name}"] = _run(group, shared, role, _with_meta(batch, meta))
             else:

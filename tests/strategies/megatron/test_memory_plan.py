@@ -102,7 +102,7 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
         for name, meta in [("tp1", {}), *runs]:
             group = layout_actors[name]
-            if _layout_problem(model_dir, group.layout, role) is not None:
+            if _layout_problem(model_dir, group.layout) is not None:
                 report.append(f"{'actor' if role is ACTOR else 'critic'} not at {name}")
                 continue
             if meta.get(keys.META_SEQUENCE_PACKING) and example.mtp and role is ACTOR:
