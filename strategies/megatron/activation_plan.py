@@ -177,7 +177,9 @@ def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape
     fc1 = (
         2 * weight + 2 * ffn_tokens * ffn + 3 * tokens * h - (SWIGLU_KEPT if arch.moe is None else 6) * ffn_tokens * ffn
     )
-    return max(fc2, fc1, 0) * width
+    # a MoE layer's experts' outputs, concatenated over the routed tokens, beside them (the dispatcher's [routed, h])
+    dispatched = ffn_tokens * h if arch.moe is not None else 0
+    return (max(fc2, fc1, 0) + dispatched) * width
 
 
 def mtp_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
