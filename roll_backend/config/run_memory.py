@@ -19,7 +19,6 @@ from roll_backend.strategies.base import RankMemory
 from roll_backend.strategies.registry import memory_planner
 
 GIB = 1 << 30
-SYNC_PHASE = "weight_sync"  # the trainer's phase of sending its weights to the rollout (strategies' weight_sync_terms)
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,8 @@ def device_phases(config: PipelineConfig, plans: dict[str, list[RankMemory]]) ->
             worst = plans[name][0]
             for phase in worst.phases:
                 terms = _terms(name, worst, phase)
-                if (
-                    phase == SYNC_PHASE and roles.ACTOR_INFER in hosted
-                ):  # the hybrid sync: offloaded parts but params wait
+                hybrid_sync = phase == roles.WEIGHT_SYNC and roles.ACTOR_INFER in hosted
+                if hybrid_sync:  # the trainer keeps its parameters on the device; its other offloaded parts wait
                     terms = [t for t in terms if t[1] == "params" or t[1] not in worst.offloaded]
                 for other in members:
                     if other == name:
@@ -89,7 +87,7 @@ def device_phases(config: PipelineConfig, plans: dict[str, list[RankMemory]]) ->
                     kept = plans[other][0]
                     handing_over = other in hosted or (other == roles.ACTOR_TRAIN and bool(hosted))
                     resident = kept.resident(offloading=handing_over)
-                    if phase == SYNC_PHASE and other == roles.ACTOR_INFER and other in hosted:
+                    if hybrid_sync and other == roles.ACTOR_INFER:
                         # The hybrid engine wakes its weights to load the new ones (its KV cache after).
                         terms.append((other, "weights, awake for the sync", sum(kept.state.values())))
                     elif resident:

@@ -119,10 +119,16 @@ def apply(delta: TensorDelta, held: torch.Tensor | None) -> torch.Tensor:
             f"{delta.name}: a sparse delta for a {list(delta.shape)} {delta.dtype} tensor, but the engine holds "
             f"{'nothing of it' if held is None else f'{list(held.shape)} {held.dtype}'}"
         )
-    new = held.clone()
-    new.view(-1)[delta.indices.long()] = delta.values
+    new = _with_values(held, delta)
     if checksum(new) != delta.checksum:
         raise WeightDeltaError(f"{delta.name}: the rebuilt tensor's checksum differs from the trainer's (damaged)")
+    return new
+
+
+def _with_values(held: torch.Tensor, delta: TensorDelta) -> torch.Tensor:
+    """A copy of `held` with the delta's values at its flat positions."""
+    new = held.clone()
+    new.view(-1)[delta.indices.long()] = delta.values
     return new
 
 
@@ -243,20 +249,24 @@ class HeldWeights:
                 "no weight sync to undo: the engine's first sync filled an empty copy, or it was undone already"
             )
         version, undo = self.undo
-        restored = {name: apply(delta, self.tensors[name]) for name, delta in undo.items()}
+        # (the old values come from this copy itself: nothing travelled, so there is no checksum to check)
+        restored = {
+            name: back.full if back.full is not None else _with_values(self.tensors[name], back)
+            for name, back in undo.items()
+        }
         self.tensors.update(restored)
         self.version, self.undo = version, None
         return restored
 
 
 def reverse(delta: TensorDelta, held: torch.Tensor) -> TensorDelta:
-    """The delta that takes the tensor `delta` builds back to `held`: the old values at the same positions (checked
-    by `held`'s checksum when applied), or `held` whole."""
+    """The delta that takes the tensor `delta` builds back to `held`: the old values at the same positions, or
+    `held` whole (no checksum: it never leaves the engine's process, and a sync's hot path need not read the whole
+    tensor once more for an undo that rarely runs)."""
     back = TensorDelta(delta.name, tuple(held.shape), held.dtype)
     if delta.indices is None:
         back.full = held
         return back
     back.indices = delta.indices
     back.values = held.reshape(-1)[delta.indices.long()].clone()
-    back.checksum = checksum(held)
     return back

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from roll_backend import roles
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.strategies.megatron.activation_plan import (
     DTYPE_BYTES,
@@ -220,7 +221,7 @@ def plan_stage(
     if trains:
         phases["train"] = activation_terms(arch, layout, micro, options, layers, stage, micro_batches, True)
     if sync is not None and sync.weight_sync_bucket:
-        phases["weight_sync"] = weight_sync_terms(arch, cfg.params_dtype, sync, device)
+        phases[roles.WEIGHT_SYNC] = weight_sync_terms(arch, cfg.params_dtype, sync, device)
     return state, phases
 
 
