@@ -12,8 +12,6 @@ bytes, and moves the requests in flight at a sync (streaming, partial_rollout: r
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from test_weight_sync import (  # shared helpers of the transformers-trained variant
@@ -34,6 +32,7 @@ from test_weight_sync import (  # shared helpers of the transformers-trained var
 from roll_backend import keys
 from roll_backend.distributed.parallel import ParallelLayout
 from roll_backend.keys import META_VALIDATE
+from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.pipelines.loops import phases
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import LoRASettings, MegatronTrainConfig, OptimizerSettings
@@ -322,7 +321,7 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
 
     # A bucket whose whole tensor arrives wrong (no checksum covers it): every bucket lands, the engine loads the new
     # version, and the pipeline's probe sees it: the engine goes back to its version, bit for bit, before any request.
-    groups = types.SimpleNamespace(hybrid=None, adapter_sync=False, actor_train=actor, actor_infer=rollout)
+    groups = RoleGroups(actor_train=actor, actor_infer=rollout)
     rollout.call(RolloutWorker.inject_fault, "perturb:rollout:0:weight_sync_bucket:1")
     with pytest.raises(phases.WeightSyncError, match=f"intact; the engine serves version {version} again"):
         phases.sync_weights(groups, probe_rows, 64 * 1024, max_gap=1e-3, version=version + 1, delta=True)
