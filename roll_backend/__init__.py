@@ -34,3 +34,8 @@ class _CheckoutSubpackageFinder(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(finder, _CheckoutSubpackageFinder) for finder in sys.meta_path):
     sys.meta_path.append(_CheckoutSubpackageFinder(Path(__file__).resolve().parent.parent))
+
+# Start-up: tensordict and megatron-core imported without torch's compiler stack (patches/deferred_compile.py).
+from roll_backend.patches import deferred_compile as _deferred_compile  # noqa: E402
+
+_deferred_compile.install()
