@@ -1,6 +1,8 @@
-"""A driver killed with SIGKILL mid-run (issue 15): every process of the run (Ray's, the ranks', the ranks'
-children) is gone within 30 s, and `checkpoint.resume=auto` continues with one metrics row per step, repeating the
-killed run's last step exactly.
+"""A driver killed with SIGKILL mid-run (issue 15) at a moment drawn from ROLL_BACKEND_PROPERTY_SEED (issue #52):
+after a drawn step's row, a drawn fraction of a second later, so it lands in a step's rollout, update, weight sync
+or checkpoint write. Every process of the run (Ray's, the ranks', the ranks' children) is gone within 30 s, and
+`checkpoint.resume=auto` continues from the newest complete checkpoint with one metrics row per step, repeating the
+killed run's step after that checkpoint exactly, and the ledger shows every prompt trained once.
 
 The run is the LoRA demo (configs/grpo_lora_cpu.yaml, issue #34) on the hybrid engine (the vLLM engine at TP2 in the
 actor's two processes): rank-8 adapters on the frozen tiny model, the reference the actor's base with the adapters
@@ -12,6 +14,7 @@ model; peft on transformers' base gives the merged export's logits."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ from process_checks import describe, wait_until_gone
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_with_restarts
+from roll_backend.pipelines.services.checkpoint import newest_complete_checkpoint
 from roll_backend.pipelines.services.tracking import read_metrics
 
 
@@ -33,7 +37,11 @@ def rows_written(output_dir) -> int:
 
 
 STEPS = 30
-KILL_AFTER = 28  # rows: step 27's checkpoint is complete, step 30's far off (checkpoints every 3 steps)
+SEED = int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))
+# The kill: KILL_AFTER rows written, then up to a step's length later (checkpoints every 3 steps); drawn so that
+# other seeds land elsewhere, before any checkpoint included.
+_draw = random.Random(SEED)
+KILL_AFTER, KILL_DELAY_S = _draw.randint(1, STEPS - 2), _draw.uniform(0.0, 1.5)
 WINDOW = 3  # steps the reward is averaged over at the end
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_lora_cpu.yaml")
 RANKS = 3  # actor_train 2 hosting actor_infer (the hybrid engine), reward 1 (the reference is the actor's base)
@@ -65,24 +73,29 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
         assert time.monotonic() - started < 900, f"the driver wrote no step {KILL_AFTER} within 15 min"
         time.sleep(0.5)
-    killed_run = read_metrics(tmp_path / "run")
     run_pids = [p.pid for p in psutil.Process(driver.pid).children(recursive=True)]
     assert len(run_pids) >= 2 * RANKS + 2  # the ranks with their watchdogs, Ray's GCS and raylet at least
+    time.sleep(KILL_DELAY_S)  # (not a synchronisation: where in the next step the kill lands)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    assert describe(wait_until_gone(run_pids, within_s=30)) == []
+    killed_run = read_metrics(tmp_path / "run")
+    moment = f"seed {SEED}: killed {KILL_DELAY_S:.2f} s after row {KILL_AFTER}, with {len(killed_run)} rows written"
+    assert describe(wait_until_gone(run_pids, within_s=30)) == [], moment
+    newest, _ = newest_complete_checkpoint(tmp_path / "run")
+    resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
+    assert resumed_after <= len(killed_run), moment
 
     resumed = load_config(CONFIG, [*args, "checkpoint.resume=auto"])
     history = run_with_restarts(resumed)
-    assert [row["step"] for row in history] == list(range(KILL_AFTER, STEPS + 1))
+    assert [row["step"] for row in history] == list(range(resumed_after + 1, STEPS + 1)), moment
     steps = [row["step"] for row in read_metrics(tmp_path / "run")]
-    assert steps == list(range(1, STEPS + 1))  # the killed run's first row of the step redone was cut
+    assert steps == list(range(1, STEPS + 1)), moment  # the killed run's rows of the steps redone were cut
     assert_every_prompt_trained_once(tmp_path / "run", STEPS, resumed.rollout_batch_size)
-    # From the adapter checkpoint of step 27, step 28 is the killed run's step 28.
-    (killed_step,) = [row for row in killed_run if row["step"] == KILL_AFTER]
-    for key in EXACT_KEYS:
-        assert history[0][key] == killed_step[key], key
-    whole_run = [row for row in killed_run if row["step"] < KILL_AFTER] + history
+    # From the newest complete (adapter) checkpoint, the next step is the killed run's, where it got that far.
+    for killed_step in [row for row in killed_run if row["step"] == resumed_after + 1]:
+        for key in EXACT_KEYS:
+            assert history[0][key] == killed_step[key], (key, moment)
+    whole_run = [row for row in killed_run if row["step"] <= resumed_after] + history
     rewards = [row["reward/mean"] for row in whole_run]
     assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"
     check_lora_run(whole_run, resumed)
