@@ -143,7 +143,7 @@ class AgenticRollout:
                 "%d of %d trajectories ended by an error; the first: %s", len(failed), len(call.trajectories), failed[0]
             )
         seconds = time.perf_counter() - call.started
-        metrics = trajectory_metrics(call.trajectories, self.config.env_reward)
+        metrics = trajectory_metrics(call.trajectories, self.config.env_reward, self._env_key)
         metrics |= self._engine_metrics(call.engine_seconds, seconds)
         sampled = sum(t.conv.sampled_tokens for t in call.trajectories)
         metrics |= {"rollout/generate_s": seconds, "rollout/tokens_per_s": sampled / max(seconds, 1e-9)}
@@ -185,7 +185,7 @@ class AgenticRollout:
         batch = None
         if parts:
             batch = DataProto.concat(parts)
-            metrics = trajectory_metrics(ended, self.config.env_reward)
+            metrics = trajectory_metrics(ended, self.config.env_reward, self._env_key)
             batch.meta_info[keys.META_METRICS] = metrics | self._engine_metrics(
                 engine_seconds, time.perf_counter() - started
             )
@@ -221,6 +221,11 @@ class AgenticRollout:
             self.loop.release()
             self.stream_calls = []
             raise
+
+    @property
+    def _env_key(self) -> str | None:
+        """The extra_info key naming each row's environment, in a run of several (per-environment metrics)."""
+        return self.config.env_key if self.config.envs else None
 
     def _engine_metrics(self, engine_seconds_before: float, seconds: float) -> dict[str, float]:
         busy = self.loop.engine_seconds - engine_seconds_before

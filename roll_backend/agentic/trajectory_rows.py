@@ -66,12 +66,15 @@ def trajectory_rows(
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
 
 
-def trajectory_metrics(trajs: list, reward_mode: str) -> dict[str, float]:
-    """agentic/...: how the trajectories went (success, turns, tokens, tools, errors, template breaks)."""
+def trajectory_metrics(trajs: list, reward_mode: str, env_key: str | None = None) -> dict[str, float]:
+    """agentic/...: how the trajectories went (success, turns, tokens, tools, errors, template breaks); with
+    `env_key` (a run of several environments), also per environment: agentic/env/<name>/... by the row's
+    extra_info[env_key] ("default": rows that name none and play `agentic.env`)."""
     if not trajs:
         return {}
     successes = [t.success if t.success is not None else (t.terminated and t.reward(reward_mode) > 0) for t in trajs]
-    return {
+    by_env = {} if env_key is None else _per_environment(trajs, successes, reward_mode, env_key)
+    return by_env | {
         "agentic/success_rate": float(np.mean(successes)),
         "agentic/env_reward_mean": float(np.mean([t.reward(reward_mode) for t in trajs])),
         "agentic/turns_mean": float(np.mean([t.conv.turns for t in trajs])),
@@ -91,6 +94,20 @@ def trajectory_metrics(trajs: list, reward_mode: str) -> dict[str, float]:
         "agentic/later_turn_input_tokens_mean": sum(t.later_turn_input_tokens for t in trajs)
         / max(sum(max(t.conv.turns - 1, 0) for t in trajs), 1),
     }
+
+
+def _per_environment(trajs: list, successes: list, reward_mode: str, env_key: str) -> dict[str, float]:
+    names = [str(t.task["extra_info"].get(env_key, "default")) for t in trajs]
+    metrics = {}
+    for name in sorted(set(names)):
+        mine = [i for i, other in enumerate(names) if other == name]
+        metrics |= {
+            f"agentic/env/{name}/trajectories_count": float(len(mine)),
+            f"agentic/env/{name}/success_rate": float(np.mean([successes[i] for i in mine])),
+            f"agentic/env/{name}/env_reward_mean": float(np.mean([trajs[i].reward(reward_mode) for i in mine])),
+            f"agentic/env/{name}/turns_mean": float(np.mean([trajs[i].conv.turns for i in mine])),
+        }
+    return metrics
 
 
 def tasks_of(batch: DataProto) -> list[dict]:

@@ -407,5 +407,10 @@ def test_rows_choose_their_environment_and_stateful_tool_rewards_join_the_trajec
     assert batch.batch[keys.ENV_REWARDS].tolist() == [1.25] * N + [1.0] * N
     assert metric(batch, "agentic/turns_mean") == pytest.approx((1 + 2) / 2)
     assert metric(batch, "agentic/tool_reward_mean") == pytest.approx(0.25 / 2)
+    for name, turns, reward in (("short", 1, 1.25), ("long", 2, 1.0)):  # the same, per environment
+        assert metric(batch, f"agentic/env/{name}/trajectories_count") == N
+        assert metric(batch, f"agentic/env/{name}/turns_mean") == turns
+        assert metric(batch, f"agentic/env/{name}/env_reward_mean") == pytest.approx(reward)
+        assert metric(batch, f"agentic/env/{name}/success_rate") == 1.0
     events = [line.split()[0] for line in log.read_text().splitlines()]
     assert events.count("create") == events.count("release") == 2 * N  # one instance per trajectory, all released

@@ -1,7 +1,7 @@
 """The agentic pipeline from YAML alone (configs/agentic_frozenlake_cpu.yaml, its engine on the hybrid engine): a tiny
 model learns FrozenLake 4x4 by playing it turn by turn, validated greedily on held-out seeds before and after; a run
 resumed from its checkpoint repeats the uninterrupted run's next step exactly. One run checked for all of it; a short
-streaming run (within the staleness bound, validated) beside it."""
+streaming run of two environments chosen per row (within the staleness bound, validated) beside it."""
 
 from __future__ import annotations
 
@@ -84,15 +84,38 @@ STREAMING = (
 )
 
 
-def test_a_streaming_agentic_run_trains_within_the_bound_and_validates(ray_session, tmp_path):
+# Two environments in the run (ROLL's env tags): rows of a prompt file naming `slippery` play the slippery lake of
+# agentic.envs, the others (and the synthetic validation rows) the recipe's agentic.env.
+SLIPPERY_LAKE = (
+    "agentic.envs={slippery: {gymnasium: FrozenLake-v1, kwargs: {is_slippery: true, map_name: 4x4, "
+    "text: {instructions: false, render: state}}}}"
+)
+
+
+def two_lake_rows(path: Path, count: int) -> Path:
+    rows = [
+        {"prompt": "", "answer": "", "seed": seed, **({"env": "slippery"} if seed % 2 else {})} for seed in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_streaming_agentic_run_of_two_environments_trains_within_the_bound_and_validates(ray_session, tmp_path):
     """Multi-turn trajectories in streaming mode: groups arrive from the ranks' trajectory loops, some are trained one
     update after they were sampled and none later, the rollout's agentic metrics of the trained groups reach each
-    step, and validation runs between steps. (A trajectory whose turns span an update, token by token:
-    test_agentic_rollout.py; a streaming run's checkpoint and restart: test_streaming.py.)"""
-    history = run_pipeline(load_config(CONFIG, [f"output_dir={tmp_path}", *STREAMING, NO_PEAK_PROBE]))
+    step, per environment too, and validation runs between steps. (A trajectory whose turns span an update, token by
+    token: test_agentic_rollout.py; a streaming run's checkpoint and restart: test_streaming.py.)"""
+    data = ["data.synthetic=null", f"data.train_path={two_lake_rows(tmp_path / 'lakes.jsonl', 64)}", SLIPPERY_LAKE]
+    config = load_config(CONFIG, [f"output_dir={tmp_path}", *STREAMING, NO_PEAK_PROBE, *data])
+    history = run_pipeline(config)
     assert [row["step"] for row in history] == [1, 2, 3]
     check_staleness(history)
     assert max(row["async/sample_lag_1"] for row in history) > 0  # the window let a step's groups run ahead
+    per_step = config.rollout_batch_size * config.num_return_sequences_in_group
     for row in history:
         assert 1 <= row["agentic/turns_mean"] <= 10 and 0 <= row["agentic/success_rate"] <= 1
+        counts = {env: row.get(f"agentic/env/{env}/trajectories_count", 0) for env in ("default", "slippery")}
+        assert sum(counts.values()) == per_step, row  # every trained trajectory counted under its environment
+    for env in ("default", "slippery"):
+        assert sum(row.get(f"agentic/env/{env}/trajectories_count", 0) for row in history) > 0, env
     assert "val/agentic/success_rate" in history[-1] and "val/agentic/success_rate" not in history[0]
