@@ -106,9 +106,9 @@ class Env:
         self.workdir = workdir
 
     def ctx(self):
-        from roll_backend.strategies.megatron.model_setup import call_context
+        from roll_backend.workers.strategy_host import strategy_call_context
 
-        return call_context(self.device)
+        return strategy_call_context("megatron_train", self.device)
 
     def call(self, fn, *args, **kwargs):
         """A strategy call inside the context a Megatron rank enters around each call (workers do the same)."""

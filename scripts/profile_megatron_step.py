@@ -24,7 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from grpo_step import FULL, cpu_model  # noqa: E402  (the same model and batch shape)
+from _machine import this_machine  # noqa: E402
+from grpo_step import FULL  # noqa: E402  (the same model and batch shape)
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 PROMPT_TOKENS = 40  # about the bench's chat-templated prompts
@@ -72,49 +73,48 @@ def main() -> None:
     model_dir = build_tiny_model(
         Path(tempfile.mkdtemp(prefix="profile_step_")) / "model", TinyModelSpec(seed=0, **FULL.model)
     )
-    parallel.init_distributed(0, 1, *parallel.local_address(), ParallelLayout(), "cpu")
-    with parallel.device_call_context("cpu"):
-        config = MegatronTrainConfig(
-            model_path=str(model_dir),
-            micro_batch_size=FULL.micro_batch,
-            params_dtype=args.dtype,
-            optimizer=OptimizerSettings(lr=1e-6),
-            use_torch_compile=args.use_torch_compile,
-        )
-        strategy = create_strategy("megatron_train", config, layout=ParallelLayout(), device="cpu")
-        strategy.initialize()
-        batch = rl_batch(FULL.model["vocab_size"])
-        loss_fn = functools.partial(actor_loss, ActorLossConfig(kl_loss_coef=0.04))
-        calls = {
-            "train_step": lambda: strategy.train_step(batch, loss_fn),
-            "log_probs": lambda: strategy.compute_log_probs(batch),
-        }
-        print(
-            f"{cpu_model()}, {threads} threads, {args.dtype}; {len(batch)} sequences x "
-            f"{PROMPT_TOKENS + FULL.new_tokens} tokens"
-        )
-        for name, call in calls.items():
-            call()  # warm-up
-            start = time.perf_counter()
+    store, address, port = parallel.rendezvous_store()
+    parallel.init_distributed(0, 1, address, port, ParallelLayout(), "cpu", store=store)
+    config = MegatronTrainConfig(
+        model_path=str(model_dir),
+        micro_batch_size=FULL.micro_batch,
+        params_dtype=args.dtype,
+        optimizer=OptimizerSettings(lr=1e-6),
+        use_torch_compile=args.use_torch_compile,
+    )
+    strategy = create_strategy("megatron_train", config, layout=ParallelLayout(), device="cpu")
+    strategy.initialize()
+    batch = rl_batch(FULL.model["vocab_size"])
+    loss_fn = functools.partial(actor_loss, ActorLossConfig(kl_loss_coef=0.04))
+    calls = {
+        "train_step": lambda: strategy.train_step(batch, loss_fn),
+        "log_probs": lambda: strategy.compute_log_probs(batch),
+    }
+    print(
+        f"{this_machine().cpu}, {threads} threads, {args.dtype}; {len(batch)} sequences x "
+        f"{PROMPT_TOKENS + FULL.new_tokens} tokens"
+    )
+    for name, call in calls.items():
+        call()  # warm-up
+        start = time.perf_counter()
+        call()
+        seconds = time.perf_counter() - start
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
             call()
-            seconds = time.perf_counter() - start
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
-                call()
-            ops = prof.key_averages(group_by_input_shape=args.by_shape)
-            total = sum(op.self_cpu_time_total for op in ops)
-            gemm = sum(op.self_cpu_time_total for op in ops if op.key in GEMM_OPS)
-            print(
-                f"\n{name}: {seconds:.2f} s unprofiled; profiled self CPU {total / 1e6:.2f} s, GEMM ops "
-                f"{gemm / total:.0%}"
+        ops = prof.key_averages(group_by_input_shape=args.by_shape)
+        total = sum(op.self_cpu_time_total for op in ops)
+        gemm = sum(op.self_cpu_time_total for op in ops if op.key in GEMM_OPS)
+        print(
+            f"\n{name}: {seconds:.2f} s unprofiled; profiled self CPU {total / 1e6:.2f} s, GEMM ops {gemm / total:.0%}"
+        )
+        print(
+            ops.table(
+                sort_by="self_cpu_time_total",
+                row_limit=args.rows,
+                max_name_column_width=40,
+                max_shapes_column_width=80,
             )
-            print(
-                ops.table(
-                    sort_by="self_cpu_time_total",
-                    row_limit=args.rows,
-                    max_name_column_width=40,
-                    max_shapes_column_width=80,
-                )
-            )
+        )
     parallel.destroy_distributed()
 
 

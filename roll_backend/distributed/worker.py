@@ -145,7 +145,7 @@ class Worker:
 
     def call_context(self) -> contextlib.AbstractContextManager:
         """What each registered call runs inside; a role whose strategy needs one returns the strategy's
-        (e.g. the Megatron CPU layer's device mode)."""
+        (Strategy.call_context)."""
         return contextlib.nullcontext()
 
     # ---- running a registered method ------------------------------------------------------------------

@@ -1,23 +1,38 @@
 """CPU compatibility layer for megatron-core 0.16.x: lets Megatron run on CPU tensors with gloo.
 
-Applied in each rank process only when the device is CPU (never on GPU machines). Two parts:
-- `apply()`: process-wide patches of the CUDA-only calls Megatron makes (idempotent);
-- `cpu_device_mode()`: a per-thread TorchFunctionMode that rewrites cuda devices to cpu; enter it on the
-  thread that runs Megatron (the Worker does so around every registered call).
+Applied in each rank process only when the device is CPU (never on GPU machines), before megatron-core is
+imported; idempotent. Process-wide, on a machine where every cuda device request could only raise:
+- the CUDA-only calls Megatron makes (current_device, synchronize, the RNG state) answer for the CPU;
+- `device="cuda"` given to a tensor factory (torch.zeros, torch.tensor, ..., Tensor.new_*, Tensor.to) becomes cpu,
+  `pin_memory=True` is dropped (CPU torch has no pinned allocator; RoPE's CP slicing asks for it), and
+  `Tensor.cuda()` returns the tensor: Megatron hard-codes cuda in schedules' token counts, the causal mask, grad
+  clipping, the grad scaler, DDP's warm-up, the tied embedding's copy;
+- `Tensor.type()` names CPU float tensors as cuda types: the distributed optimizer and grad clipping check
+  `param.type() == "torch.cuda.FloatTensor"`.
+Only the factories are wrapped, not every torch call: a TorchFunctionMode did this before, and its hook on every op
+cost ~4 us of Python per op, most of a tiny model's forward and backward.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
 TESTED_MEGATRON_VERSIONS = ("0.16",)
 _applied = False
+
+# torch functions (and Tensor methods) that take a device: Megatron's cuda requests go through these.
+_FACTORIES = (
+    "tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "ones", "empty", "full", "arange", "range",
+    "linspace", "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided", "zeros_like",
+    "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "tril_indices",
+    "triu_indices",
+)  # fmt: skip
+_TENSOR_FACTORIES = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided")
 
 
 def _is_cuda(device) -> bool:
@@ -28,33 +43,50 @@ def _is_cuda(device) -> bool:
     return False
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites `device="cuda"` to cpu, drops `pin_memory=True`, makes `.cuda()` a no-op, and reports CPU float
-    tensors as cuda types.
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def on_cpu(*args, **kwargs):
+        if kwargs:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+        return factory(*args, **kwargs)
 
-    Megatron hard-codes `device="cuda"` (schedules' token counts, the causal mask, grad clipping) and checks
-    `param.type() == "torch.cuda.FloatTensor"` (distributed optimizer, grad clipping).
-    """
+    return on_cpu
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+
+def _tensor_to(to):
+    @functools.wraps(to)
+    def to_on_cpu(self, *args, **kwargs):
+        if args and _is_cuda(args[0]):
+            args = ("cpu", *args[1:])
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):  # RoPE's CP slicing pins its index tensor; CPU torch has no pinned allocator
-            kwargs["pin_memory"] = False
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return "torch.cuda." + name[len("torch.") :] if name.startswith("torch.") and ".cuda." not in name else name
-        return func(*args, **kwargs)
+        return to(self, *args, **kwargs)
+
+    return to_on_cpu
 
 
-def cpu_device_mode() -> contextlib.AbstractContextManager:
-    """The per-thread half of the layer; a TorchFunctionMode only covers the thread that entered it."""
-    return CudaToCpuMode()
+def _tensor_type(type_):
+    @functools.wraps(type_)
+    def type_as_cuda(self, *args, **kwargs):
+        name = type_(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or not name.startswith("torch.") or ".cuda." in name:
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    return type_as_cuda
+
+
+def _patch_device_requests() -> None:
+    for name in _FACTORIES:
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
+    torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def _cpu_rng_state(device=None, *args, **kwargs) -> torch.Tensor:
@@ -72,6 +104,7 @@ def apply() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("the Megatron CPU compatibility layer must not be applied on a machine with CUDA")
+    _patch_device_requests()  # (before megatron-core's modules are imported, whatever they bind)
     import megatron.core
     from megatron.core.tensor_parallel import random as mcore_random
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from roll_backend.distributed.parallel import ParallelLayout
@@ -20,17 +18,6 @@ from roll_backend.strategies.megatron.offload import ModelStateOffload
 from roll_backend.strategies.megatron.stage_splits import stage_split
 
 
-def call_context(device: str) -> contextlib.AbstractContextManager:
-    """What a Megatron rank enters around each call: on cpu, the CPU layer's per-thread mode that rewrites the
-    cuda devices megatron-core asks for (entered per call, not process-wide: the mode's hook on every torch call
-    would also tax code that needs no rewriting, e.g. a vLLM engine sharing the process)."""
-    if device != "cpu":
-        return contextlib.nullcontext()
-    from roll_backend.patches import megatron_cpu
-
-    return megatron_cpu.cpu_device_mode()
-
-
 class MegatronStrategyBase:
     """Mixed into both Megatron strategies: their config, layout and device, their MegatronEngine (built by
     `initialize`), and the context their calls run in."""
@@ -38,10 +25,6 @@ class MegatronStrategyBase:
     def __init__(self, config, layout: ParallelLayout, device: str):
         self.config, self.layout, self.device = config, layout, device
         self.engine = None  # MegatronEngine, once initialize() ran
-
-    @classmethod
-    def call_context(cls, device: str) -> contextlib.AbstractContextManager:
-        return call_context(device)
 
     def ready(self, what: str):
         """The engine, or a clear error when `what` is called before initialize()."""
