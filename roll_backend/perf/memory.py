@@ -12,6 +12,7 @@ buffers, transient gradients), not the model state it started with.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,20 +21,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+# Set to a number N to have each measured CPU phase also keep the N largest storages alive at its peak (the
+# operator that made each, its shape and dtype): what a planned-vs-measured miss is made of. Costs a copy of the
+# live set at every new peak, so it is for investigating, not for runs.
+TRACE_ENV = "ROLL_BACKEND_MEMORY_TRACE"
+
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Live bytes of the storages created inside the mode, and their peak."""
+    """Live bytes of the storages created inside the mode, and their peak; with `trace`, also the storages alive
+    at the peak (`peak_tensors`: the `trace` largest, as (bytes, operator, shape, dtype))."""
 
-    def __init__(self):
+    def __init__(self, trace: int = 0):
         super().__init__()
         self.live = self.peak = 0
+        self.trace = trace
+        self.peak_tensors: list[tuple[int, str, tuple, str]] = []
         self._tracked: dict[int, weakref.ref] = {}
+        self._made_by: dict[int, tuple[int, str, tuple, str]] = {}
 
     def _freed(self, key: int, nbytes: int) -> None:
         if self._tracked.pop(key, None) is not None:
             self.live -= nbytes
+            self._made_by.pop(key, None)
 
-    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+    def _track(self, tensor: torch.Tensor, inputs: set[int], func) -> None:
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
@@ -44,6 +55,10 @@ class LiveTensorBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         self._tracked[key] = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._freed(key, nbytes))
         self.live += nbytes
+        if self.trace:
+            self._made_by[key] = (nbytes, str(func), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        if self.live > self.peak and self.trace:
+            self.peak_tensors = sorted(self._made_by.values(), reverse=True)[: self.trace]
         self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -51,7 +66,7 @@ class LiveTensorBytes(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._track(leaf, inputs)
+                self._track(leaf, inputs, func)
         return out
 
 
@@ -63,6 +78,7 @@ class PhasePeaks:
         self.device = device
         self.peaks: dict[str, int] = {}
         self.shapes: dict[str, Any] = {}
+        self.peak_tensors: dict[str, list] = {}  # with TRACE_ENV set: each phase's largest storages at its peak
 
     @contextlib.contextmanager
     def measure(self, phase: str, enabled: bool = True, shape: Any = None) -> Iterator[None]:
@@ -73,13 +89,17 @@ class PhasePeaks:
             yield
             self._record(phase, torch.cuda.max_memory_allocated() - start, shape)
         elif enabled:
-            counter = LiveTensorBytes()
+            counter = LiveTensorBytes(trace=int(os.environ.get(TRACE_ENV, "0") or 0))
             with counter:
                 yield
-            self._record(phase, counter.peak, shape)
+            if self._record(phase, counter.peak, shape) and counter.trace:
+                self.peak_tensors[phase] = counter.peak_tensors
         else:
             yield
 
-    def _record(self, phase: str, nbytes: int, shape: Any) -> None:
-        if int(nbytes) >= self.peaks.get(phase, 0):
-            self.peaks[phase], self.shapes[phase] = int(nbytes), shape
+    def _record(self, phase: str, nbytes: int, shape: Any) -> bool:
+        """Keep the call's peak when it is the phase's largest so far; whether it was."""
+        if int(nbytes) < self.peaks.get(phase, 0):
+            return False
+        self.peaks[phase], self.shapes[phase] = int(nbytes), shape
+        return True

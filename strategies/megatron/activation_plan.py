@@ -56,6 +56,9 @@ class PlanOptions:
         return DTYPE_BYTES[self.params_dtype]
 
 
+SCORES_BUFFER = "attention scores buffer"
+
+
 def _heads(arch: HFArch, tp: int) -> tuple[int, int]:
     """Query and key-value heads on a TP rank (key-value heads replicate when fewer than TP)."""
     return arch.num_heads // tp, max(1, arch.num_kv_heads // tp)
@@ -220,7 +223,7 @@ def activation_terms(
     terms: dict[str, int] = {}
     if not options.transformer_engine:  # Megatron's global buffer for the scores' matmul, kept between calls
         nq = arch.num_heads // layout.tp
-        terms["attention scores buffer"] = micro.rows * nq * (micro.width // layout.cp) * micro.width * options.width
+        terms[SCORES_BUFFER] = micro.rows * nq * (micro.width // layout.cp) * micro.width * options.width
     if not training:
         return _forward_terms(arch, layout, micro, options, terms, edge, stage)
     one_layer = layer_bytes(arch, layout, micro, options)
@@ -239,7 +242,21 @@ def activation_terms(
     if last:
         if options.mtp_layers:
             terms["MTP heads"] = mtp_bytes(arch, layout, micro, options)
+    if stage == 0 and not options.lora:
+        return _backward_end(arch, layout, options, terms, edge)
     return terms
+
+
+def _backward_end(arch: HFArch, layout: ParallelLayout, options: PlanOptions, terms: dict, edge: int) -> dict:
+    """The first stage's last moment of backward when it is its peak: the embedding's weight gradient, dense
+    [vocab / TP, hidden] until DDP adds it to the gradient buffer, beside its output's gradient, when the saved
+    activations are gone (a critic or a short micro-batch: nothing of the head hides it)."""
+    scores = {name: value for name, value in terms.items() if name == SCORES_BUFFER}
+    others = sum(value for name, value in terms.items() if name != SCORES_BUFFER)
+    embedding_grad = arch.padded_vocab_size(layout.tp) // layout.tp * arch.hidden_size * options.width
+    if embedding_grad + edge <= others:
+        return terms
+    return scores | {"the embedding's weight gradient": embedding_grad + edge}
 
 
 def _forward_terms(
@@ -273,9 +290,11 @@ def _forward_terms(
         mlp = 2 * routed * arch.hidden_size + ffn_factor * busiest * moe.expert_ffn_hidden_size
         mlp = max(mlp, ffn_factor * tokens * (moe.shared_expert_ffn_hidden_size or 0) // layout.tp)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
-    # too); at TP > 1 a row-parallel output before its all-reduce; between pipeline stages the output being sent, and
-    # with vpp the received inputs of the micro-batches the schedule runs ahead.
-    edges = (layout.tp > 1) + (layout.pp > 1 and stage < layout.pp - 1) + ((layout.vpp or 1) - 1) * layout.pp
+    # too); under sequence parallelism a row-parallel output beside its reduce-scatter's (a plain TP all-reduce is
+    # in place: nothing more); between pipeline stages the output being sent, and with vpp the received inputs of
+    # the micro-batches the schedule runs ahead.
+    reduce_scatter = layout.tp > 1 and options.sequence_parallel
+    edges = reduce_scatter + (layout.pp > 1 and stage < layout.pp - 1) + ((layout.vpp or 1) - 1) * layout.pp
     working = edges * edge + max(attention * options.width + scores + 3 * edge, mlp * options.width + 4 * edge)
     last = stage == layout.pp - 1
     head = head_bytes(arch, layout, micro, options, training=False) if last else 0

@@ -107,10 +107,13 @@ class MegatronEngine:
             from megatron.core import parallel_state as mpu
 
             mpu.get_global_memory_buffer().buffer.clear()
-        largest = max(micro_batches, key=lambda m: (m.input_ids.numel(), m.responses.numel()))
-        rows, width = largest.input_ids.shape
-        sequences, response_width = largest.responses.shape  # (a packed row holds several sequences)
-        shape = [rows, width, response_width, len(micro_batches), sequences, largest.gather is not None]
+        # The body's largest: the most tokens, of as many the widest (the attention's scores grow with the square of
+        # the width); the head's: the most response positions read (a token budget's micro-batches differ in both).
+        widest = max(micro_batches, key=lambda m: (m.input_ids.numel(), m.input_ids.shape[1], m.responses.numel()))
+        most_read = max(micro_batches, key=lambda m: (m.responses.numel(), m.input_ids.numel()))
+        rows, width = widest.input_ids.shape
+        sequences, response_width = most_read.responses.shape  # (a packed row holds several sequences)
+        shape = [rows, width, response_width, len(micro_batches), sequences, widest.gather is not None]
         with self.memory.measure("forward" if forward_only else "train", measure, shape):
             return schedule.forward_backward(
                 self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes

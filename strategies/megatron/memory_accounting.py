@@ -260,6 +260,7 @@ HINTS = {
     "a layer's backward": "micro_batch_size / max_tokens_per_microbatch; tp",
     "attention scores buffer": "transformer_impl: transformer_engine (flash attention keeps no scores); cp",
     "MTP heads": "mtp_num_layers; micro_batch_size / max_tokens_per_microbatch",
+    "the embedding's weight gradient": "tp splits the vocabulary; lora leaves the embedding frozen",
     "weight-sync bucket": "weight_sync_bucket_bytes (a tensor bigger than it still goes whole)",
     "weight-sync comparison": "weight_sync_delta: false sends whole tensors without comparing",
 }

@@ -51,6 +51,7 @@ class MegatronStrategyBase:
             "model_state": self._offload().sizes(),  # (a hybrid role's offloaded parts count as they are on the device)
             "phases": dict(memory.peaks),
             "micro_batches": dict(memory.shapes),
+            "peak_tensors": dict(memory.peak_tensors),  # (empty unless perf.memory's TRACE_ENV is set)
         }
 
     def _offload(self) -> ModelStateOffload:

@@ -76,6 +76,9 @@ def _check_rank(where: str, report: dict, largest: dict, strategy, layout, world
         lines.append(
             f"{fail}{where} pp{stage} {phase} {rows}x{width}: measured {measured} planned {planned} {error:+.1%}"
         )
+        if fail:  # the planned terms, and with perf.memory.TRACE_ENV set the storages alive at the measured peak
+            lines.append(f"    planned terms: {phases[phase]}")
+            lines += [f"    live at the peak: {tensor}" for tensor in report.get("peak_tensors", {}).get(phase, [])]
     got, want = sum(report["model_state"].values()), sum(state.values())
     error = want / got - 1
     fail = "FAIL " if abs(error) > STATE_TOLERANCE else ""
@@ -134,3 +137,22 @@ def test_the_counter_sees_what_a_phase_allocates_and_frees():
     assert counter.peak == 1024 + 4000 and counter.live == 1024 + 4000
     del a, b, d
     assert counter.live == 0
+
+
+def test_a_traced_count_names_the_storages_alive_at_its_peak():
+    """With a trace (perf.memory.TRACE_ENV), the largest storages alive at the peak, as the operator made them; one
+    freed before the peak is not among them."""
+    from roll_backend.perf.memory import LiveTensorBytes
+
+    with LiveTensorBytes(trace=2) as counter:
+        small = torch.zeros(10)  # 40 bytes
+        gone = torch.ones(600)  # 2400 bytes, freed before the peak
+        del gone
+        wide = torch.arange(300, dtype=torch.float64)  # 2400 bytes: live 2440, the peak so far
+        tall = torch.cat([small, small])  # 80 bytes: live 2520, the peak
+        del wide, tall, small
+    assert counter.peak == 2520 and counter.live == 0
+    assert counter.peak_tensors == [
+        (2400, "aten.arange.default", (300,), "float64"),
+        (80, "aten.cat.default", (20,), "float32"),
+    ]
