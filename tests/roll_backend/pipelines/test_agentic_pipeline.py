@@ -114,8 +114,10 @@ def test_a_streaming_agentic_run_of_two_environments_trains_within_the_bound_and
     per_step = config.rollout_batch_size * config.num_return_sequences_in_group
     for row in history:
         assert 1 <= row["agentic/turns_mean"] <= 10 and 0 <= row["agentic/success_rate"] <= 1
+        # every trained trajectory counted under its environment (streaming shares a rank call's counts among the
+        # steps its groups train in by rows: per environment that split is approximate, the total exact)
         counts = {env: row.get(f"agentic/env/{env}/trajectories_count", 0) for env in ("default", "slippery")}
-        assert sum(counts.values()) == per_step, row  # every trained trajectory counted under its environment
+        assert sum(counts.values()) == pytest.approx(per_step), row
     for env in ("default", "slippery"):
         assert sum(row.get(f"agentic/env/{env}/trajectories_count", 0) for row in history) > 0, env
     assert "val/agentic/success_rate" in history[-1] and "val/agentic/success_rate" not in history[0]
