@@ -11,7 +11,7 @@ import torch
 
 from roll_backend import keys, roles
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.faults import perturb_whole_tensor
+from roll_backend.distributed.faults import perturb_first_tensor, perturb_whole_tensor
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.workers.strategy_host import start_strategy, strategy_call_context
@@ -169,6 +169,8 @@ class RolloutWorker(Worker):
 
         (ref,) = adapter_refs
         tensors, peft_config = ray.get(ref)
+        if self.fault_point(roles.WEIGHT_SYNC_BUCKET):  # (fault injection's perturb: the adapters arrive wrong)
+            tensors = perturb_first_tensor(tensors)
         loaded = self._strategy().load_adapter(tensors, peft_config, version=version, in_flight=in_flight)
         return {"tensors": loaded, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 

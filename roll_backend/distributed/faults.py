@@ -125,3 +125,9 @@ def perturb_whole_tensor(bucket) -> bool:
             delta.full = delta.full + 0.5
             return True
     return False
+
+
+def perturb_first_tensor(tensors: dict) -> dict:
+    """The `perturb` fault on an adapter sync (its one bucket: {name: tensor}): the first tensor off by 0.5."""
+    name = next(iter(tensors))
+    return tensors | {name: tensors[name] + 0.5}

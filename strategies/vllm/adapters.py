@@ -27,17 +27,22 @@ def served_rank(rank: int) -> int:
 
 
 class AdapterSlot:
-    """The adapter an engine serves now (`request`, None before the first load) and its folder."""
+    """The adapter an engine serves now (`request`, None before the first load) and its folder; the one before it
+    (`previous`: its request and the trainer version it was) stays on disk until the next load, so a sync whose probe
+    fails can be undone (`revert`)."""
 
     def __init__(self, llm):
         self.llm = llm
         self.request = None
+        self.previous: tuple | None = None  # (LoRARequest, version) of the adapter served before the last load
         self.ids = itertools.count(1)
         shm = Path("/dev/shm")
         self.root = Path(tempfile.mkdtemp(prefix="roll-lora-", dir=shm if shm.is_dir() else None))
         weakref.finalize(self, shutil.rmtree, self.root, True)  # the folders go with the engine's process
 
-    def load(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+    def load(self, tensors: dict[str, torch.Tensor], peft_config, version_before: int | None = None) -> None:
+        """Write the adapter (PEFT-named tensors) as a folder and serve it; `version_before`: the trainer version of
+        the adapter served until now (what `revert` goes back to)."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -47,10 +52,29 @@ class AdapterSlot:
         save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "adapter_model.safetensors")
         peft_config.save_pretrained(folder)
         request = LoRARequest(f"policy-{number}", number, str(folder))
+        if self.previous is not None:  # two loads back: no longer needed for an undo
+            shutil.rmtree(self.previous[0].lora_path, ignore_errors=True)
+        self.previous = None if self.request is None else (self.request, version_before)
+        self._serve(request)
+
+    def revert(self) -> int | None:
+        """Serve the adapter of before the last load again (its probe failed); returns the version it was. Raises
+        RuntimeError when there is none (no load yet, only one, or undone already)."""
+        if self.previous is None:
+            raise RuntimeError(
+                "no adapter sync to undo: the engine loaded at most one adapter, or the last sync was undone already"
+            )
+        (request, version), undone = self.previous, self.request
+        self.previous = None
+        self._serve(request)
+        shutil.rmtree(undone.lora_path, ignore_errors=True)
+        return version
+
+    def _serve(self, request) -> None:
+        """`request`'s adapter in the engine's one slot, in place of the one served now."""
         engine = self.llm.llm_engine
-        previous, self.request = self.request, request
-        if previous is not None:
-            engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        if self.request is not None:
+            engine.remove_lora(self.request.lora_int_id)
+        self.request = request
         if not engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not load the LoRA adapter written to {folder}")
+            raise RuntimeError(f"vLLM did not load the LoRA adapter written to {request.lora_path}")

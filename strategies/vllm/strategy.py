@@ -440,8 +440,18 @@ class VllmRolloutStrategy(RolloutStrategy):
         return counts
 
     def revert_weights(self) -> int | None:
-        """Undo the last minimal sync (its probe failed): the engine serves the version before it again, bit for bit
-        (strategies/vllm/weight_sync.revert_version); returns that version."""
+        """Undo the last minimal sync or adapter load (its probe failed): the engine serves the version before it
+        again, bit for bit (strategies/vllm/weight_sync.revert_version; an adapter engine serves the adapter it had,
+        requests in flight resubmitted under it); returns that version."""
+        if self.adapters is not None:  # every sync of an adapter engine is an adapter load
+            reverted: list[int | None] = []
+            revert = lambda: reverted.append(self.adapters.revert())
+            if self.stream.in_flight():
+                self.stream.swap_adapter(revert, None)
+            else:
+                revert()
+            self.stream.version = reverted[0]
+            return reverted[0]
         version = revert_version(self.engine, self.held, self.config.weight_sync_bucket_mb * 2**20)
         self._weights_loaded(version, None)
         return version
@@ -482,7 +492,7 @@ class VllmRolloutStrategy(RolloutStrategy):
                 "load_adapter: this engine serves no LoRA adapters (max_lora_rank is null); the run sets it with "
                 "actor_train.strategy.lora.sync=adapter"
             )
-        load = functools.partial(self.adapters.load, tensors, peft_config)
+        load = functools.partial(self.adapters.load, tensors, peft_config, self.stream.version)
         if self.stream.in_flight():
             if in_flight != "resubmit":
                 raise RuntimeError(

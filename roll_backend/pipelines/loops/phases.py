@@ -311,8 +311,9 @@ def sync_weights(
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
     resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel; with `delta` only what
-    changed since the engine's version, switched to all at once (weight_sync_delta), and undone when the probe fails
-    (the engine serves its version again, and the error says so)."""
+    changed since the engine's version, switched to all at once (weight_sync_delta). A failed probe undoes a minimal
+    sync or an adapter load (the engine serves its version again, and the error says so); a full sync is not undone
+    (no copy of the old weights is kept): the run's recovery restarts from a checkpoint."""
     started = time.perf_counter()
     if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
         loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
@@ -352,7 +353,8 @@ def sync_weights(
     gap = float(masked_mean((engine - trainer).abs(), mask))
     if not gap <= max_gap:
         reverted = ""
-        if delta and groups.hybrid is None and not groups.adapter_sync:  # the engine goes back to what it served
+        # the engine goes back to what it served where it kept it: a minimal sync's host copy, the adapter before
+        if groups.adapter_sync or (delta and groups.hybrid is None):
             reverted = f"; the engine serves version {groups.actor_infer.call(RolloutWorker.revert_weights)[0]} again"
         raise WeightSyncError(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "

@@ -12,6 +12,8 @@ bytes, and moves the requests in flight at a sync (streaming, partial_rollout: r
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_weight_sync import (  # shared helpers of the transformers-trained variant
@@ -338,3 +340,31 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
     after = rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
     assert agree(after[mask], megatron_log_probs(actor, probe_rows)[mask])
     assert (after - held[1]).abs()[mask].mean() > 1e-3  # the new version really differs
+
+
+def test_an_adapter_sync_whose_probe_fails_is_undone(
+    adapter_rollout, actor, tokenizer, shared_prefix_prompts, probe_rows
+):  # noqa: F811
+    """lora.sync: adapter (issue #52): adapters that arrive wrong (fault injection's perturb on the sync's one bucket)
+    load, the pipeline's probe sees it, and the engine serves the adapter it had again before any request, with its
+    log-probs bit for bit and its version; undone once only. The next sync lands and scores as Megatron does."""
+    groups = RoleGroups(actor_train=actor, actor_infer=adapter_rollout, adapter_sync=True)
+    sync = functools.partial(phases.sync_weights, groups, probe_rows, 64 * 1024, 1e-3)
+    mask = probe_rows.batch[keys.RESPONSE_MASK].bool()
+    train_once(actor, adapter_rollout, tokenizer, shared_prefix_prompts[4:8], seed=11)
+    assert sync(version=300)["weight_sync/logprob_gap"] < 1e-5
+    served = adapter_rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
+    train_once(actor, adapter_rollout, tokenizer, shared_prefix_prompts[8:12], seed=12)
+
+    adapter_rollout.call(RolloutWorker.inject_fault, "perturb:adapter_rollout:0:weight_sync_bucket:1")
+    with pytest.raises(phases.WeightSyncError, match="intact; the engine serves version 300 again"):
+        sync(version=301)
+    adapter_rollout.call(RolloutWorker.inject_fault, None)
+    assert torch.equal(adapter_rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS], served)
+    with pytest.raises(Exception, match="no adapter sync to undo"):
+        adapter_rollout.call(RolloutWorker.revert_weights)
+
+    assert sync(version=301)["weight_sync/logprob_gap"] < 1e-5
+    healed = adapter_rollout.call(RolloutWorker.probe_log_probs, probe_rows).batch[keys.LOG_PROBS]
+    assert agree(healed[mask], megatron_log_probs(actor, probe_rows)[mask])
+    assert (healed - served).abs()[mask].mean() > 1e-3  # the actor moved on: the new adapter really differs
