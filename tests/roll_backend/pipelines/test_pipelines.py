@@ -5,6 +5,8 @@ and its exact resume (the actor at PP2 with an MTP layer) are checked in test_re
 from __future__ import annotations
 
 import math
+import os
+import random
 
 import pytest
 from pipeline_fixtures import (  # noqa: F401  (fixtures)
@@ -18,9 +20,11 @@ from pipeline_fixtures import (  # noqa: F401  (fixtures)
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
-from roll_backend.pipelines.services.ledger import report
+from roll_backend.pipelines.services.ledger import LEDGER_FILE, read_events, report
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
+# The bf16 run's reward rank dies at this call of its reward method (one per generation round; 3 steps of 1-6 rounds).
+REWARD_KILL_CALL = random.Random(int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))).randint(2, 5)
 ASYNC_STEP_KEYS = (*STEP_KEYS, "async/staleness_max", "rollout_correction/kl_k3", "rollout_correction/weight_mean")
 
 
@@ -99,7 +103,9 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
     trainer's to within bf16 rounding, well inside the 16-bit probe limit.
     With dynamic sampling on a reward most groups get alike (1 for a response whose CRC32 is a multiple of 10: a
     group of 4 differs with chance 1 - 0.9^4 - 0.1^4 = 0.34): each step refills until it has rollout_batch_size
-    groups with differing rewards, or says it ran out of rounds."""
+    groups with differing rewards, or says it ran out of rounds. The reward rank is killed at its k-th call (k drawn
+    from ROLL_BACKEND_PROPERTY_SEED: in some step's first round or a refill round, issue #52): the run restarts from
+    its last checkpoint and its ledger still has every prompt generated trained or filtered, none trained twice."""
     rare = tmp_path / "rare_reward.py"
     rare.write_text(
         "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -113,7 +119,7 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             prompt_file,
             model_dir,
             tmp_path / "bf16",
-            "max_steps=2",
+            "max_steps=3",
             "algorithm.ppo_mini_batch_size=16",
             "actor_train.strategy.params_dtype=bfloat16",
             "reference.strategy.params_dtype=bfloat16",
@@ -123,12 +129,16 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
             "algorithm.dynamic_sampling=true",
             "algorithm.max_generation_rounds=6",
             "algorithm.refill_oversample=2",
+            "checkpoint.save_steps=1",
+            "fault_tolerance.max_restarts=1",
+            f"fault_tolerance.inject=kill:reward:0:reward:{REWARD_KILL_CALL}",
             *hybrid_roles(2, 2),
         ),
     )
     assert config.logprob_gap_limit() == HALF_PRECISION_LOGPROB_GAP
-    history = run_pipeline(config)
-    assert [h["step"] for h in history] == [1, 2]
+    history = run_with_restarts(config)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert history[-1]["fault_tolerance/restarts"] == 1.0, f"the reward rank's call {REWARD_KILL_CALL} was not reached"
     for record in history:
         for key in (*STEP_KEYS, "weight_sync/logprob_gap"):
             assert math.isfinite(record[key]), (key, record)
@@ -143,8 +153,11 @@ def test_grpo_in_bf16_mixed_precision(ray_session, base_config, prompt_file, mod
         assert (rounds == 1) == (prompts == 4) and prompts <= 4 + (rounds - 1) * 2 * 4, record
         assert record["dynamic_sampling/dropped_responses"] == 4 * record["dynamic_sampling/groups_dropped"]
     assert any(record["dynamic_sampling/rounds"] > 1 for record in history)  # a refill happened
-    # The ledger: every prompt a round generated, refill prompts included, was trained or filtered, none twice.
+    # The ledger: every prompt a round generated, refill prompts included, was trained or filtered, none twice, across
+    # the restart (the killed attempt's step was generated again from its checkpoint: the same positions).
     assert report(tmp_path / "bf16")[1] == []
+    trained = [p for _, event, p in read_events(tmp_path / "bf16" / LEDGER_FILE) if event == "trained"]
+    assert len(trained) == len(set(trained)) == sum(record["ledger/trained"] for record in history)
     for record in history:
         assert record["ledger/admitted"] == record["dynamic_sampling/prompts"], record
         assert record["ledger/trained"] == record["dynamic_sampling/groups_kept"], record
