@@ -282,12 +282,13 @@ def _forward_terms(
     moe = arch.moe
     if moe is None:
         mlp = ffn_factor * tokens * arch.ffn_hidden_size // layout.tp
-    else:  # the permuted tokens and their output, and one expert's SwiGLU at a time; or the shared expert
+    else:  # the permuted tokens and their output, and one expert's SwiGLU at a time (its expert-TP shard); or the
+        # shared expert
         local = max(1, moe.num_experts // layout.ep)
         routed = tokens * moe.topk
         # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
         busiest = min(tokens, 2 * -(-routed // local))
-        mlp = 2 * routed * arch.hidden_size + ffn_factor * busiest * moe.expert_ffn_hidden_size
+        mlp = 2 * routed * arch.hidden_size + ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
         mlp = max(mlp, ffn_factor * tokens * (moe.shared_expert_ffn_hidden_size or 0) // layout.tp)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
     # too); under sequence parallelism a row-parallel output beside its reduce-scatter's (a plain TP all-reduce is
