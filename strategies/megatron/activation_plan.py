@@ -250,13 +250,17 @@ def activation_terms(
 def _backward_end(arch: HFArch, layout: ParallelLayout, options: PlanOptions, terms: dict, edge: int) -> dict:
     """The first stage's last moment of backward when it is its peak: the embedding's weight gradient, dense
     [vocab / TP, hidden] until DDP adds it to the gradient buffer, beside its output's gradient, when the saved
-    activations are gone (a critic or a short micro-batch: nothing of the head hides it)."""
+    activations are gone (a critic or a short micro-batch: nothing of the head hides it). A tied model on one stage
+    holds three such tensors then: the output layer's weight gradient, the embedding's, and their sum (autograd adds
+    the two gradients of the one shared weight)."""
     scores = {name: value for name, value in terms.items() if name == SCORES_BUFFER}
     others = sum(value for name, value in terms.items() if name != SCORES_BUFFER)
+    shared_weight = arch.tie_word_embeddings and not options.value_head and layout.pp == 1
     embedding_grad = arch.padded_vocab_size(layout.tp) // layout.tp * arch.hidden_size * options.width
-    if embedding_grad + edge <= others:
+    end = (3 if shared_weight else 1) * embedding_grad + edge
+    if end <= others:
         return terms
-    return scores | {"the embedding's weight gradient": embedding_grad + edge}
+    return scores | {"the embedding's weight gradient": end}
 
 
 def _forward_terms(
@@ -274,8 +278,9 @@ def _forward_terms(
     attention = tokens * (q + 2 * kv) + 3 * tokens * q + tokens * kv + (tokens * (q + kv) if arch.qk_norm else 0)
     if nq > nkv:
         attention += 2 * micro.tokens * q  # key and value repeated to every query head, at every key position
-    if layout.cp > 1:
-        attention += 2 * micro.tokens * kv  # key and value gathered over CP
+    if layout.cp > 1:  # key and value gathered over CP; and the all-gather's own buffers (each rank's part and the
+        # input's copy), which the process group may still hold while the next layer starts
+        attention += 2 * micro.tokens * kv + (layout.cp + 1) * tokens * kv
     # fc1's output (2 x ffn) and the SwiGLU's steps; with LoRA its branch beside fc1 (B's outputs, their concatenation
     # and scaling, each as wide as fc1's output)
     ffn_factor = 8 if options.lora else 5
