@@ -335,6 +335,12 @@ def sync_weights(
         metrics["weight_sync/unchanged_tensors"] = float(loaded[0]["unchanged"])
     if probe_rows is None:
         return metrics
+    return metrics | {"weight_sync/logprob_gap": _probe(groups, probe_rows, max_gap, minimal_sync=delta)}
+
+
+def _probe(groups: RoleGroups, probe_rows: DataProto, max_gap: float, minimal_sync: bool) -> float:
+    """The engine's and the trainer's log-probs of the same sequences: their mean gap, or a WeightSyncError when it
+    is over `max_gap` (after undoing the sync where the engine kept what it served before)."""
     probe = probe_rows.select(
         batch_keys=[
             keys.INPUT_IDS,
@@ -354,13 +360,13 @@ def sync_weights(
     if not gap <= max_gap:
         reverted = ""
         # the engine goes back to what it served where it kept it: a minimal sync's host copy, the adapter before
-        if groups.adapter_sync or (delta and groups.hybrid is None):
+        if groups.adapter_sync or (minimal_sync and groups.hybrid is None):
             reverted = f"; the engine serves version {groups.actor_infer.call(RolloutWorker.revert_weights)[0]} again"
         raise WeightSyncError(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
             f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact{reverted}"
         )
-    return metrics | {"weight_sync/logprob_gap": gap}
+    return gap
 
 
 def _sync_deltas(groups: RoleGroups, bucket_bytes: int, version: int | None, in_flight: str | None) -> list[dict]:
