@@ -57,18 +57,22 @@ class AdapterSlot:
         self.previous = None if self.request is None else (self.request, version_before)
         self._serve(request)
 
-    def revert(self) -> int | None:
-        """Serve the adapter of before the last load again (its probe failed); returns the version it was. Raises
-        RuntimeError when there is none (no load yet, only one, or undone already)."""
+    def previous_version(self) -> int | None:
+        """The trainer version of the adapter `revert` goes back to. Raises RuntimeError when there is none (no load
+        yet, only one, or undone already)."""
         if self.previous is None:
             raise RuntimeError(
                 "no adapter sync to undo: the engine loaded at most one adapter, or the last sync was undone already"
             )
-        (request, version), undone = self.previous, self.request
+        return self.previous[1]
+
+    def revert(self) -> None:
+        """Serve the adapter of before the last load again (its probe failed)."""
+        self.previous_version()  # (raises when there is nothing to undo)
+        (request, _), undone = self.previous, self.request
         self.previous = None
         self._serve(request)
         shutil.rmtree(undone.lora_path, ignore_errors=True)
-        return version
 
     def _serve(self, request) -> None:
         """`request`'s adapter in the engine's one slot, in place of the one served now."""

@@ -444,14 +444,9 @@ class VllmRolloutStrategy(RolloutStrategy):
         again, bit for bit (strategies/vllm/weight_sync.revert_version; an adapter engine serves the adapter it had,
         requests in flight resubmitted under it); returns that version."""
         if self.adapters is not None:  # every sync of an adapter engine is an adapter load
-            reverted: list[int | None] = []
-            revert = lambda: reverted.append(self.adapters.revert())
-            if self.stream.in_flight():
-                self.stream.swap_adapter(revert, None)
-            else:
-                revert()
-            self.stream.version = reverted[0]
-            return reverted[0]
+            version = self.adapters.previous_version()
+            self._switch_adapter(self.adapters.revert, version)
+            return version
         version = revert_version(self.engine, self.held, self.config.weight_sync_bucket_mb * 2**20)
         self._weights_loaded(version, None)
         return version
@@ -493,18 +488,23 @@ class VllmRolloutStrategy(RolloutStrategy):
                 "actor_train.strategy.lora.sync=adapter"
             )
         load = functools.partial(self.adapters.load, tensors, peft_config, self.stream.version)
+        if self.stream.in_flight() and in_flight != "resubmit":
+            raise RuntimeError(
+                f"load_adapter with requests in flight and in_flight={in_flight!r}: a request keeps the adapter "
+                "it was added with, so only 'resubmit' moves it to the new one (async_generation.partial_rollout)"
+            )
+        self._switch_adapter(load, version)
+        return len(tensors)
+
+    def _switch_adapter(self, change, version: int | None) -> None:
+        """`change()` puts another adapter in the engine's one slot; streaming requests in flight are resubmitted
+        under it (a request keeps the adapter it was added with); `version` is stamped on the tokens from now on."""
         if self.stream.in_flight():
-            if in_flight != "resubmit":
-                raise RuntimeError(
-                    f"load_adapter with requests in flight and in_flight={in_flight!r}: a request keeps the adapter "
-                    "it was added with, so only 'resubmit' moves it to the new one (async_generation.partial_rollout)"
-                )
-            self.stream.swap_adapter(load, version)
-            return len(tensors)
-        load()
+            self.stream.swap_adapter(change, version)
+            return
+        change()
         if version is not None:
             self.stream.version = version
-        return len(tensors)
 
     # ---- log-prob probe --------------------------------------------------------------------------------
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:
