@@ -6,8 +6,12 @@ setup:
 demo: setup
 	.venv/bin/roll-backend run configs/grpo_tiny_cpu.yaml
 
+# Two pytest workers, each with its own Ray, each taking whole modules (tests/conftest.py says why and in what order):
+# one worker alone leaves a 2-core machine ~40% idle (a pipeline step waits on one rank at a time).
+TEST_WORKERS ?= 2
+
 test: setup lint
-	.venv/bin/python -m pytest tests
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 lint: setup
 	.venv/bin/ruff format --check .

@@ -75,7 +75,7 @@ stop_private_head() {
     # A job's entrypoint runs in a session of its own: stop the jobs through the Jobs API first, or they would
     # outlive the head.
     "$VENV_BIN/python" - "$ADDRESS" <<'EOF' || true
-import sys, time
+import os, sys, time
 from ray.job_submission import JobSubmissionClient
 client = JobSubmissionClient(sys.argv[1])
 running = [job.submission_id for job in client.list_jobs() if not job.status.is_terminal()]
@@ -85,6 +85,23 @@ deadline = time.monotonic() + 30
 while running and time.monotonic() < deadline:
     running = [job_id for job_id in running if not client.get_job_status(job_id).is_terminal()]
     time.sleep(0.5)
+# A stopped job is marked so once its entrypoint was signalled, maybe before that process is gone (a loaded machine
+# tears a large process down slowly): wait for each driver process too, and kill one still running after 30 s.
+drivers = {int(job.driver_info.pid) for job in client.list_jobs() if job.driver_info is not None}
+def running_pid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+deadline = time.monotonic() + 30
+while (drivers := {pid for pid in drivers if running_pid(pid)}) and time.monotonic() < deadline:
+    time.sleep(0.2)
+for pid in drivers:
+    os.kill(pid, 9)
+deadline = time.monotonic() + 30
+while any(map(running_pid, drivers)) and time.monotonic() < deadline:
+    time.sleep(0.1)
 EOF
     kill -TERM -- "-$HEAD_PID" 2>/dev/null || true
     for _ in $(seq 20); do kill -0 -- "-$HEAD_PID" 2>/dev/null || break; sleep 0.5; done
