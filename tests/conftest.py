@@ -17,10 +17,10 @@ SUPPORT_DIR = Path(__file__).resolve().parent / "support"
 
 
 # What a scope is: a module's tests, or the modules whose tests use the Megatron layout pool
-# (tests/strategies/megatron/conftest.py: they share one set of groups). `make test` runs two pytest workers
-# (`--dist loadgroup`): each takes whole scopes, so a module's groups and the pool start once. Scopes go out longest
-# first (the pool, then pipeline modules, ~20 s of start-up a run), so neither worker is left with a long one at the
-# end while the other idles.
+# (tests/strategies/megatron/conftest.py: they share one set of groups). `make test TEST_WORKERS=2` runs two pytest
+# workers (`--dist loadgroup`): each takes whole scopes, so a module's groups and the pool start once. There the scopes
+# go out longest first (the pool, then pipeline modules, ~20 s of start-up a run), so neither worker is left with a
+# long one at the end while the other idles; one worker runs the modules in their own order.
 LAYOUT_POOL_SCOPE = "megatron-layout-pool"
 SLOW_SCOPE_PREFIXES = (LAYOUT_POOL_SCOPE, "tests/roll_backend/pipelines/")
 
@@ -36,7 +36,7 @@ def _scope_rank(scope: str) -> int:
 @pytest.hookimpl(tryfirst=True)  # before the Megatron conftest's hook reads the order, xdist's reads the groups
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu(n)` skips a test when fewer than n CUDA GPUs are visible; every test is tagged with its scope
-    (an xdist group) and the scopes are ordered slowest kind first, each scope's tests in their own order."""
+    (an xdist group); under xdist the scopes are ordered slowest kind first, each scope's tests in their own order."""
     import torch
 
     available = torch.cuda.device_count()
@@ -51,7 +51,8 @@ def pytest_collection_modifyitems(config, items):
             )
         item.add_marker(pytest.mark.xdist_group(scope[item]))
         first_seen.setdefault(scope[item], len(first_seen))
-    items.sort(key=lambda item: (_scope_rank(scope[item]), first_seen[scope[item]]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: (_scope_rank(scope[item]), first_seen[scope[item]]))
 
 
 @pytest.fixture(scope="session")
