@@ -16,43 +16,17 @@ apply_ray_env_defaults()  # before anything starts Ray or gloo
 SUPPORT_DIR = Path(__file__).resolve().parent / "support"
 
 
-# What a scope is: a module's tests, or the modules whose tests use the Megatron layout pool
-# (tests/strategies/megatron/conftest.py: they share one set of groups). `make test TEST_WORKERS=2` runs two pytest
-# workers (`--dist loadgroup`): each takes whole scopes, so a module's groups and the pool start once. There the scopes
-# go out longest first (the pool, then pipeline modules, ~20 s of start-up a run), so neither worker is left with a
-# long one at the end while the other idles; one worker runs the modules in their own order.
-LAYOUT_POOL_SCOPE = "megatron-layout-pool"
-SLOW_SCOPE_PREFIXES = (LAYOUT_POOL_SCOPE, "tests/roll_backend/pipelines/")
-
-
-def _module(item) -> str:
-    return item.nodeid.split("::")[0]
-
-
-def _scope_rank(scope: str) -> int:
-    return next((rank for rank, prefix in enumerate(SLOW_SCOPE_PREFIXES) if scope.startswith(prefix)), 99)
-
-
-@pytest.hookimpl(tryfirst=True)  # before the Megatron conftest's hook reads the order, xdist's reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu(n)` skips a test when fewer than n CUDA GPUs are visible; every test is tagged with its scope
-    (an xdist group); under xdist the scopes are ordered slowest kind first, each scope's tests in their own order."""
+    """`@pytest.mark.gpu(n)` skips a test when fewer than n CUDA GPUs are visible."""
     import torch
 
     available = torch.cuda.device_count()
-    pool_modules = {_module(item) for item in items if "layout_actors" in getattr(item, "fixturenames", ())}
-    scope = {item: LAYOUT_POOL_SCOPE if _module(item) in pool_modules else _module(item) for item in items}
-    first_seen = {}
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is not None and available < (marker.args[0] if marker.args else 1):
             item.add_marker(
                 pytest.mark.skip(reason=f"needs {marker.args[0] if marker.args else 1} GPUs, found {available}")
             )
-        item.add_marker(pytest.mark.xdist_group(scope[item]))
-        first_seen.setdefault(scope[item], len(first_seen))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: (_scope_rank(scope[item]), first_seen[scope[item]]))
 
 
 @pytest.fixture(scope="session")
