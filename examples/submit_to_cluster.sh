@@ -75,10 +75,11 @@ stop_private_head() {
     # A job's entrypoint runs in a session of its own: stop the jobs through the Jobs API first, or they would
     # outlive the head.
     "$VENV_BIN/python" - "$ADDRESS" <<'EOF' || true
-import os, sys, time
+import os, signal, sys, time
 from ray.job_submission import JobSubmissionClient
 client = JobSubmissionClient(sys.argv[1])
 running = [job.submission_id for job in client.list_jobs() if not job.status.is_terminal()]
+stopped = set(running)
 for job_id in running:
     client.stop_job(job_id)
 deadline = time.monotonic() + 30
@@ -87,7 +88,12 @@ while running and time.monotonic() < deadline:
     time.sleep(0.5)
 # A stopped job is marked so once its entrypoint was signalled, maybe before that process is gone (a loaded machine
 # tears a large process down slowly): wait for each driver process too, and kill one still running after 30 s.
-drivers = {int(job.driver_info.pid) for job in client.list_jobs() if job.driver_info is not None}
+# (only the jobs stopped here: an earlier job's pid may belong to another process by now)
+drivers = {
+    int(job.driver_info.pid)
+    for job in client.list_jobs()
+    if job.submission_id in stopped and job.driver_info is not None
+}
 def running_pid(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -98,7 +104,10 @@ deadline = time.monotonic() + 30
 while (drivers := {pid for pid in drivers if running_pid(pid)}) and time.monotonic() < deadline:
     time.sleep(0.2)
 for pid in drivers:
-    os.kill(pid, 9)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
 deadline = time.monotonic() + 30
 while any(map(running_pid, drivers)) and time.monotonic() < deadline:
     time.sleep(0.1)
