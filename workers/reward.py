@@ -73,6 +73,8 @@ class RewardWorkerConfig:
 class RewardWorker(Worker):
     """One rank of the rule-based reward role: DP_MP_COMPUTE hands each rank its share of the batch."""
 
+    megatron_grid = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.config is None:

@@ -30,6 +30,8 @@ class RolloutWorker(Worker):
     """One rank of the rollout role. Call `init_model` once after the group is built. Every rank of a TP group
     gets the whole batch from the controller (DP_MP_COMPUTE): the engine, not an in-actor broadcast, shards it."""
 
+    megatron_grid = False  # (the engine lays out its own groups over the process group)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.config, RolloutWorkerConfig):

@@ -1,4 +1,5 @@
-"""Start torch.distributed and Megatron's parallel state in a rank process; describe a rank's coordinates."""
+"""Start torch.distributed and the rank grid in a rank process (Megatron's parallel state for the roles that run a
+Megatron model; TP blocks of consecutive ranks for an engine or plain code); describe a rank's coordinates."""
 
 from __future__ import annotations
 
@@ -124,9 +125,12 @@ def init_distributed(
     device: str,
     timeout_s: float = 600.0,
     store: dist.Store | None = None,
+    megatron_grid: bool = True,
 ) -> RankCoords:
-    """Join the role's process group (NCCL on cuda, gloo on cpu) and start Megatron's parallel state. Rank 0 passes
-    the store it serves (`rendezvous_store`); the others reach it at master_addr:master_port."""
+    """Join the role's process group (NCCL on cuda, gloo on cpu) and lay out its grid: Megatron's parallel state, or
+    without `megatron_grid` (a role that runs no Megatron model: it then never imports megatron-core, seconds of a
+    core per rank) TP blocks of consecutive ranks. Rank 0 passes the store it serves (`rendezvous_store`); the others
+    reach it at master_addr:master_port."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -139,10 +143,13 @@ def init_distributed(
         "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
     )
     if device == "cpu":
-        from roll_backend.patches import gloo_shared_device, megatron_cpu
+        from roll_backend.patches import gloo_shared_device
 
-        megatron_cpu.apply()
         gloo_shared_device.apply()
+        if megatron_grid:
+            from roll_backend.patches import megatron_cpu
+
+            megatron_cpu.apply()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if store is None:  # (every rank brings a store: a tcp:// client would wait for a count rank 0's store never adds)
@@ -160,6 +167,8 @@ def init_distributed(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    if not megatron_grid:
+        return _init_tp_blocks(rank, world_size, layout)
     from megatron.core import parallel_state as mpu
 
     problems = layout.expert_problems(world_size)
@@ -175,6 +184,28 @@ def init_distributed(
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     return current_coords()
+
+
+# The TP blocks of a rank without Megatron's grid: {"tp": its block's ranks, "group": that block's process group}.
+_tp_block: dict | None = None
+
+
+def _init_tp_blocks(rank: int, world_size: int, layout: ParallelLayout) -> RankCoords:
+    """Consecutive ranks form a TP group (as vLLM lays out an engine over an existing process group); every rank
+    creates every block's group (torch.distributed's rule for new_group)."""
+    global _tp_block
+    if layout.pp != 1 or layout.cp != 1 or layout.vpp is not None or layout.ep != 1 or layout.etp is not None:
+        raise ValueError(
+            "a role that runs no Megatron model lays its ranks out in TP blocks only; its layout has "
+            f"{layout.describe()}: set pp=1, cp=1, vpp=null, ep=1 and no etp"
+        )
+    coords = tp_only_coords(rank, world_size, layout.tp)
+    for start in range(0, world_size, layout.tp):
+        ranks = list(range(start, start + layout.tp))
+        group = dist.new_group(ranks) if layout.tp > 1 else None
+        if rank in ranks:
+            _tp_block = {"tp": ranks, "group": group}
+    return coords
 
 
 def current_coords() -> RankCoords:
@@ -196,6 +227,20 @@ def current_coords() -> RankCoords:
 
 def group_ranks() -> dict[str, list[int]]:
     """Global ranks of this rank's tp, pp, dp, cp, tp x cp and expert (ep, etp, expert-dp) groups."""
+    if _tp_block is not None:  # (what Megatron's grid gives a TP-only layout: no pp/cp/ep split)
+        rank, tp = dist.get_rank(), len(_tp_block["tp"])
+        dp = list(range(rank % tp, dist.get_world_size(), tp))
+        block = _tp_block["tp"]
+        return {
+            "tp": block,
+            "pp": [rank],
+            "dp": dp,
+            "cp": [rank],
+            "tp_cp": block,
+            "ep": [rank],
+            "etp": block,
+            "edp": dp,
+        }
     from megatron.core import parallel_state as mpu
 
     groups = {
@@ -215,6 +260,8 @@ def batch_broadcast_hops(coords: RankCoords) -> list[dist.ProcessGroup]:
     """The groups the in-actor broadcast crosses, in order: TP x CP (from pp0's tp0/cp0, which got the batch
     from the controller), then PP (from the first stage), so every stage holds labels, masks and MTP inputs.
     A rank takes part in the hops of the groups it belongs to; an empty list when it is alone in both."""
+    if _tp_block is not None:
+        return [_tp_block["group"]] if coords.tp_size > 1 else []
     from megatron.core import parallel_state as mpu
 
     hops = []
@@ -226,8 +273,11 @@ def batch_broadcast_hops(coords: RankCoords) -> list[dist.ProcessGroup]:
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state as mpu
+    global _tp_block
+    if _tp_block is None:
+        from megatron.core import parallel_state as mpu
 
-    mpu.destroy_model_parallel()
+        mpu.destroy_model_parallel()
+    _tp_block = None
     if dist.is_initialized():
         dist.destroy_process_group()

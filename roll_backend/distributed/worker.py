@@ -44,6 +44,10 @@ class NotRestartableRankError(RankError, NotRestartableError):
 class Worker:
     """Base class of role actors (actor, critic, reference, reward, rollout)."""
 
+    # Whether the role's ranks lay out Megatron's parallel state (tp x cp x dp x pp, experts); a role that runs no
+    # Megatron model (an engine, plain code) says False: TP blocks only, and no megatron-core import.
+    megatron_grid: bool = True
+
     def __init__(
         self,
         role: str,
@@ -87,6 +91,7 @@ class Worker:
             self.layout,
             self.device,
             store=getattr(self, "_rendezvous_store", None),
+            megatron_grid=self.megatron_grid,
         )
         return self.coords
 

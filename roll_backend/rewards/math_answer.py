@@ -5,9 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from math_verify import parse, verify
-from math_verify.errors import TimeoutException
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5
@@ -29,6 +26,10 @@ def score(response_text: str, answer: str, timeout_s: int | None = DEFAULT_TIMEO
     """
     if not isinstance(response_text, str) or not isinstance(answer, str) or not response_text.strip():
         return 0.0
+    # (imported here: math-verify loads sympy, a second of a core in every reward rank of a run that scores no math)
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
     timeout = _timeout_for_this_thread(timeout_s)
     try:
         gold = parse(answer, parsing_timeout=timeout)

@@ -140,10 +140,10 @@ class VllmRolloutConfig:
                 f"it to at least {needed} (or leave it unset: that is its default)"
             )
         layout = run.layout
-        if layout.vpp is not None or layout.cp > 1:
+        if layout.vpp is not None or layout.cp > 1 or layout.pp > 1:
             problems.append(
-                f"{where}: cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split sequences "
-                "or interleave stages; set cp=1 and vpp=null"
+                f"{where}: pp={layout.pp}, cp={layout.cp}, vpp={layout.vpp}: only the Megatron strategies split "
+                "layers into stages, split sequences or interleave stages; set pp=1, cp=1 and vpp=null"
             )
         if layout.ep != 1 or layout.etp is not None:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")

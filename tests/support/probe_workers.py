@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -38,6 +39,7 @@ class ProbeWorker(Worker):
             "note": note,
             "pid": os.getpid(),
             "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")},
+            "megatron_imported": "megatron.core" in sys.modules,
         }
 
     @register(Dispatch.ONE_TO_ALL)
@@ -153,3 +155,9 @@ class ProbeWorker(Worker):
         self._child = context.Process(target=time.sleep, args=(3600,), daemon=False)
         self._child.start()
         return self.process_group_pids()
+
+
+class EngineProbeWorker(ProbeWorker):
+    """A probe whose role runs no Megatron model (as the rollout and reward roles): TP blocks, no megatron-core."""
+
+    megatron_grid = False

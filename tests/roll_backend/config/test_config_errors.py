@@ -200,11 +200,12 @@ def test_impossible_pipeline_splits_are_refused(base):
     )
 
 
-def test_cp_is_refused_by_vllm(base):
-    [problem] = problems_of(base + ["actor_infer.strategy.cp=2", "actor_infer.world_size=2"])
+@pytest.mark.parametrize("setting, shown", [("cp=2", "pp=1, cp=2"), ("pp=2", "pp=2, cp=1")])
+def test_cp_and_pp_are_refused_by_vllm(base, setting, shown):
+    [problem] = problems_of(base + [f"actor_infer.strategy.{setting}", "actor_infer.world_size=2"])
     assert problem == (
-        "actor_infer.strategy: cp=2, vpp=None: only the Megatron strategies split sequences or interleave "
-        "stages; set cp=1 and vpp=null"
+        f"actor_infer.strategy: {shown}, vpp=None: only the Megatron strategies split layers into stages, split "
+        "sequences or interleave stages; set pp=1, cp=1 and vpp=null"
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from probe_workers import ProbeWorker
+from probe_workers import EngineProbeWorker, ProbeWorker
 
 from roll_backend import keys
 from roll_backend.distributed.dispatch import Dispatch, DispatchError
@@ -110,6 +110,27 @@ def test_dp_compute_at_tp2_dp2_splits_by_dp_and_collects_in_order(make_group):
     assert sent_rows(group, rows(6)) == [(0, 3), (1, 0), (2, 3), (3, 0)]
     arrived = group.call(ProbeWorker.what_arrived, rows(6))  # collected from tp0 of each DP group
     assert [(a["rank"], a["rows"]) for a in arrived] == [(0, 3), (2, 3)]
+
+
+def test_a_role_without_megatron_gets_megatrons_tp_grid_without_importing_it(make_group):
+    """Rollout and reward ranks lay out TP blocks themselves: the same groups, coordinates and in-actor broadcast as
+    Megatron's grid for that layout, and megatron-core never imported (seconds of a core per rank)."""
+    megatron, engine = make_group(ProbeWorker, 4, TP2_DP2), make_group(EngineProbeWorker, 4, TP2_DP2)
+    assert engine.coords == megatron.coords
+    assert engine.call(Worker.group_ranks) == megatron.call(Worker.group_ranks)
+    assert [r["megatron_imported"] for r in engine.call(EngineProbeWorker.whoami, "x")] == [False] * 4
+    # The batch reaches tp1 of each DP group over the TP block (sent to tp0 only); the output comes from tp0.
+    assert sent_rows(engine, rows(6)) == [(0, 3), (1, 0), (2, 3), (3, 0)]
+    arrived = engine.call(EngineProbeWorker.what_arrived, rows(6))
+    assert [(a["rank"], a["rows"]) for a in arrived] == [(0, 3), (2, 3)]
+    for group in (engine, megatron):
+        group.call(ProbeWorker.received_checksums, rows(6))
+    held = engine.call(EngineProbeWorker.recorded_checksums)
+    assert held == megatron.call(ProbeWorker.recorded_checksums)
+    tensors = [h["tensors"] for h in held]
+    assert tensors[1] == tensors[0] != tensors[2] == tensors[3]
+    with pytest.raises(Exception, match="TP blocks only.*set pp=1"):
+        WorkerGroup(EngineProbeWorker, "engine_pp2", 2, ParallelLayout(pp=2))
 
 
 def test_dp2_uneven_batch_and_non_blocking_calls(make_group):
