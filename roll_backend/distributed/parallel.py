@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -142,6 +143,8 @@ def init_distributed(
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
     )
+    if megatron_grid:
+        _import_megatron_core()
     if device == "cpu":
         from roll_backend.patches import gloo_shared_device
 
@@ -184,6 +187,24 @@ def init_distributed(
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     return current_coords()
+
+
+# What megatron-core imports if installed though no rank uses it: ranks never log (the driver does).
+_TRACKERS_RANKS_SKIP = ("wandb", "torch.utils.tensorboard")
+
+
+def _import_megatron_core() -> None:
+    """Import megatron-core without the experiment trackers it reaches for at import (wandb, tensorboard: ~0.5 s of a
+    core per rank); they stay importable afterwards."""
+    if "megatron.core" in sys.modules:
+        return
+    blocked = [name for name in _TRACKERS_RANKS_SKIP if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(blocked))  # (None: `import` raises ImportError, which megatron-core expects)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        for name in blocked:
+            sys.modules.pop(name, None)
 
 
 # The TP blocks of a rank without Megatron's grid: {"tp": its block's ranks, "group": that block's process group}.

@@ -40,6 +40,7 @@ class ProbeWorker(Worker):
             "pid": os.getpid(),
             "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")},
             "megatron_imported": "megatron.core" in sys.modules,
+            "trackers_imported": [name for name in ("wandb", "torch.utils.tensorboard") if name in sys.modules],
         }
 
     @register(Dispatch.ONE_TO_ALL)

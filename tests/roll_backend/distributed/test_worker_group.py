@@ -55,6 +55,8 @@ def test_one_to_all_and_all_to_all_reach_every_rank(make_group):
     assert [r["rank"] for r in replies] == [0, 1, 2, 3]
     assert {r["note"] for r in replies} == {"hello"}
     assert len({r["pid"] for r in replies}) == 4  # one process per rank
+    # megatron-core was imported without the trackers it reaches for (ranks never log: ~0.5 s of a core each)
+    assert [(r["megatron_imported"], r["trackers_imported"]) for r in replies] == [(True, [])] * 4
     # CPU ranks start with the allocator settings (ray_env.CPU_RANK_ENV_DEFAULTS), on top of the job's env.
     assert {r["env"]["MALLOC_MMAP_MAX_"] for r in replies} == {"0"}
     assert {r["env"]["RAY_DEDUP_LOGS"] for r in replies} == {"0"}  # the job-level env_vars still apply
