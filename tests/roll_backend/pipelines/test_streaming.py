@@ -8,6 +8,8 @@ tests/strategies/vllm/test_weight_sync.py."""
 from __future__ import annotations
 
 import json
+import os
+import random
 
 import pytest
 from pipeline_fixtures import assert_every_prompt_trained_once
@@ -16,6 +18,7 @@ from roll_backend import keys
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
 from roll_backend.pipelines.services import checkpoint as ckpt
+from roll_backend.pipelines.services.ledger import LEDGER_FILE, read_events, report
 from roll_backend.protocol import DataProto
 
 STEP_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "response_length/mean")
@@ -39,6 +42,20 @@ SHAPE = (
 STREAMING = ("async_generation.enabled=true", "async_generation.mode=streaming")
 DEMO_STEPS = 30  # the run is above 0.8 from about step 27 (one update behind, as one-step: about 32)
 WINDOW = 3  # steps the demo's reward is averaged over at the end
+# Where the kills land, drawn from ROLL_BACKEND_PROPERTY_SEED (issue #52): the demo's actor rank at a train call of
+# steps 2-29 (4 mini-batches a step), so the restart resumes from the start, step 10 or step 20; in the dynamic
+# sampling run, a rank of a drawn role at a drawn call of that role's phase (every one is reached within the run).
+_draw = random.Random(int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811")))
+DEMO_KILL_CALL = _draw.randint(5, 4 * (DEMO_STEPS - 1))
+DS_KILL = _draw.choice(
+    [
+        f"kill:reward:0:reward:{_draw.randint(2, 5)}",
+        f"kill:actor_train:0:train:{_draw.randint(2, 5)}",
+        f"kill:reference:0:log_probs:{_draw.randint(2, 5)}",
+        f"kill:actor_infer:{_draw.randint(0, 1)}:generate:{_draw.randint(3, 10)}",
+        f"kill:actor_infer:{_draw.randint(0, 1)}:weight_sync:{_draw.randint(2, 5)}",
+    ]
+)
 
 
 def demo_config(output_dir, *extra: str):
@@ -65,9 +82,12 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
     it reaches the synchronous demo's reward (mean >= 0.8 over the last steps) with no trained token or sample more
     than one update behind. With the demo's one-token responses every group finishes in the step it starts, so this
     is also one-step off-policy training's schedule (each batch sampled one update behind; the one-step loop's own
-    numbers are checked in test_pipelines.py). An actor rank dies in step 12's update: the run restarts from the
-    step-10 checkpoint, which kept the buffer's finished groups and the stream positions in flight (generated
-    again). A warn guard on token staleness flags exactly the steps that trained on a stale batch."""
+    numbers are checked in test_pipelines.py). An actor rank dies in a drawn step's update: the run restarts from
+    the checkpoint before it (every 10 steps), which kept the buffer's finished groups and the stream positions in
+    flight (generated again). A warn guard on token staleness flags exactly the steps that trained on a stale
+    batch."""
+    killed_step = (DEMO_KILL_CALL - 1) // 4 + 1
+    resumed_after = (killed_step - 1) // 10 * 10
     config = load_config(
         "configs/grpo_tiny_cpu.yaml",
         [
@@ -80,7 +100,7 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
             "checkpoint.save_steps=10",
             "checkpoint.keep_last=3",
             "fault_tolerance.max_restarts=1",
-            "fault_tolerance.inject=kill:actor_train:0:train:45",  # 4 mini-batches a step: step 12's first
+            f"fault_tolerance.inject=kill:actor_train:0:train:{DEMO_KILL_CALL}",
             "logging.progress_bar=false",
             "perf.measure_peak=false",
             "logging.tensorboard=false",
@@ -90,7 +110,8 @@ def test_streaming_demo_learns_within_the_bound_and_restarts(ray_session, tmp_pa
     )
     history = run_with_restarts(config)
     assert [row["step"] for row in history] == list(range(1, DEMO_STEPS + 1))
-    assert [row["fault_tolerance/restarts"] for row in history] == [0.0] * 10 + [1.0] * (DEMO_STEPS - 10)
+    restarts = [row["fault_tolerance/restarts"] for row in history]
+    assert restarts == [0.0] * resumed_after + [1.0] * (DEMO_STEPS - resumed_after), f"killed in step {killed_step}"
     rewards = [row["reward/mean"] for row in history]
     assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"
     check_staleness(history)
@@ -117,3 +138,45 @@ def check_staleness(history: list[dict]) -> None:
         assert row["async/token_lag_0"] + row["async/token_lag_1"] + row["async/token_lag_2+"] == pytest.approx(1.0)
         assert row["async/sample_lag_0"] + row["async/sample_lag_1"] + row["async/sample_lag_2+"] == pytest.approx(1.0)
         assert row["async/token_lag_2+"] == 0.0
+
+
+def test_streaming_with_dynamic_sampling_survives_a_kill_at_a_drawn_moment(ray_session, tmp_path):
+    """Streaming (max_staleness 1) with dynamic sampling on a reward most groups get alike (1 for a response whose
+    CRC32 is a multiple of 10: a group of 4 differs with chance 0.34), so every step scores groups, drops the uniform
+    ones and admits more. A rank of a drawn role dies at a drawn call (DS_KILL): the run restarts from its last
+    checkpoint (every 2 steps), and its ledger has every position admitted trained once or filtered or accounted
+    for (in flight at the checkpoint, unfinished at the end), across the restart."""
+    rare = tmp_path / "rare_reward.py"
+    rare.write_text(
+        "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(zlib.crc32(solution_str.encode()) % 10 == 0)\n"
+    )
+    steps = 6
+    config = demo_config(
+        tmp_path / "run",
+        *STREAMING,
+        "async_generation.max_staleness=1",
+        f"max_steps={steps}",
+        "reward.rewards={copy_digit: 0.0}",
+        f"reward.functions=[{{path: {rare}, name: compute_score, weight: 1.0}}]",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_generation_rounds=8",
+        "checkpoint.save_steps=2",
+        "fault_tolerance.max_restarts=1",
+        f"fault_tolerance.inject={DS_KILL}",
+        "logging.tensorboard=false",
+    )
+    history = run_with_restarts(config)
+    assert [row["step"] for row in history] == list(range(1, steps + 1)), DS_KILL
+    assert history[-1]["fault_tolerance/restarts"] == 1.0, f"{DS_KILL} was not reached"
+    check_staleness(history)
+    summary, problems = report(tmp_path / "run")
+    assert problems == [], (DS_KILL, summary, problems[:5])
+    events = read_events(tmp_path / "run" / LEDGER_FILE)
+    trained = [p for _, event, p in events if event == "trained"]
+    assert len(trained) == len(set(trained)) == sum(row["ledger/trained"] for row in history), DS_KILL
+    for row in history:
+        assert row["ledger/trained"] == row["dynamic_sampling/groups_kept"] <= config.rollout_batch_size, row
+        assert row["dynamic_sampling/groups_scored"] >= row["dynamic_sampling/groups_kept"], row
+    assert any(row["dynamic_sampling/groups_scored"] > row["dynamic_sampling/groups_kept"] for row in history)
+    assert {event for _, event, _ in events} >= {"admitted", "trained", "filtered"}
