@@ -23,6 +23,7 @@ import torch
 from roll_backend import roles
 from roll_backend.distributed import parallel
 from roll_backend.distributed.dispatch import Dispatch, method_dispatch, register
+from roll_backend.distributed.faults import perturb_first_tensor
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
 from roll_backend.distributed.worker import Worker
 
@@ -225,6 +226,8 @@ class HybridWorker(Worker):
                 tensors = trainer.adapter_tensors("sync_engine_weights")  # (rank 0 gathers them)
                 peft_config = trainer.peft_config()
             tensors = _from_rank_zero(tensors)  # every engine rank serves the whole adapter
+            if self._engine_bucket_perturbed():
+                tensors = perturb_first_tensor(tensors)
             loaded = rollout.load_adapter(tensors, peft_config, version=version)
             return {
                 "tensors": float(loaded),
@@ -239,8 +242,15 @@ class HybridWorker(Worker):
             if bucket is None:
                 break
             size += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            if self._engine_bucket_perturbed():
+                bucket = list(perturb_first_tensor(dict(bucket)).items())
             loaded += rollout.update_weights(bucket, version=version)
         return {"tensors": float(loaded), "bytes": float(size)}
+
+    def _engine_bucket_perturbed(self) -> bool:
+        """Fault injection's perturb at the engine facet's weight_sync_bucket point (as a rollout rank of its own
+        takes it): the bucket's first tensor arrives off by 0.5, a silent error only the probe sees."""
+        return self.facets[roles.ACTOR_INFER].fault_point(roles.WEIGHT_SYNC_BUCKET)
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _memory_now(self) -> dict[str, float]:

@@ -11,13 +11,20 @@ hand-over's moves bit for bit in tests/strategies/megatron/test_offload.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 from pipeline_fixtures import same_numbers
 
-from roll_backend import roles
+from roll_backend import keys, roles
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_pipeline, run_with_restarts
+from roll_backend.pipelines.loops import phases
+from roll_backend.pipelines.loops.rl_step import rl_step
+from roll_backend.pipelines.run import PipelineRun
+from roll_backend.protocol import DataProto
+from roll_backend.workers.rollout import RolloutWorker
 
 HYBRID = "configs/grpo_hybrid_cpu.yaml"
+LORA = "configs/grpo_lora_cpu.yaml"
 SPLIT = "configs/grpo_tiny_cpu.yaml"
 # The demo's roles on ranks of their own, at the hybrid recipe's layouts (engine TP2, reference TP2).
 SPLIT_AT_HYBRID_LAYOUTS = (
@@ -136,6 +143,37 @@ def test_resharded_ppo_with_critic_and_lora_restarts_after_a_rank_kill_and_ends_
         assert ours[f"memory/{roles.CRITIC_TRAIN}/allocated_gib"] > 0  # the critic trained in the hybrid processes
     assert len({row["actor/reference_kl"] for row in split}) == 4  # the adapters moved every step
     assert len({row["critic/vf_loss"] for row in split}) == 4
+
+
+def engine_log_probs(run: PipelineRun, rows: DataProto) -> torch.Tensor:
+    """What the pipeline's probe asks of the engine: its log-probs of sampled rows at temperature 1."""
+    columns = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.PROMPTS, keys.RESPONSES, keys.RESPONSE_MASK]
+    probe = rows.select(batch_keys=columns)
+    probe.meta_info[keys.META_TEMPERATURE] = 1.0
+    return run.groups.actor_infer.call(RolloutWorker.probe_log_probs, probe).batch[keys.LOG_PROBS]
+
+
+def test_a_hybrid_adapter_sync_whose_probe_fails_is_undone(ray_session, tmp_path):
+    """LoRA adapters synced inside the hybrid engine's processes (#52): adapters that arrive wrong (fault injection's
+    perturb at the engine facet's sync point on one TP rank) load, the step's probe sees it, and the engine serves
+    the adapter it had again, its log-probs bit for bit; undone once only. The next sync lands."""
+    hybrid = ("actor_infer.hybrid=true", "actor_infer.world_size=2", "actor_infer.strategy.tp=2")
+    config = load_config(LORA, [f"output_dir={tmp_path}", *QUIET, *hybrid, "max_steps=3"])
+    with PipelineRun(config) as run:
+        rl_step(run, 1)  # the engine serves the adapters of version 1
+        rows = phases.generate(run.groups, run.data.batch_at(3, config.rollout_batch_size), config, step=3)
+        served = engine_log_probs(run, rows)
+        run.groups.actor_infer.call(RolloutWorker.inject_fault, "perturb:actor_infer:1:weight_sync_bucket:1")
+        with pytest.raises(phases.WeightSyncError, match="did not arrive intact; the engine serves version 1 again"):
+            rl_step(run, 2)
+        assert torch.equal(engine_log_probs(run, rows), served)
+        with pytest.raises(Exception, match="no adapter sync to undo"):
+            run.groups.actor_infer.call(RolloutWorker.revert_weights)
+        gap_limit = config.logprob_gap_limit()
+        synced = phases.sync_weights(run.groups, rows, config.weight_sync_bucket_bytes, gap_limit, version=2)
+        assert synced["weight_sync/logprob_gap"] < 1e-5
+        mask = rows.batch[keys.RESPONSE_MASK].bool()
+        assert (engine_log_probs(run, rows) - served).abs()[mask].mean() > 1e-4  # step 2's adapters do differ
 
 
 @pytest.mark.gpu(1)
