@@ -441,13 +441,24 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     def revert_weights(self) -> int | None:
         """Undo the last minimal sync or adapter load (its probe failed): the engine serves the version before it
-        again, bit for bit (strategies/vllm/weight_sync.revert_version; an adapter engine serves the adapter it had,
-        requests in flight resubmitted under it); returns that version."""
+        again, bit for bit (strategies/vllm/weight_sync.revert_version; an adapter engine serves the adapter it had);
+        streaming samples lose the tokens they drew from the rejected weights and go on from there
+        (StreamingSession.undo_load); returns that version."""
         if self.adapters is not None:  # every sync of an adapter engine is an adapter load
-            version = self.adapters.previous_version()
-            self._switch_adapter(self.adapters.revert, version)
-            return version
-        version = revert_version(self.engine, self.held, self.config.weight_sync_bucket_mb * 2**20)
+            version = self.adapters.previous_version()  # (raises when there is nothing to undo)
+
+            def revert() -> int | None:
+                self.adapters.revert()
+                return version
+
+        else:
+
+            def revert() -> int | None:
+                return revert_version(self.engine, self.held, self.config.weight_sync_bucket_mb * 2**20)
+
+        if self.stream.requests or self.stream.groups:  # streaming samples may hold tokens of the rejected weights
+            return self.stream.undo_load(revert)
+        version = revert()
         self._weights_loaded(version, None)
         return version
 
@@ -465,8 +476,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         if in_flight is not None:
             self.stream.after_load(version, in_flight)
             return
-        if version is not None:
-            self.stream.version = version
+        self.stream.weights_changed(version)
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still running?)")
 
@@ -503,8 +513,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             self.stream.swap_adapter(change, version)
             return
         change()
-        if version is not None:
-            self.stream.version = version
+        self.stream.weights_changed(version)
 
     # ---- log-prob probe --------------------------------------------------------------------------------
     def probe_log_probs(self, batch: DataProto) -> torch.Tensor:

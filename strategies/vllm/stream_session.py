@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,8 @@ class StreamingSession:
         self.kv_sessions: dict[str, _KvSession] = {}  # a trajectory's id -> its resumable request
         self.keys = itertools.count()
         self.version = 0  # the trainer version of the weights the engine holds
+        self.weight_changes = 0  # loads, adapter swaps and undos so far: each gets its own prefix-cache salt
+        self.version_before = 0  # the version before the last change (an undo's tokens to drop are the others)
         self.stats = {"partial_resumed_requests": 0, "recomputed_tokens": 0, "engine_steps": 0}
 
     @property
@@ -255,7 +258,16 @@ class StreamingSession:
 
     def salt(self) -> str:
         """The prefix-cache salt of requests added now: blocks computed by other weights are never reused."""
-        return f"v{self.version}"
+        return f"v{self.version}-{self.weight_changes}"
+
+    def weights_changed(self, version: int | None) -> None:
+        """The engine's weights changed (a load, an adapter swap, an undo): tokens from now on carry `version` (None:
+        unchanged), and requests added from now on get a salt of their own, so no block computed by other weights
+        is reused, a rejected load's of the same version number included."""
+        self.version_before = self.version
+        if version is not None:
+            self.version = version
+        self.weight_changes += 1
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -341,8 +353,7 @@ class StreamingSession:
         if in_flight not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"in_flight={in_flight!r}: use one of {PARTIAL_ROLLOUT_MODES}")
         self._check_partial_state()
-        if version is not None:
-            self.version = version
+        self.weights_changed(version)
         running = list(self.requests)
         started = [self.requests[rid] for rid in running if self.requests[rid].sample.token_ids]
         self.stats["partial_resumed_requests"] += len(started)
@@ -363,10 +374,44 @@ class StreamingSession:
         self._check_partial_state()
         requests = self._abort(list(self.requests))
         load()
-        if version is not None:
-            self.version = version
+        self.weights_changed(version)
         self.stats["partial_resumed_requests"] += sum(1 for request in requests if request.sample.token_ids)
         self._add_again(requests)
+
+    def undo_load(self, revert: Callable[[], int | None]) -> int | None:
+        """The probe of the last load failed and `revert()` puts back the weights (or adapter) of the version it
+        returns. The steps the engine took since the load (the probe's own advance the requests in flight) sampled
+        from the rejected weights: those tokens are dropped, and every sample they reached (finished by one or not)
+        continues from its earlier tokens under the reverted weights, resubmitted (its KV cache may hold the
+        rejected weights' keys and values). No sample keeps a token of the rejected version. Returns the version."""
+        self._check_partial_state()
+        requests = self._abort(list(self.requests))
+        # (a load that kept the version number leaves its tokens indistinguishable: none is dropped)
+        rejected = self.version if self.version != self.version_before else None
+        version = revert()
+        for key, group in self.groups.items():
+            for j, sample in enumerate(group.samples):
+                if sample.finish_reason is not None and rejected is not None and rejected in sample.versions:
+                    sample.finish_reason = None
+                    one = dataclasses.replace(group.sampling, n=1, seed=sample.seed)
+                    requests.append(_Request(group.prompt_ids, one, sample, f"g{key}-{j}", key))
+        for request in requests:
+            self._rewind(request.sample, rejected)
+        self.weights_changed(version)
+        self.strategy.engine.reset_prefix_cache()  # (what it can: the rejected blocks' salt is never used again)
+        self._add_again(requests)
+        return version
+
+    def _rewind(self, sample: _Sample, rejected: int | None) -> None:
+        """Drop the sample's tokens stamped `rejected` (the last ones: versions only grow within a sample)."""
+        if rejected is None:
+            return
+        kept = next((i for i, v in enumerate(sample.versions) if v == rejected), len(sample.versions))
+        if kept == len(sample.token_ids):
+            return
+        del sample.token_ids[kept:], sample.log_probs[kept:], sample.versions[kept:]
+        if sample.text:  # (a stop-string sample's text so far: its tokens, decoded)
+            sample.text = self.strategy.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
 
     def _check_partial_state(self) -> None:
         # idle sessions too: the KV cache they keep was computed by the weights being replaced

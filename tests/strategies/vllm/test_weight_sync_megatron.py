@@ -342,6 +342,41 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
     assert (after - held[1]).abs()[mask].mean() > 1e-3  # the new version really differs
 
 
+@pytest.mark.parametrize("in_flight", ["keep", "recompute"])
+def test_a_failed_probe_with_streaming_requests_in_flight_drops_their_tokens_of_the_rejected_weights(
+    in_flight, rollout, actor, synced, tokenizer, shared_prefix_prompts, probe_rows
+):  # noqa: F811
+    """A minimal sync whose weights arrive wrong while streaming requests are in flight (a streaming run's sync at
+    max_staleness >= 1, requests kept or recomputed): they step on the rejected weights (the pipeline's probe joins
+    their batch) until the probe fails. The undo puts the engine back on its version bit for bit, drops those
+    tokens and continues the requests from their earlier ones (#52): every token of every sample is stamped with
+    the engine's version and was sampled with its weights."""
+    version = rollout.call(RolloutWorker.weights_version)[0]
+    if version is None:  # (run alone) a first sync fills the engine's held copy
+        version = 400
+        minimal_sync(actor, rollout, version, None)
+    held = engine_state(rollout, probe_rows)
+    train_once(actor, rollout, tokenizer, shared_prefix_prompts[12:16], seed=21)
+    rollout.call(RolloutWorker.stream_admit, stream_prompts(tokenizer))
+    [(finished, unfinished, _)] = rollout.call(RolloutWorker.stream_run, STEPS_BEFORE_UPDATE)
+    assert finished is None and unfinished
+    groups = RoleGroups(actor_train=actor, actor_infer=rollout)
+    rollout.call(RolloutWorker.inject_fault, "perturb:rollout:0:weight_sync_bucket:1")
+    with pytest.raises(phases.WeightSyncError, match=f"intact; the engine serves version {version} again"):
+        phases.sync_weights(
+            groups, probe_rows, 64 * 1024, max_gap=1e-3, version=version + 1, delta=True, in_flight=in_flight
+        )
+    rollout.call(RolloutWorker.inject_fault, None)
+    batch, _ = stream_until_done(rollout)
+    versions, mask = batch.batch[keys.TOKEN_POLICY_VERSION], batch.batch[keys.RESPONSE_MASK].bool()
+    assert len(batch) == 3 * 4 and bool(mask.all()) and bool((versions == version).all()), versions[0]
+    engine = rollout.call(RolloutWorker.probe_log_probs, batch).batch[keys.LOG_PROBS]
+    assert agree(batch.batch[keys.ROLLOUT_LOG_PROBS][mask], engine[mask])
+    reverted = engine_state(rollout, probe_rows)
+    assert reverted[0] == held[0] and torch.equal(reverted[1], held[1])
+    minimal_sync(actor, rollout, version + 1, version)  # (the engine follows the trainer again)
+
+
 def test_an_adapter_sync_whose_probe_fails_is_undone(
     adapter_rollout, actor, tokenizer, shared_prefix_prompts, probe_rows
 ):  # noqa: F811
