@@ -143,18 +143,7 @@ def init_distributed(
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
     )
-    if megatron_grid:
-        _import_megatron_core()
-    if device == "cpu":
-        from roll_backend.patches import gloo_shared_device
-
-        gloo_shared_device.apply()
-        if megatron_grid:
-            from roll_backend.patches import megatron_cpu
-
-            megatron_cpu.apply()
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _prepare_process(device, megatron_grid)
     if store is None:  # (every rank brings a store: a tcp:// client would wait for a count rank 0's store never adds)
         store = dist.TCPStore(
             master_addr,
@@ -172,6 +161,27 @@ def init_distributed(
     )
     if not megatron_grid:
         return _init_tp_blocks(rank, world_size, layout)
+    return _init_megatron_grid(world_size, layout, timeout_s)
+
+
+def _prepare_process(device: str, megatron_grid: bool) -> None:
+    """Before the process group: on CPU, the gloo and (for a Megatron role) megatron-core compatibility patches; on
+    GPU, this rank's device."""
+    if megatron_grid:
+        _import_megatron_core()
+    if device == "cpu":
+        from roll_backend.patches import gloo_shared_device
+
+        gloo_shared_device.apply()
+        if megatron_grid:
+            from roll_backend.patches import megatron_cpu
+
+            megatron_cpu.apply()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _init_megatron_grid(world_size: int, layout: ParallelLayout, timeout_s: float) -> RankCoords:
     from megatron.core import parallel_state as mpu
 
     problems = layout.expert_problems(world_size)

@@ -256,6 +256,18 @@ def engine_state(rollout, probe_rows) -> tuple[str, torch.Tensor]:
     )
 
 
+def engine_version_then_a_step(actor, rollout, tokenizer, prompts, probe_rows, seed: int):
+    """The version the engine holds (run alone: a first minimal sync fills its held copy) and its state; then the
+    actor trains a step the engine does not have."""
+    version = rollout.call(RolloutWorker.weights_version)[0]
+    if version is None:
+        version = 200
+        minimal_sync(actor, rollout, version, None)
+    held = engine_state(rollout, probe_rows)
+    train_once(actor, rollout, tokenizer, prompts, seed=seed)
+    return version, held
+
+
 @pytest.fixture(scope="module")
 def probe_rows(rollout, tokenizer, shared_prefix_prompts, synced):  # noqa: F811
     return rollout.call(RolloutWorker.generate, prompt_batch(shared_prefix_prompts[:4], tokenizer.pad_token_id))
@@ -294,12 +306,7 @@ def test_a_sync_failing_between_buckets_leaves_the_engine_on_its_version(
     lands and matches Megatron."""
     import ray
 
-    version = rollout.call(RolloutWorker.weights_version)[0]
-    if version is None:  # (run alone) a first sync fills the engine's held copy
-        version = 200
-        minimal_sync(actor, rollout, version, None)
-    held = engine_state(rollout, probe_rows)
-    train_once(actor, rollout, tokenizer, shared_prefix_prompts[8:12], seed=7)
+    version, held = engine_version_then_a_step(actor, rollout, tokenizer, shared_prefix_prompts[8:12], probe_rows, 7)
     refs = next(refs for refs in actor.call(ActorWorker.publish_weight_deltas, 64 * 1024, version + 1, version) if refs)
     assert len(refs) > 2
 
@@ -351,12 +358,7 @@ def test_a_failed_probe_with_streaming_requests_in_flight_drops_their_tokens_of_
     their batch) until the probe fails. The undo puts the engine back on its version bit for bit, drops those
     tokens and continues the requests from their earlier ones (#52): every token of every sample is stamped with
     the engine's version and was sampled with its weights."""
-    version = rollout.call(RolloutWorker.weights_version)[0]
-    if version is None:  # (run alone) a first sync fills the engine's held copy
-        version = 400
-        minimal_sync(actor, rollout, version, None)
-    held = engine_state(rollout, probe_rows)
-    train_once(actor, rollout, tokenizer, shared_prefix_prompts[12:16], seed=21)
+    version, held = engine_version_then_a_step(actor, rollout, tokenizer, shared_prefix_prompts[12:16], probe_rows, 21)
     rollout.call(RolloutWorker.stream_admit, stream_prompts(tokenizer))
     [(finished, unfinished, _)] = rollout.call(RolloutWorker.stream_run, STEPS_BEFORE_UPDATE)
     assert finished is None and unfinished
