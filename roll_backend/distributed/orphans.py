@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +69,25 @@ def kill_children_with_this_process(own_group: bool = True) -> subprocess.Popen 
         stdin=subprocess.DEVNULL,
         close_fds=True,
     )
+
+
+def exit_once_on_sigterm() -> None:
+    """Let a SIGTERM that arrives while the process is already exiting do nothing. Ray's handler turns SIGTERM into
+    SystemExit; a second one (Ray may signal a worker twice as it stops it) raised again inside whatever the exit was
+    running (an atexit callback, a Popen's finaliser) and printed "Exception ignored in ..." with a traceback at the
+    end of a clean run. Main thread only (Python's rule for signal handlers); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or getattr(handler, "exits_once", False):
+        return
+    exiting = threading.Event()
+
+    def once(signum, frame):
+        if exiting.is_set():
+            return
+        exiting.set()
+        handler(signum, frame)
+
+    once.exits_once = True
+    signal.signal(signal.SIGTERM, once)

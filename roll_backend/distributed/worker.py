@@ -14,7 +14,7 @@ from roll_backend.distributed import parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
 from roll_backend.distributed.dispatch import Dispatch, MethodDispatch, register
 from roll_backend.distributed.faults import FAULTS_OFF, FaultTrigger, fault_for_rank
-from roll_backend.distributed.orphans import kill_children_with_this_process
+from roll_backend.distributed.orphans import exit_once_on_sigterm, kill_children_with_this_process
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
 from roll_backend.errors import NotRestartableError, UserCodeError
 from roll_backend.protocol import DataProto
@@ -68,6 +68,7 @@ class Worker:
         self.config = config
         # (before anything here starts a child process)
         self._watchdog = host._watchdog if host is not None else kill_children_with_this_process()
+        exit_once_on_sigterm()
         self.device = host.device if host is not None else parallel.pick_device(use_gpu)
         self.coords: RankCoords | None = None
         self.last_broadcast_seconds = 0.0  # the in-actor broadcast of the last DP_MP_DISPATCH_FIRST call

@@ -3,6 +3,13 @@ a group that failed stays broken (its ranks stopped) and says so at once, and a 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 import ray
 from probe_workers import ProbeWorker
@@ -104,3 +111,22 @@ def test_killed_ranks_take_their_child_processes_with_them(ray_session):
     assert len(pids) >= 4 * len(ranks)  # per rank: itself, the watchdog, the spawn child, the resource tracker
     group.shutdown()
     assert describe(wait_until_gone(pids, within_s=30)) == []
+
+
+def test_a_rank_signalled_twice_as_it_stops_exits_without_a_traceback(ray_session):
+    """Ray turns SIGTERM into SystemExit; a second SIGTERM during the exit (Ray may signal a worker twice as it stops
+    it) used to raise again inside whatever the exit ran and print "Exception ignored in ..." with a traceback (the
+    end of a clean run, issue #47). The rank now exits once, however many arrive; its log says nothing of it."""
+    group = WorkerGroup(ProbeWorker, "stopping", 1)
+    [pid] = group.call(Worker.pid)
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    [err_log] = logs.glob(f"worker-*-{pid}.err")
+    # SIGTERM every 10 ms until the process is gone, so later ones land while the first one's exit runs
+    rank, until = psutil.Process(pid), time.monotonic() + 30
+    with contextlib.suppress(psutil.NoSuchProcess):
+        while rank.status() != psutil.STATUS_ZOMBIE and time.monotonic() < until:
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.01)
+    assert describe(wait_until_gone([pid], within_s=30)) == []
+    group.shutdown()
+    assert "Exception ignored" not in err_log.read_text()
