@@ -56,6 +56,17 @@ DS_KILL = _draw.choice(
         f"kill:actor_infer:{_draw.randint(0, 1)}:weight_sync:{_draw.randint(2, 5)}",
     ]
 )
+# One-step off-policy with dynamic sampling drops a step's uniform groups without a refill, so a phase that only runs
+# on kept rows (train, reference, weight sync) is drawn among calls every run of 6 steps reaches.
+ONE_STEP_DS_KILL = _draw.choice(
+    [
+        f"kill:reward:0:reward:{_draw.randint(2, 5)}",
+        f"kill:actor_train:0:train:{_draw.randint(2, 4)}",
+        f"kill:reference:0:log_probs:{_draw.randint(2, 4)}",
+        f"kill:actor_infer:{_draw.randint(0, 1)}:generate:{_draw.randint(2, 6)}",
+        f"kill:actor_infer:{_draw.randint(0, 1)}:weight_sync:{_draw.randint(2, 4)}",
+    ]
+)
 
 
 def demo_config(output_dir, *extra: str):
@@ -140,43 +151,83 @@ def check_staleness(history: list[dict]) -> None:
         assert row["async/token_lag_2+"] == 0.0
 
 
+def rare_reward(tmp_path, modulus: int) -> tuple[str, ...]:
+    """Overrides scoring a response 1 when its CRC32 is a multiple of `modulus`, else 0: groups often all alike."""
+    path = tmp_path / "rare_reward.py"
+    path.write_text(
+        "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    return float(zlib.crc32(solution_str.encode()) % {modulus} == 0)\n"
+    )
+    return ("reward.rewards={copy_digit: 0.0}", f"reward.functions=[{{path: {path}, name: compute_score, weight: 1.0}}]")
+
+
+def killed_with_dynamic_sampling(tmp_path, steps: int, kill: str, *extra: str):
+    """(config, history) of a run with dynamic sampling, a checkpoint every 2 steps and `kill`, restarted once."""
+    config = demo_config(
+        tmp_path / "run",
+        f"max_steps={steps}",
+        "algorithm.dynamic_sampling=true",
+        "checkpoint.save_steps=2",
+        "fault_tolerance.max_restarts=1",
+        f"fault_tolerance.inject={kill}",
+        "logging.tensorboard=false",
+        *extra,
+    )
+    history = run_with_restarts(config)
+    assert [row["step"] for row in history] == list(range(1, steps + 1)), kill
+    assert history[-1]["fault_tolerance/restarts"] == 1.0, f"{kill} was not reached"
+    return config, history
+
+
+def assert_ledger_accounts_for_every_position(run_dir, history: list[dict], kill: str) -> list[tuple]:
+    """`roll-backend ledger` finds no problem, each trained position once, some filtered; returns the events."""
+    summary, problems = report(run_dir)
+    assert problems == [], (kill, summary, problems[:5])
+    events = read_events(run_dir / LEDGER_FILE)
+    trained = [p for _, event, p in events if event == "trained"]
+    assert len(trained) == len(set(trained)) == sum(row.get("ledger/trained", 0.0) for row in history), kill
+    assert {event for _, event, _ in events} >= {"admitted", "trained", "filtered"}, (kill, summary)
+    return events
+
+
 def test_streaming_with_dynamic_sampling_survives_a_kill_at_a_drawn_moment(ray_session, tmp_path):
     """Streaming (max_staleness 1) with dynamic sampling on a reward most groups get alike (1 for a response whose
     CRC32 is a multiple of 10: a group of 4 differs with chance 0.34), so every step scores groups, drops the uniform
     ones and admits more. A rank of a drawn role dies at a drawn call (DS_KILL): the run restarts from its last
     checkpoint (every 2 steps), and its ledger has every position admitted trained once or filtered or accounted
     for (in flight at the checkpoint, unfinished at the end), across the restart."""
-    rare = tmp_path / "rare_reward.py"
-    rare.write_text(
-        "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(zlib.crc32(solution_str.encode()) % 10 == 0)\n"
-    )
-    steps = 6
-    config = demo_config(
-        tmp_path / "run",
+    config, history = killed_with_dynamic_sampling(
+        tmp_path,
+        6,
+        DS_KILL,
         *STREAMING,
         "async_generation.max_staleness=1",
-        f"max_steps={steps}",
-        "reward.rewards={copy_digit: 0.0}",
-        f"reward.functions=[{{path: {rare}, name: compute_score, weight: 1.0}}]",
-        "algorithm.dynamic_sampling=true",
+        *rare_reward(tmp_path, 10),
         "algorithm.max_generation_rounds=8",
-        "checkpoint.save_steps=2",
-        "fault_tolerance.max_restarts=1",
-        f"fault_tolerance.inject={DS_KILL}",
-        "logging.tensorboard=false",
     )
-    history = run_with_restarts(config)
-    assert [row["step"] for row in history] == list(range(1, steps + 1)), DS_KILL
-    assert history[-1]["fault_tolerance/restarts"] == 1.0, f"{DS_KILL} was not reached"
     check_staleness(history)
-    summary, problems = report(tmp_path / "run")
-    assert problems == [], (DS_KILL, summary, problems[:5])
-    events = read_events(tmp_path / "run" / LEDGER_FILE)
-    trained = [p for _, event, p in events if event == "trained"]
-    assert len(trained) == len(set(trained)) == sum(row["ledger/trained"] for row in history), DS_KILL
+    assert_ledger_accounts_for_every_position(tmp_path / "run", history, DS_KILL)
     for row in history:
         assert row["ledger/trained"] == row["dynamic_sampling/groups_kept"] <= config.rollout_batch_size, row
         assert row["dynamic_sampling/groups_scored"] >= row["dynamic_sampling/groups_kept"], row
     assert any(row["dynamic_sampling/groups_scored"] > row["dynamic_sampling/groups_kept"] for row in history)
-    assert {event for _, event, _ in events} >= {"admitted", "trained", "filtered"}
+
+
+def test_one_step_with_dynamic_sampling_survives_a_kill_at_a_drawn_moment(ray_session, tmp_path):
+    """One-step off-policy with dynamic sampling (a step's uniform groups dropped, no refill; a group of 4 differs
+    with chance 0.79 under a CRC32-multiple-of-3 reward). A rank of a drawn role dies at a drawn call
+    (ONE_STEP_DS_KILL): the run restarts from its last checkpoint, which kept the batch generated for the next step,
+    and across the restart every position of the six steps' batches was trained once or filtered, and nothing else
+    was admitted and left without a reason."""
+    config, history = killed_with_dynamic_sampling(
+        tmp_path, 6, ONE_STEP_DS_KILL, "async_generation.enabled=true", *rare_reward(tmp_path, 3)
+    )
+    # (a step whose groups were all filtered trains nothing and reports no staleness; the next batch is then as new)
+    assert all(row.get("async/staleness_max", 0.0) <= 1.0 for row in history), ONE_STEP_DS_KILL
+    events = assert_ledger_accounts_for_every_position(tmp_path / "run", history, ONE_STEP_DS_KILL)
+    size = config.rollout_batch_size
+    settled = {p: event for _, event, p in events if event in ("trained", "filtered")}
+    assert sorted(settled) == list(range(size, (len(history) + 1) * size)), (ONE_STEP_DS_KILL, settled)
+    for row in history:
+        assert row.get("ledger/trained", 0.0) + row.get("ledger/filtered", 0.0) == size, (ONE_STEP_DS_KILL, row)
+        assert row["dynamic_sampling/dropped_responses"] == 4 * row.get("ledger/filtered", 0.0), row
