@@ -172,9 +172,9 @@ class InferStrategy(Strategy):
     def measured_memory(self) -> dict[str, Any]:
         """This rank's measured memory: "model_state" (model_state_bytes), "phases" (the most bytes each phase,
         "train" or "forward", allocated on top of it over the calls that measured: every call on a GPU, on a CPU
-        those whose batch set keys.META_MEASURE_MEMORY) and "micro_batches" (per phase, the largest micro-batch of
-        the call that set the peak: rows, width, response width, the call's micro-batch count, and the sequences
-        whose responses it holds: more than its rows when packed)."""
+        those whose batch set keys.META_MEASURE_MEMORY) and "micro_batches" (per phase, the call that set the peak:
+        {"micro_batches": each distinct micro-batch's [rows, width, response width, sequences whose responses it
+        holds (more than its rows when packed), response positions gathered], "count": its micro-batch count})."""
         return {"model_state": self.model_state_bytes(), "phases": {}, "micro_batches": {}}
 
 

@@ -287,25 +287,37 @@ def _forward_terms(
     moe = arch.moe
     if moe is None:
         mlp = ffn_factor * tokens * arch.ffn_hidden_size // layout.tp
-    else:  # the permuted tokens and their output, and one expert's SwiGLU at a time (its expert-TP shard); or the
-        # shared expert
+    else:  # the permuted tokens, the experts' outputs so far and one expert's SwiGLU at a time (its expert-TP shard);
+        # then SequentialMLP's concatenation beside the list of outputs it joins (three copies of the routed tokens);
+        # the shared expert runs first, and its output (and gated copy) waits for the routed experts' to be added
         local = max(1, moe.num_experts // layout.ep)
         routed = tokens * moe.topk
         # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
         busiest = min(tokens, 2 * -(-routed // local))
-        mlp = 2 * routed * arch.hidden_size + ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
-        mlp = max(mlp, ffn_factor * tokens * (moe.shared_expert_ffn_hidden_size or 0) // layout.tp)
+        swiglu = ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
+        shared_ffn = moe.shared_expert_ffn_hidden_size or 0
+        shared_output = 2 * tokens * arch.hidden_size if shared_ffn else 0
+        mlp = shared_output + max(3 * routed * arch.hidden_size, 2 * routed * arch.hidden_size + swiglu)
+        mlp = max(mlp, ffn_factor * tokens * shared_ffn // layout.tp)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
-    # too); under sequence parallelism a row-parallel output beside its reduce-scatter's (a plain TP all-reduce is
-    # in place: nothing more); between pipeline stages the output being sent, and with vpp the received inputs of
-    # the micro-batches the schedule runs ahead.
+    # too; a MoE layer's norm output is gone once its tokens are permuted, but under sequence parallelism its
+    # dispatcher holds the gathered sequence); under sequence parallelism a row-parallel output beside its
+    # reduce-scatter's (a plain TP all-reduce is in place: nothing more); between pipeline stages the output being
+    # sent, and with vpp the received inputs of the micro-batches the schedule runs ahead.
     reduce_scatter = layout.tp > 1 and options.sequence_parallel
     edges = reduce_scatter + (layout.pp > 1 and stage < layout.pp - 1) + ((layout.vpp or 1) - 1) * layout.pp
-    working = edges * edge + max(attention * options.width + scores + 3 * edge, mlp * options.width + 4 * edge)
+    if moe is None:
+        around_mlp = 4 * edge
+    else:
+        around_mlp = 2 * edge + (tokens * arch.hidden_size * options.width if reduce_scatter else 0)
+    working = edges * edge + max(attention * options.width + scores + 3 * edge, mlp * options.width + around_mlp)
     last = stage == layout.pp - 1
     head = head_bytes(arch, layout, micro, options, training=False) if last else 0
-    if head >= working:
+    # (the head runs beside the last layer's output and the inputs the schedule received ahead)
+    beside_head = (edges + 1) * edge
+    if head + beside_head >= working:
         terms["logits and log-prob buffers"] = head
+        terms["hidden states beside the head"] = beside_head
     else:
         terms["activations"] = working
     return terms

@@ -107,13 +107,9 @@ class MegatronEngine:
             from megatron.core import parallel_state as mpu
 
             mpu.get_global_memory_buffer().buffer.clear()
-        # The body's largest: the most tokens, of as many the widest (the attention's scores grow with the square of
-        # the width); the head's: the most response positions read (a token budget's micro-batches differ in both).
-        widest = max(micro_batches, key=lambda m: (m.input_ids.numel(), m.input_ids.shape[1], m.responses.numel()))
-        most_read = max(micro_batches, key=lambda m: (m.responses.numel(), m.input_ids.numel()))
-        rows, width = widest.input_ids.shape
-        sequences, response_width = most_read.responses.shape  # (a packed row holds several sequences)
-        shape = [rows, width, response_width, len(micro_batches), sequences, widest.gather is not None]
+        # Each distinct micro-batch (a token budget's differ in tokens, width and response positions read): the plan
+        # takes the largest of theirs (memory_accounting.planned_at_micro_batches).
+        shape = {"micro_batches": sorted({_plan_shape(m) for m in micro_batches}), "count": len(micro_batches)}
         with self.memory.measure("forward" if forward_only else "train", measure, shape):
             return schedule.forward_backward(
                 self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes
@@ -176,3 +172,11 @@ class MegatronEngine:
         placed = mb.place_per_token(micro_batches, per_micro, shape, -1)
         placed = join_stages(placed, self.device)
         return placed.masked_fill(~attention.bool()[..., None, None], -1)
+
+
+def _plan_shape(micro: MicroBatch) -> tuple[int, int, int, int, bool]:
+    """(rows, width, response width, sequences, response positions gathered) of a micro-batch, as the plan reads it
+    (a packed row holds several sequences)."""
+    rows, width = micro.input_ids.shape
+    sequences, response_width = micro.responses.shape
+    return rows, width, response_width, sequences, micro.gather is not None

@@ -318,10 +318,23 @@ def plan(cfg, run) -> list:
     return plans
 
 
-def measured_micro_shape(shape) -> tuple[MicroShape, int]:
-    """(the micro-batch, the call's micro-batch count) a rank recorded (MegatronEngine.forward_backward)."""
-    rows, width, response_width, count, sequences, gathered = shape
-    return MicroShape(rows, width, response_width, sequences=sequences, gathered=bool(gathered)), count
+def measured_micro_shapes(shape) -> tuple[list[MicroShape], int]:
+    """(the distinct micro-batches, the call's micro-batch count) a rank recorded (MegatronEngine.forward_backward)."""
+    micros = [
+        MicroShape(rows, width, response_width, sequences=sequences, gathered=bool(gathered))
+        for rows, width, response_width, sequences, gathered in shape["micro_batches"]
+    ]
+    return micros, shape["count"]
+
+
+def planned_at_micro_batches(cfg, arch, layout, world, device, stage, shape, phase) -> tuple[dict, dict[str, int]]:
+    """(model state, `phase`'s terms) planned at the micro-batches of a recorded `shape`: each runs on its own, so the
+    phase's peak is that of the one whose plan is largest (the widest body and the most response positions read may
+    belong to different ones)."""
+    micros, count = measured_micro_shapes(shape)
+    plans = [plan_stage(cfg, arch, layout, world, device, stage, micro, count) for micro in micros]
+    state, phases = max(plans, key=lambda plan: sum(plan[1][phase].values()))
+    return state, phases[phase]
 
 
 def planned_at(cfg, run, measured) -> dict[str, int]:
@@ -330,9 +343,10 @@ def planned_at(cfg, run, measured) -> dict[str, int]:
     arch = arch_of(run.model_config)
     out = {}
     for phase, shape in measured["micro_batches"].items():
-        micro, count = measured_micro_shape(shape)
-        state, phases = plan_stage(cfg, arch, run.layout, run.world_size, run.device, measured["pp_rank"], micro, count)
-        out["model_state"], out[phase] = sum(state.values()), sum(phases[phase].values())
+        state, terms = planned_at_micro_batches(
+            cfg, arch, run.layout, run.world_size, run.device, measured["pp_rank"], shape, phase
+        )
+        out["model_state"], out[phase] = sum(state.values()), sum(terms.values())
     return out
 
 

@@ -358,10 +358,14 @@ def _probe(groups: RoleGroups, probe_rows: DataProto, max_gap: float, minimal_sy
     mask = probe.batch[keys.RESPONSE_MASK].float()
     gap = float(masked_mean((engine - trainer).abs(), mask))
     if not gap <= max_gap:
-        reverted = ""
         # the engine goes back to what it served where it kept it: a minimal sync's host copy, the adapter before
         if groups.adapter_sync or (minimal_sync and groups.hybrid is None):
             reverted = f"; the engine serves version {groups.actor_infer.call(RolloutWorker.revert_weights)[0]} again"
+        else:
+            reverted = (
+                "; the engine holds them (a whole-weight sync keeps no copy of the version before it: "
+                "weight_sync_delta: false, or the hybrid engine's in-process sync), so resume from the last checkpoint"
+            )
         raise WeightSyncError(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
             f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact{reverted}"

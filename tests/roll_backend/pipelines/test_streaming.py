@@ -158,7 +158,10 @@ def rare_reward(tmp_path, modulus: int) -> tuple[str, ...]:
         "import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         f"    return float(zlib.crc32(solution_str.encode()) % {modulus} == 0)\n"
     )
-    return ("reward.rewards={copy_digit: 0.0}", f"reward.functions=[{{path: {path}, name: compute_score, weight: 1.0}}]")
+    return (
+        "reward.rewards={copy_digit: 0.0}",
+        f"reward.functions=[{{path: {path}, name: compute_score, weight: 1.0}}]",
+    )
 
 
 def killed_with_dynamic_sampling(tmp_path, steps: int, kill: str, *extra: str):

@@ -14,7 +14,7 @@ from test_layout_properties import ACTOR, CRITIC, _config, _example_batch, _layo
 
 from roll_backend import keys
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron.memory_accounting import measured_micro_shape, plan_stage
+from roll_backend.strategies.megatron.memory_accounting import planned_at_micro_batches
 
 STATE_TOLERANCE = 0.05
 PHASE_TOLERANCE = 0.15
@@ -49,16 +49,17 @@ def _measured(group, config, role, batch: DataProto, meta: dict) -> list[dict]:
     return group.call(ReconfigurableActor.measured_memory)
 
 
-def _largest_micro_batches(reports: list[dict]) -> dict[str, list]:
-    """Per phase, the largest micro-batch any rank ran: a rank's MoE layers also compute the tokens other ranks'
-    micro-batches route to its experts, and the plan takes every rank's micro-batches as large as the largest."""
-    phases = {phase for report in reports for phase in report["micro_batches"]}
+def _micro_batches_of(reports: list[dict]) -> dict[str, dict]:
+    """Per phase, the micro-batches of every rank in `reports` (as one rank records them): a rank's MoE layers also
+    compute the tokens other ranks' micro-batches route to its experts, so the plan of a MoE rank is taken at the
+    largest micro-batch of any rank."""
+    recorded = [r["micro_batches"] for r in reports]
     return {
-        phase: max(
-            (r["micro_batches"][phase] for r in reports if phase in r["micro_batches"]),
-            key=lambda shape: (shape[0] * shape[1], shape[4]),
-        )
-        for phase in phases
+        phase: {
+            "micro_batches": sorted({tuple(m) for shapes in recorded for m in shapes[phase]["micro_batches"]}),
+            "count": max(shapes[phase]["count"] for shapes in recorded),
+        }
+        for phase in recorded[0]
     }
 
 
@@ -66,18 +67,16 @@ def _check_rank(where: str, report: dict, largest: dict, strategy, layout, world
     lines = []
     stage = report["pp_rank"]
     for phase, measured in report["phases"].items():
-        micro, count = measured_micro_shape(largest[phase])
-        state, phases = plan_stage(strategy, arch, layout, world, "cpu", stage, micro, count)
-        rows, width = micro.rows, micro.width
-        planned = sum(phases[phase].values())
+        state, terms = planned_at_micro_batches(strategy, arch, layout, world, "cpu", stage, largest[phase], phase)
+        shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in largest[phase]["micro_batches"])
+        planned = sum(terms.values())
         error = planned / measured - 1
-        uneven = arch.moe is not None and layout.ep > 1 and micro.gathered
+        gathered = any(gathered for *_, gathered in largest[phase]["micro_batches"])
+        uneven = arch.moe is not None and layout.ep > 1 and gathered
         fail = "FAIL " if abs(error) > (ROUTED_UNEVEN_TOLERANCE if uneven else PHASE_TOLERANCE) else ""
-        lines.append(
-            f"{fail}{where} pp{stage} {phase} {rows}x{width}: measured {measured} planned {planned} {error:+.1%}"
-        )
+        lines.append(f"{fail}{where} pp{stage} {phase} {shapes}: measured {measured} planned {planned} {error:+.1%}")
         if fail:  # the planned terms, and with perf.memory.TRACE_ENV set the storages alive at the measured peak
-            lines.append(f"    planned terms: {phases[phase]}")
+            lines.append(f"    planned terms: {terms}")
             lines += [f"    live at the peak: {tensor}" for tensor in report.get("peak_tensors", {}).get(phase, [])]
     got, want = sum(report["model_state"].values()), sum(state.values())
     error = want / got - 1
@@ -112,8 +111,10 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
                 continue  # refused: MTP labels would cross packed sequences
             batching = "".join(f" {k}={v}" for k, v in meta.items())
             reports = _measured(group, config, role, batch, meta)
-            largest = _largest_micro_batches(reports)
+            everyones = _micro_batches_of(reports)
             for rank, measured in enumerate(reports):
+                # (a dense rank computes its own micro-batches only: they differ under DP)
+                largest = everyones if arch.moe is not None else _micro_batches_of([measured])
                 where = f"{'actor' if role is ACTOR else 'critic'} {name}{batching} rank {rank}"
                 report += _check_rank(where, measured, largest, config.strategy, group.layout, group.world_size, arch)
     print(f"{_name(example)}:", *report, sep="\n  ")
