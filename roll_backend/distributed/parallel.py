@@ -239,6 +239,15 @@ def _init_tp_blocks(rank: int, world_size: int, layout: ParallelLayout) -> RankC
     return coords
 
 
+def tp_block_group_ranks(rank: int, world_size: int, tp: int) -> dict[str, list[int]]:
+    """A rank's groups (as `group_ranks` names them) in TP blocks of consecutive ranks: what Megatron's grid gives a
+    TP-only layout (no pp/cp/ep split), computed without it."""
+    coords = tp_only_coords(rank, world_size, tp)
+    block = list(range(coords.dp * tp, (coords.dp + 1) * tp))
+    dp = list(range(coords.tp, world_size, tp))
+    return {"tp": block, "pp": [rank], "dp": dp, "cp": [rank], "tp_cp": block, "ep": [rank], "etp": block, "edp": dp}
+
+
 def current_coords() -> RankCoords:
     from megatron.core import parallel_state as mpu
 
@@ -258,20 +267,8 @@ def current_coords() -> RankCoords:
 
 def group_ranks() -> dict[str, list[int]]:
     """Global ranks of this rank's tp, pp, dp, cp, tp x cp and expert (ep, etp, expert-dp) groups."""
-    if _tp_block is not None:  # (what Megatron's grid gives a TP-only layout: no pp/cp/ep split)
-        rank, tp = dist.get_rank(), len(_tp_block["tp"])
-        dp = list(range(rank % tp, dist.get_world_size(), tp))
-        block = _tp_block["tp"]
-        return {
-            "tp": block,
-            "pp": [rank],
-            "dp": dp,
-            "cp": [rank],
-            "tp_cp": block,
-            "ep": [rank],
-            "etp": block,
-            "edp": dp,
-        }
+    if _tp_block is not None:
+        return tp_block_group_ranks(dist.get_rank(), dist.get_world_size(), len(_tp_block["tp"]))
     from megatron.core import parallel_state as mpu
 
     groups = {
