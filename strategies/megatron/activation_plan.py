@@ -281,6 +281,9 @@ def _forward_terms(
     if layout.cp > 1:  # key and value gathered over CP; and the all-gather's own buffers (each rank's part and the
         # input's copy), which the process group may still hold while the next layer starts
         attention += 2 * micro.tokens * kv + (layout.cp + 1) * tokens * kv
+    # with LoRA, the moment its branch is added to QKV's output: that output, the adapters' assembled output, its scaled
+    # copy and the sum
+    attention_peak = max(attention * options.width + scores, 4 * tokens * (q + 2 * kv) * options.width * options.lora)
     # fc1's output (2 x ffn) and the SwiGLU's steps; with LoRA its branch beside fc1 (B's outputs, their concatenation
     # and scaling, each as wide as fc1's output)
     ffn_factor = 8 if options.lora else 5
@@ -296,7 +299,9 @@ def _forward_terms(
         busiest = min(tokens, 2 * -(-routed // local))
         swiglu = ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
         shared_ffn = moe.shared_expert_ffn_hidden_size or 0
-        shared_output = 2 * tokens * arch.hidden_size if shared_ffn else 0
+        # (a row-parallel output: this rank's part of the sequence under sequence parallelism)
+        local_tokens = tokens // layout.tp if layout.tp > 1 and options.sequence_parallel else tokens
+        shared_output = 2 * local_tokens * arch.hidden_size if shared_ffn else 0
         mlp = shared_output + max(3 * routed * arch.hidden_size, 2 * routed * arch.hidden_size + swiglu)
         mlp = max(mlp, ffn_factor * tokens * shared_ffn // layout.tp)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
@@ -310,7 +315,7 @@ def _forward_terms(
         around_mlp = 4 * edge
     else:
         around_mlp = 2 * edge + (tokens * arch.hidden_size * options.width if reduce_scatter else 0)
-    working = edges * edge + max(attention * options.width + scores + 3 * edge, mlp * options.width + around_mlp)
+    working = edges * edge + max(attention_peak + 3 * edge, mlp * options.width + around_mlp)
     last = stage == layout.pp - 1
     head = head_bytes(arch, layout, micro, options, training=False) if last else 0
     # (the head runs beside the last layer's output and the inputs the schedule received ahead)
