@@ -263,6 +263,29 @@ def _backward_end(arch: HFArch, layout: ParallelLayout, options: PlanOptions, te
     return scores | {"the embedding's weight gradient": end}
 
 
+def _forward_mlp_elements(arch: HFArch, layout: ParallelLayout, options: PlanOptions, tokens: int) -> int:
+    """The MLP's working set in a forward without gradients: fc1's output (2 x ffn) and the SwiGLU's steps; with LoRA
+    its branch beside fc1 (B's outputs, their concatenation and scaling, each as wide as fc1's output)."""
+    ffn_factor = 8 if options.lora else 5
+    moe = arch.moe
+    if moe is None:
+        return ffn_factor * tokens * arch.ffn_hidden_size // layout.tp
+    # A MoE layer: the permuted tokens, the experts' outputs so far and one expert's SwiGLU at a time (its expert-TP
+    # shard); then SequentialMLP's concatenation beside the list of outputs it joins (three copies of the routed
+    # tokens); the shared expert runs first, and its output (and gated copy) waits for the routed experts' to be added.
+    local = max(1, moe.num_experts // layout.ep)
+    routed = tokens * moe.topk
+    # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
+    busiest = min(tokens, 2 * -(-routed // local))
+    swiglu = ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
+    shared_ffn = moe.shared_expert_ffn_hidden_size or 0
+    # (a row-parallel output: this rank's part of the sequence under sequence parallelism)
+    local_tokens = tokens // layout.tp if layout.tp > 1 and options.sequence_parallel else tokens
+    shared_output = 2 * local_tokens * arch.hidden_size if shared_ffn else 0
+    mlp = shared_output + max(3 * routed * arch.hidden_size, 2 * routed * arch.hidden_size + swiglu)
+    return max(mlp, ffn_factor * tokens * shared_ffn // layout.tp)
+
+
 def _forward_terms(
     arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions, terms: dict, edge: int, stage: int
 ) -> dict[str, int]:
@@ -284,26 +307,7 @@ def _forward_terms(
     # with LoRA, the moment its branch is added to QKV's output: that output, the adapters' assembled output, its scaled
     # copy and the sum
     attention_peak = max(attention * options.width + scores, 4 * tokens * (q + 2 * kv) * options.width * options.lora)
-    # fc1's output (2 x ffn) and the SwiGLU's steps; with LoRA its branch beside fc1 (B's outputs, their concatenation
-    # and scaling, each as wide as fc1's output)
-    ffn_factor = 8 if options.lora else 5
-    moe = arch.moe
-    if moe is None:
-        mlp = ffn_factor * tokens * arch.ffn_hidden_size // layout.tp
-    else:  # the permuted tokens, the experts' outputs so far and one expert's SwiGLU at a time (its expert-TP shard);
-        # then SequentialMLP's concatenation beside the list of outputs it joins (three copies of the routed tokens);
-        # the shared expert runs first, and its output (and gated copy) waits for the routed experts' to be added
-        local = max(1, moe.num_experts // layout.ep)
-        routed = tokens * moe.topk
-        # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
-        busiest = min(tokens, 2 * -(-routed // local))
-        swiglu = ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
-        shared_ffn = moe.shared_expert_ffn_hidden_size or 0
-        # (a row-parallel output: this rank's part of the sequence under sequence parallelism)
-        local_tokens = tokens // layout.tp if layout.tp > 1 and options.sequence_parallel else tokens
-        shared_output = 2 * local_tokens * arch.hidden_size if shared_ffn else 0
-        mlp = shared_output + max(3 * routed * arch.hidden_size, 2 * routed * arch.hidden_size + swiglu)
-        mlp = max(mlp, ffn_factor * tokens * shared_ffn // layout.tp)
+    mlp = _forward_mlp_elements(arch, layout, options, tokens)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
     # too; a MoE layer's norm output is gone once its tokens are permuted, but under sequence parallelism its
     # dispatcher holds the gathered sequence); under sequence parallelism a row-parallel output beside its
@@ -311,7 +315,7 @@ def _forward_terms(
     # sent, and with vpp the received inputs of the micro-batches the schedule runs ahead.
     reduce_scatter = layout.tp > 1 and options.sequence_parallel
     edges = reduce_scatter + (layout.pp > 1 and stage < layout.pp - 1) + ((layout.vpp or 1) - 1) * layout.pp
-    if moe is None:
+    if arch.moe is None:
         around_mlp = 4 * edge
     else:
         around_mlp = 2 * edge + (tokens * arch.hidden_size * options.width if reduce_scatter else 0)
