@@ -306,7 +306,8 @@ def _forward_terms(
         attention += 2 * micro.tokens * kv + (layout.cp + 1) * tokens * kv
     # with LoRA, the moment its branch is added to QKV's output: that output, the adapters' assembled output, its scaled
     # copy and the sum
-    attention_peak = max(attention * options.width + scores, 4 * tokens * (q + 2 * kv) * options.width * options.lora)
+    qkv_with_adapters = 4 * tokens * (q + 2 * kv) * options.width if options.lora else 0
+    attention_peak = max(attention * options.width + scores, qkv_with_adapters)
     mlp = _forward_mlp_elements(arch, layout, options, tokens)
     # The hidden states around a layer (its input, the norm's output, a projection's output; the MLP's residual
     # too; a MoE layer's norm output is gone once its tokens are permuted, but under sequence parallelism its

@@ -15,22 +15,22 @@ ORDER = "tp-cp-ep-dp-pp"  # (megatron-core's default, which initialize_model_par
 def megatron_groups(rank: int, tp: int, dp: int) -> dict[str, list[int]]:
     from megatron.core.parallel_state import RankGenerator
 
-    decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=1, cp=1, order=ORDER)
-    experts = RankGenerator(tp=tp, ep=1, dp=dp, pp=1, cp=1, order=ORDER)  # etp = tp, ep = 1: expert dp = dp
+    # (Megatron's expert grid is RankGenerator(tp=etp, ep, dp=expert dp, ...): with etp = tp and ep = 1, this one)
+    grid = RankGenerator(tp=tp, ep=1, dp=dp, pp=1, cp=1, order=ORDER)
 
     def mine(generator, token: str) -> list[int]:
         (group,) = [sorted(ranks) for ranks in generator.get_ranks(token) if rank in ranks]
         return group
 
     return {
-        "tp": mine(decoder, "tp"),
-        "pp": mine(decoder, "pp"),
-        "dp": mine(decoder, "dp"),
-        "cp": mine(decoder, "cp"),
-        "tp_cp": mine(decoder, "tp-cp"),
-        "ep": mine(experts, "ep"),
-        "etp": mine(experts, "tp"),
-        "edp": mine(experts, "dp"),
+        "tp": mine(grid, "tp"),
+        "pp": mine(grid, "pp"),
+        "dp": mine(grid, "dp"),
+        "cp": mine(grid, "cp"),
+        "tp_cp": mine(grid, "tp-cp"),
+        "ep": mine(grid, "ep"),
+        "etp": mine(grid, "tp"),
+        "edp": mine(grid, "dp"),
     }
 
 

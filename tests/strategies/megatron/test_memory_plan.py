@@ -63,15 +63,17 @@ def _micro_batches_of(reports: list[dict]) -> dict[str, dict]:
     }
 
 
-def _check_rank(where: str, report: dict, largest: dict, strategy, layout, world: int, arch) -> list[str]:
+def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout, world: int, arch) -> list[str]:
     lines = []
     stage = report["pp_rank"]
     for phase, measured in report["phases"].items():
-        state, terms = planned_at_micro_batches(strategy, arch, layout, world, "cpu", stage, largest[phase], phase)
-        shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in largest[phase]["micro_batches"])
+        state, terms = planned_at_micro_batches(
+            strategy, arch, layout, world, "cpu", stage, micro_batches[phase], phase
+        )
+        shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in micro_batches[phase]["micro_batches"])
         planned = sum(terms.values())
         error = planned / measured - 1
-        gathered = any(gathered for *_, gathered in largest[phase]["micro_batches"])
+        gathered = any(gathered for *_, gathered in micro_batches[phase]["micro_batches"])
         uneven = arch.moe is not None and layout.ep > 1 and gathered
         fail = "FAIL " if abs(error) > (ROUTED_UNEVEN_TOLERANCE if uneven else PHASE_TOLERANCE) else ""
         lines.append(f"{fail}{where} pp{stage} {phase} {shapes}: measured {measured} planned {planned} {error:+.1%}")
@@ -114,9 +116,11 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
             everyones = _micro_batches_of(reports)
             for rank, measured in enumerate(reports):
                 # (a dense rank computes its own micro-batches only: they differ under DP)
-                largest = everyones if arch.moe is not None else _micro_batches_of([measured])
+                micro_batches = everyones if arch.moe is not None else _micro_batches_of([measured])
                 where = f"{'actor' if role is ACTOR else 'critic'} {name}{batching} rank {rank}"
-                report += _check_rank(where, measured, largest, config.strategy, group.layout, group.world_size, arch)
+                report += _check_rank(
+                    where, measured, micro_batches, config.strategy, group.layout, group.world_size, arch
+                )
     print(f"{_name(example)}:", *report, sep="\n  ")
     failures = [line for line in report if line.startswith("FAIL")]
     assert not failures, f"{example}:\n" + "\n".join(failures)
