@@ -35,11 +35,14 @@ def ray_session():
     actor groups take CPU shares, not cores."""
     import ray
 
+    from roll_backend.distributed.rank_pool import enable_rank_pool
     from roll_backend.distributed.ray_env import init_local_ray
 
     python_path = os.pathsep.join(p for p in (str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")) if p)
     init_local_ray(num_cpus=32, env_vars={"PYTHONPATH": python_path}, cpu_ranks=True)
+    enable_rank_pool()  # a later group of a role takes the processes an earlier one left (rank_pool.py)
     yield ray
+    enable_rank_pool(False)
     ray.shutdown()
 
 

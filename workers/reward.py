@@ -74,6 +74,7 @@ class RewardWorker(Worker):
     """One rank of the rule-based reward role: DP_MP_COMPUTE hands each rank its share of the batch."""
 
     megatron_grid = False
+    poolable = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,6 +90,10 @@ class RewardWorker(Worker):
             for spec in self.config.functions
         ]
         self.routing = self.config.routing()
+
+    def release_role(self) -> bool:
+        """Reusable unless user code was imported here (its modules would stay for the next group)."""
+        return not any(scorer.loaded for scorer in self.scorers)
 
     @register(Dispatch.DP_MP_COMPUTE, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto:

@@ -26,8 +26,14 @@ class StrategyWorker(Worker):
     """A role whose ranks each run one strategy: `config.strategy_name` built from `config.strategy`. Call
     `init_model` once after the group starts; every call runs in the strategy's context."""
 
+    poolable = True  # (its strategy's models and optimizer go with the strategy object)
+
     def call_context(self):
         return strategy_call_context(self.config.strategy_name, self.device)
+
+    def release_role(self) -> bool:
+        self.strategy = None
+        return True
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

@@ -301,8 +301,9 @@ def batch_broadcast_hops(coords: RankCoords) -> list[dist.ProcessGroup]:
 
 
 def destroy_distributed() -> None:
+    """Leave the process groups and Megatron's parallel state (a pooled process then joins another group's)."""
     global _tp_block
-    if _tp_block is None:
+    if _tp_block is None and "megatron.core.parallel_state" in sys.modules:
         from megatron.core import parallel_state as mpu
 
         mpu.destroy_model_parallel()

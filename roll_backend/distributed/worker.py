@@ -5,8 +5,12 @@ with an in-actor broadcast mode it first receives the batch: `parallel` names th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import gc
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -47,6 +51,8 @@ class Worker:
     # Whether the role's ranks lay out Megatron's parallel state (tp x cp x dp x pp, experts); a role that runs no
     # Megatron model (an engine, plain code) says False: TP blocks only, and no megatron-core import.
     megatron_grid: bool = True
+    # Whether a process of this role can tear its rank down in place and serve a later group's (rank_pool.py).
+    poolable: bool = False
 
     def __init__(
         self,
@@ -67,7 +73,7 @@ class Worker:
         self.layout = layout
         self.config = config
         # (before anything here starts a child process)
-        self._watchdog = host._watchdog if host is not None else kill_children_with_this_process()
+        self._watchdog = host._watchdog if host is not None else _process_watchdog()
         exit_once_on_sigterm()
         self.device = host.device if host is not None else parallel.pick_device(use_gpu)
         self.coords: RankCoords | None = None
@@ -95,6 +101,30 @@ class Worker:
             megatron_grid=self.megatron_grid,
         )
         return self.coords
+
+    # ---- a pooled process (rank_pool.py), called by the WorkerGroup --------------------------------------
+    def reinit_rank(self, *args) -> None:
+        """Become a rank of a new group in this process (after `release_rank`): as a new actor's constructor."""
+        self.__dict__.clear()
+        self.__init__(*args)
+
+    def release_rank(self) -> bool:
+        """Tear down what this rank holds (its role's state, then its process groups) so that the process can serve
+        another group; True when it is clean to reuse, False where this role cannot tear down in place."""
+        if not self.poolable or not self.release_role():
+            return False
+        parallel.destroy_distributed()
+        self.__dict__.clear()
+        if "torch._dynamo" in sys.modules:  # compiled code and its guards hold the old model
+            sys.modules["torch._dynamo"].reset()
+        gc.collect()
+        _return_freed_memory()
+        return True
+
+    def release_role(self) -> bool:
+        """Drop the role's own state before `release_rank`; False where that cannot be undone in this process (user
+        code imported into it, an engine's own processes)."""
+        return True
 
     @register(Dispatch.ONE_TO_ALL)
     def group_ranks(self) -> dict[str, list[int]]:
@@ -201,6 +231,21 @@ class Worker:
             return broadcast_over_hops(value, hops, required, self.rank_tag) if isinstance(value, DataProto) else value
 
         return tuple(receive(a) for a in args), {k: receive(v) for k, v in kwargs.items()}
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free memory back to the OS (a CPU rank's allocator keeps it: ray_env.CPU_RANK_ENV_DEFAULTS), so
+    an idle pooled process holds what its imports need, not its last model's peak."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@functools.cache
+def _process_watchdog():
+    """The process's one watchdog, however many ranks it serves in turn (rank_pool.py)."""
+    return kill_children_with_this_process()
 
 
 def _pgid(pid: int) -> int | None:

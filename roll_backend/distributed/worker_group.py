@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from roll_backend.distributed import rank_pool
 from roll_backend.distributed.deadlines import Deadline, call_deadline, earliest
 from roll_backend.distributed.dispatch import DispatchError, MethodDispatch, method_dispatch
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
@@ -168,16 +169,21 @@ class WorkerGroup:
             if placement_group is None
             else shared_rank_bundles(placement_group, world_size, block, role)
         )
-        actor_cls = ray.remote(worker_cls)
         rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray
-        self.workers = [
+        self._pool = rank_pool.pool_for(worker_cls, resources.num_cpus, resources.num_gpus)
+        self._pool_key = (worker_cls, tuple(sorted(rank_env.items())))
+        reused = self._pool.take(self._pool_key, world_size) if self._pool is not None else []
+        ranks_args = [
+            (role, rank, world_size, layout, resources.use_gpu, worker_config, fault) for rank in range(world_size)
+        ]
+        self._reinits = [worker.reinit_rank.remote(*args) for worker, args in zip(reused, ranks_args)]
+        actor_cls = ray.remote(worker_cls)
+        self.workers = reused + [
             actor_cls.options(
-                num_cpus=resources.num_cpus,
-                num_gpus=resources.num_gpus,
                 runtime_env={"env_vars": rank_env} if rank_env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(*self._bundles.bundles[rank]),
-            ).remote(role, rank, world_size, layout, resources.use_gpu, worker_config, fault)
-            for rank in range(world_size)
+                **self._placement(rank, resources),
+            ).remote(*ranks_args[rank])
+            for rank in range(len(reused), world_size)
         ]
         self._start_deadline = earliest(
             call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)")
@@ -185,6 +191,17 @@ class WorkerGroup:
         self._rendezvous, self._joining = self.workers[0].rendezvous_address.remote(), None
         if wait:
             self.wait_started()
+
+    def _placement(self, rank: int, resources: RankResources) -> dict:
+        """A new rank's resources and where it runs: its bundle; a pooled process (which outlives the group's
+        placement group) takes no resources of its own, the group's bundles count them."""
+        if self._pool is not None:
+            return {"num_cpus": 0, "num_gpus": 0}
+        return {
+            "num_cpus": resources.num_cpus,
+            "num_gpus": resources.num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(*self._bundles.bundles[rank]),
+        }
 
     def wait_started(self) -> WorkerGroup:
         """Wait until every rank is up and has joined the group's process groups (at once when it already has).
@@ -203,6 +220,9 @@ class WorkerGroup:
     def _join(self) -> None:
         """Once rank 0 is up, send every rank the rendezvous address to join the process groups (no waiting)."""
         if self._joining is None:
+            if self._reinits:  # pooled processes become this group's ranks first
+                self._gather("reinit_rank", self._reinits, self._start_deadline)
+                self._reinits = []
             master_addr, master_port = self._gather("rendezvous_address", [self._rendezvous], self._start_deadline)[0]
             self._joining = [w.init_distributed.remote(master_addr, master_port) for w in self.workers]
 
@@ -345,7 +365,11 @@ class WorkerGroup:
         self.workers = []
 
     def shutdown(self) -> None:
-        """Kill every rank's actor and release the placement groups this group reserved."""
+        """Stop every rank's actor (with the rank pool on, a healthy group's go back to it: rank_pool.py) and release
+        the placement groups this group reserved."""
+        if getattr(self, "_pool", None) is not None and self.broken is None and self.workers:
+            workers, self.workers = self.workers, []
+            self._pool.give_back(self._pool_key, workers)
         self._kill_workers()
         if getattr(self, "_bundles", None) is not None:
             self._bundles.release()

@@ -1,0 +1,101 @@
+"""Warm rank processes handed from one actor group to the next of the same worker class (CPU ranks on one node).
+
+Most of a rank's start-up is importing torch, megatron-core and transformers: seconds of a core per process, paid
+again by every group a driver starts. A driver that starts many groups one after another (the test suite, a sweep, a
+notebook) can keep the processes instead: with the pool on, a group's `shutdown` asks each rank to tear down what it
+holds (`Worker.release_rank`: its model and optimizer, its process groups) and keeps the processes that did; the next
+group of that worker class takes them (`Worker.reinit_rank` builds the new rank in place) and starts only the rest.
+
+A process that died, was killed, broke its group, could not tear down within the deadline or ran user code in-process
+(whose imports would stay) is never reused. GPU ranks and multi-node clusters are not pooled: a process's device and
+node are fixed when it starts. Off by default: `ROLL_BACKEND_RANK_POOL=1` (or `enable_rank_pool()`) turns it on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
+RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
+# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
+MAX_IDLE_PER_CLASS = 2
+MAX_IDLE = 6
+
+
+class RankPool:
+    """Idle rank processes by (worker class, runtime env) of one Ray session."""
+
+    def __init__(self, session: str):
+        self.session = session
+        self._idle: dict[tuple, list] = defaultdict(list)
+        self.reused = 0
+
+    def take(self, key: tuple, count: int) -> list:
+        """Up to `count` idle processes for `key` (fewer when the pool has fewer)."""
+        idle = self._idle[key]
+        taken, self._idle[key] = idle[:count], idle[count:]
+        self.reused += len(taken)
+        return taken
+
+    def give_back(self, key: tuple, handles: list) -> None:
+        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean; stop the others."""
+        room = min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values())))
+        kept, stopped = handles[: max(room, 0)], handles[max(room, 0) :]
+        refs = {handle.release_rank.remote(): handle for handle in kept}
+        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=RELEASE_TIMEOUT_S) if refs else ([], [])
+        for ref in ready:
+            try:
+                clean = ray.get(ref)
+            except ray.exceptions.RayError:
+                clean = False
+            (self._idle[key].append if clean else stopped.append)(refs[ref])
+        for handle in stopped + [refs[ref] for ref in late]:
+            _kill(handle)
+
+    def clear(self) -> None:
+        for handles in self._idle.values():
+            for handle in handles:
+                _kill(handle)
+        self._idle.clear()
+
+
+def _kill(handle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:  # already gone with its node
+        logger.debug("could not stop a pooled rank: %s", exc)
+
+
+_enabled: bool | None = None
+_pool: RankPool | None = None
+
+
+def enable_rank_pool(on: bool = True) -> None:
+    """Turn the pool on (or off, stopping its idle processes) for this driver process."""
+    global _enabled
+    _enabled = on
+    if not on and _pool is not None:
+        _pool.clear()
+
+
+def pool_for(worker_cls, num_cpus: float, num_gpus: float) -> RankPool | None:
+    """The pool a group of `worker_cls` ranks takes its processes from and gives them back to, or None where ranks
+    are not pooled: the pool off, a worker class that cannot tear down in place, GPU ranks, ranks that use more than
+    one thread (a pooled process keeps the one it started with), a cluster of more than one node."""
+    global _pool
+    enabled = _enabled if _enabled is not None else os.environ.get(ENV_SWITCH, "0") == "1"
+    if not enabled or not getattr(worker_cls, "poolable", False) or num_gpus > 0 or math.floor(num_cpus) > 1:
+        return None
+    if len([node for node in ray.nodes() if node.get("Alive")]) != 1:
+        return None
+    session = ray.get_runtime_context().get_job_id()
+    if _pool is None or _pool.session != session:  # a new Ray: the old handles are gone with it
+        _pool = RankPool(session)
+    return _pool
