@@ -251,6 +251,11 @@ class RolloutStrategy(Strategy):
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group."""
 
+    def shutdown(self) -> bool:
+        """Stop the engine and leave what it built in this process (its process groups, its memory), so that the
+        process can start another (distributed/rank_pool.py); False where an engine cannot be stopped in place."""
+        return False
+
     @abc.abstractmethod
     def generate(self, batch: DataProto) -> DataProto:
         """Prompts [B] -> rollout batch [B*n] (responses, masks, sampling log-probs)."""

@@ -31,6 +31,7 @@ class RolloutWorker(Worker):
     gets the whole batch from the controller (DP_MP_COMPUTE): the engine, not an in-actor broadcast, shards it."""
 
     megatron_grid = False  # (the engine lays out its own groups over the process group)
+    poolable = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -43,6 +44,14 @@ class RolloutWorker(Worker):
 
     def call_context(self):
         return strategy_call_context(self.config.strategy_name, self.device)
+
+    def release_role(self) -> bool:
+        """Reusable once the engine stopped in place, unless an agentic rollout (environments, tools: user code)
+        ran here."""
+        if self.config.agentic is not None or self.agentic is not None:
+            return False
+        strategy, self.strategy = self.strategy, None
+        return strategy is None or strategy.shutdown()
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

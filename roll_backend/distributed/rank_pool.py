@@ -26,7 +26,7 @@ ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
 RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
 # Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
 MAX_IDLE_PER_CLASS = 2
-MAX_IDLE = 6
+MAX_IDLE = 8
 
 
 class RankPool:

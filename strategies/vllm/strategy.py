@@ -130,6 +130,17 @@ class VllmRolloutStrategy(RolloutStrategy):
         if config.return_routed_experts:
             self.route_shape = tuple(self.llm.collective_rpc("start_route_capture")[0])
 
+    def shutdown(self) -> bool:
+        """The engine core's own tear-down (as vLLM's tests start engine after engine in one process): its executor
+        and scheduler stopped, vLLM's and torch's process groups destroyed, the frozen start-up objects collectable.
+        Only an in-process engine: one with its own processes is not stopped here."""
+        if self.llm is not None:
+            if not self.config.engine_in_process:
+                return False
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.adapters = None
+        return True
+
     @property
     def engine(self):
         if self.llm is None:

@@ -1,0 +1,73 @@
+"""The rank pool (roll_backend/distributed/rank_pool.py) with vLLM: an engine stopped in place (its engine core's own
+tear-down) leaves a process that starts the next group's engine, and that engine samples what a fresh process's does:
+the same model at TP2 gives the same greedy tokens and log-probs, bit for bit, in the processes another model's engine
+at TP1 used in between (a stale engine, KV cache or process group would change them or hang)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from roll_backend import keys
+from roll_backend.distributed import rank_pool
+from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.worker import Worker
+from roll_backend.distributed.worker_group import WorkerGroup
+from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
+from roll_backend.protocol import DataProto
+from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
+from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
+
+PROMPTS = ["copy 12345", "add 10", "sum 3 4"]
+
+
+@pytest.fixture
+def empty_pool(ray_session):
+    rank_pool.enable_rank_pool(False)
+    rank_pool.enable_rank_pool()
+    yield
+    rank_pool.enable_rank_pool(False)
+    rank_pool.enable_rank_pool()
+
+
+def _engine_group(model_path: str, world_size: int, tp: int) -> WorkerGroup:
+    config = RolloutWorkerConfig(
+        strategy=VllmRolloutConfig(
+            model_path=model_path,
+            max_model_len=256,
+            max_prompt_length=32,
+            sampling=SamplingConfig(n=1, temperature=0.0, max_tokens=8),
+        )
+    )
+    group = WorkerGroup(RolloutWorker, "rollout", world_size, ParallelLayout(tp=tp), worker_config=config)
+    group.call(RolloutWorker.init_model)
+    return group
+
+
+def _greedy(group: WorkerGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    prompts = np.array(PROMPTS, dtype=object)
+    out = group.call(RolloutWorker.generate, DataProto.from_dict(non_tensors={keys.PROMPT_TEXT: prompts}))
+    return out.batch[keys.RESPONSES], out.batch[keys.ROLLOUT_LOG_PROBS]
+
+
+def test_an_engine_in_a_reused_process_samples_as_in_a_fresh_one(empty_pool, tmp_path):
+    spec = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    first, other = (str(build_tiny_model(tmp_path / f"m{seed}", TinyModelSpec(**spec, seed=seed))) for seed in (3, 4))
+
+    fresh = _engine_group(first, 2, 2)
+    fresh_pids = fresh.call(Worker.pid)
+    fresh_tokens, fresh_log_probs = _greedy(fresh)
+    fresh.shutdown()
+
+    between = _engine_group(other, 1, 1)
+    assert between.call(Worker.pid)[0] in fresh_pids
+    other_tokens, _ = _greedy(between)
+    assert not torch.equal(other_tokens, fresh_tokens)  # (so equal tokens below are not the pool's doing)
+    between.shutdown()
+
+    again = _engine_group(first, 2, 2)
+    assert sorted(again.call(Worker.pid)) == sorted(fresh_pids)
+    tokens, log_probs = _greedy(again)
+    assert torch.equal(tokens, fresh_tokens) and torch.equal(log_probs, fresh_log_probs)
+    again.shutdown()
