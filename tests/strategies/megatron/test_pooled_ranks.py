@@ -1,11 +1,12 @@
 """The rank pool (roll_backend/distributed/rank_pool.py): a later group of a role takes the processes an earlier one
 left, and a rank in a reused process is the rank a fresh process would be. The same model at the same layout gives the
 same log-probs bit for bit in the processes a smaller group of another model used in between (a stale model,
-process group or parallel state would change them); a group that broke, and a rank that imported user code, leave no
-process behind for the next group."""
+process group or parallel state would change them), with one orphan watchdog however many ranks it served; a group
+that broke, and a rank that imported user code, leave no process behind for the next group."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import ray
 import torch
@@ -53,6 +54,11 @@ def _log_probs(group: WorkerGroup, tensors) -> torch.Tensor:
     return group.call(ReferenceWorker.compute_log_probs, DataProto.from_dict(tensors=tensors)).batch[keys.LOG_PROBS]
 
 
+def _watchdogs(pid: int) -> list[psutil.Process]:
+    """The orphan watchdogs (distributed/orphans.py) a rank process started."""
+    return [child for child in psutil.Process(pid).children() if "POLL_S" in " ".join(child.cmdline())]
+
+
 def test_a_reused_process_gives_a_fresh_ranks_numbers_and_a_broken_group_leaves_none(empty_pool, tmp_path_factory):
     first_model, other_model = _model(tmp_path_factory, 2, 4), _model(tmp_path_factory, 3, 2)
     tensors = make_rl_batch_tensors(vocab_size=320, num_rows=5, seed=3)
@@ -73,6 +79,7 @@ def test_a_reused_process_gives_a_fresh_ranks_numbers_and_a_broken_group_leaves_
 
     again = _reference(first_model, 2, ParallelLayout(tp=2))
     assert sorted(again.call(Worker.pid)) == sorted(fresh_pids)
+    assert [len(_watchdogs(pid)) for pid in fresh_pids] == [1, 1]  # one per process, however many ranks it served
     assert [coords.tp for coords in again.coords] == [0, 1]
     assert torch.equal(_log_probs(again, tensors), fresh_log_probs)
 
