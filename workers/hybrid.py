@@ -143,6 +143,8 @@ class DeviceHandover:
 class HybridWorker(Worker):
     """One rank of the hybrid engine (see the module docstring). Call `init_model` once after the group starts."""
 
+    poolable = True
+
     def __init__(self, role, rank, world_size, layout, use_gpu, config: HybridConfig, fault=None):
         super().__init__(role, rank, world_size, layout, use_gpu, config, fault)
         self.facets = {
@@ -162,6 +164,13 @@ class HybridWorker(Worker):
             else:
                 self.facets[facet.role].coords = coords
         return coords
+
+    def release_role(self) -> bool:
+        """Every facet's own tear-down, the engine's first (its process groups are the trainer's world)."""
+        self.handover = None
+        facets = sorted(self.facets.values(), key=lambda facet: facet.role != roles.ACTOR_INFER)
+        released = [facet.release_role() for facet in facets]
+        return all(released)
 
     @register(Dispatch.ONE_TO_ALL)
     def facet_coords(self) -> dict[str, RankCoords]:
