@@ -27,6 +27,7 @@ RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped ins
 # Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
 MAX_IDLE_PER_CLASS = 2
 MAX_IDLE = 8
+ALIVE_TIMEOUT_S = 10.0  # an idle process that does not answer within this is stopped, not reused
 
 
 class RankPool:
@@ -38,9 +39,21 @@ class RankPool:
         self.reused = 0
 
     def take(self, key: tuple, count: int) -> list:
-        """Up to `count` idle processes for `key` (fewer when the pool has fewer)."""
+        """Up to `count` idle processes for `key` that still answer (one that died while idle, say to the OOM killer,
+        is dropped: the group starts a new one in its place)."""
         idle = self._idle[key]
-        taken, self._idle[key] = idle[:count], idle[count:]
+        candidates, self._idle[key] = idle[:count], idle[count:]
+        refs = {handle.__ray_ready__.remote(): handle for handle in candidates}
+        ready, silent = ray.wait(list(refs), num_returns=len(refs), timeout=ALIVE_TIMEOUT_S) if refs else ([], [])
+        taken = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                taken.append(refs[ref])
+            except ray.exceptions.RayError:
+                pass
+        for ref in silent:
+            _kill(refs[ref])
         self.reused += len(taken)
         return taken
 

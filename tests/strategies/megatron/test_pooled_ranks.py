@@ -6,11 +6,15 @@ that broke, and a rank that imported user code, leave no process behind for the 
 
 from __future__ import annotations
 
+import os
+import signal
+
 import psutil
 import pytest
 import ray
 import torch
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
+from process_checks import describe, wait_until_gone
 
 from roll_backend import keys
 from roll_backend.distributed import rank_pool
@@ -113,5 +117,17 @@ def test_a_reward_rank_that_ran_user_code_is_not_reused(empty_pool, tmp_path):
     with_user_code.shutdown()
 
     next_group = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
-    assert next_group.call(Worker.pid) != [plain_pid]
+    [next_pid] = next_group.call(Worker.pid)
+    assert next_pid != plain_pid
     next_group.shutdown()
+
+    # A pooled process that dies while idle (the OOM killer, say) is passed over: the next group starts a new one.
+    os.kill(next_pid, signal.SIGKILL)
+    assert describe(wait_until_gone([next_pid], within_s=30)) == []
+    after_death = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
+    assert after_death.call(Worker.pid) not in ([next_pid], [plain_pid])
+    assert after_death.call(RewardWorker.compute_rewards, batch).batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [
+        1.0,
+        0.0,
+    ]
+    after_death.shutdown()
