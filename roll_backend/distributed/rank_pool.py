@@ -43,33 +43,19 @@ class RankPool:
         is dropped: the group starts a new one in its place)."""
         idle = self._idle[key]
         candidates, self._idle[key] = idle[:count], idle[count:]
-        refs = {handle.__ray_ready__.remote(): handle for handle in candidates}
-        ready, silent = ray.wait(list(refs), num_returns=len(refs), timeout=ALIVE_TIMEOUT_S) if refs else ([], [])
-        taken = []
-        for ref in ready:
-            try:
-                ray.get(ref)
-                taken.append(refs[ref])
-            except ray.exceptions.RayError:
-                pass
-        for ref in silent:
-            _kill(refs[ref])
+        answered, silent = _ask(candidates, "__ray_ready__", ALIVE_TIMEOUT_S)
+        for handle in silent:
+            _kill(handle)
+        taken = [handle for handle, ok in answered if ok]
         self.reused += len(taken)
         return taken
 
     def give_back(self, key: tuple, handles: list) -> None:
         """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean; stop the others."""
-        room = min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values())))
-        kept, stopped = handles[: max(room, 0)], handles[max(room, 0) :]
-        refs = {handle.release_rank.remote(): handle for handle in kept}
-        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=RELEASE_TIMEOUT_S) if refs else ([], [])
-        for ref in ready:
-            try:
-                clean = ray.get(ref)
-            except ray.exceptions.RayError:
-                clean = False
-            (self._idle[key].append if clean else stopped.append)(refs[ref])
-        for handle in stopped + [refs[ref] for ref in late]:
+        room = max(min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values()))), 0)
+        answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
+        self._idle[key] += [handle for handle, clean in answered if clean]
+        for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
             _kill(handle)
 
     def clear(self) -> None:
@@ -77,6 +63,20 @@ class RankPool:
             for handle in handles:
                 _kill(handle)
         self._idle.clear()
+
+
+def _ask(handles: list, method: str, timeout_s: float) -> tuple[list, list]:
+    """Call `method` on every process: ([(handle, its answer, or False where it raised)], [handles silent past
+    `timeout_s`])."""
+    refs = {getattr(handle, method).remote(): handle for handle in handles}
+    ready, silent = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    answered = []
+    for ref in ready:
+        try:
+            answered.append((refs[ref], ray.get(ref) is not False))
+        except ray.exceptions.RayError:
+            answered.append((refs[ref], False))
+    return answered, [refs[ref] for ref in silent]
 
 
 def _kill(handle) -> None:
