@@ -14,3 +14,15 @@ class NotRestartableError(RuntimeError):
 class UserCodeError(NotRestartableError):
     """Code the user brought (a reward function) raised, returned something that is not a reward, or ran past its
     deadline. The message names the function, the row and the problem; the driver sees this type."""
+
+
+class WeightSyncFailed(RuntimeError):
+    """A weight sync that failed part-way; the message says which version the engine serves now. `restored`: the
+    engine reloaded what it had changed and serves its old version again, whole (False: its weights are mixed)."""
+
+    def __init__(self, message: str, restored: bool):
+        super().__init__(message)
+        self.restored = restored
+
+    def __reduce__(self):  # (pickled across processes with both arguments)
+        return type(self), (str(self), self.restored)

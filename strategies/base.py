@@ -283,6 +283,23 @@ class RolloutStrategy(Strategy):
         Returns counts: "bytes" received, "full_bytes" (a full sync's), "tensors" sent, "unchanged", "loaded"."""
         raise NotImplementedError(f"{type(self).__name__} takes whole weights only (update_weights)")
 
+    def load_changed_weights(
+        self,
+        buckets: Iterable[list[tuple[str, torch.Tensor]]],
+        version: int | None = None,
+        whole: bool = False,
+        on_bucket: Callable[[Any], None] | None = None,
+        after_bucket: Callable[[], None] | None = None,
+        all_loaded: Callable[[bool], bool] | None = None,
+    ) -> dict[str, int]:
+        """A sync from a trainer in the engine's own process (the hybrid engine): buckets of HF-named tensors, each
+        compared with the engine's host copy of what it serves (every tensor counts as changed when `whole`), then
+        the changed ones loaded all or nothing as `load_weight_deltas` loads, so that `revert_weights` can undo it.
+        `on_bucket(bucket)` sees each compared WeightDeltaBucket before anything loads (fault injection);
+        `all_loaded(loaded_here)` (a collective) says whether every rank loaded its part: if one did not, every rank
+        undoes its load. Returns load_weight_deltas's counts."""
+        raise NotImplementedError(f"{type(self).__name__} takes whole weights only (update_weights)")
+
     def revert_weights(self) -> int | None:
         """Undo the last minimal sync (load_weight_deltas) whose probe failed: the engine serves the version it served
         before, bit for bit; returns that version. Raises when there is nothing to undo."""

@@ -23,9 +23,10 @@ import torch
 from roll_backend import roles
 from roll_backend.distributed import parallel
 from roll_backend.distributed.dispatch import Dispatch, method_dispatch, register
-from roll_backend.distributed.faults import perturb_first_tensor
+from roll_backend.distributed.faults import perturb_first_tensor, perturb_whole_tensor
 from roll_backend.distributed.parallel import ParallelLayout, RankCoords
 from roll_backend.distributed.worker import Worker
+from roll_backend.errors import WeightSyncFailed
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,13 @@ class HybridFacet:
 @dataclass(frozen=True)
 class HybridConfig:
     """What a HybridWorker hosts: actor_train's facet first, then the rollout engine's, the reference's, the critic's.
-    `adapter_sync`: the weight sync sends the trainer's LoRA adapters, which the engine serves."""
+    `adapter_sync`: the weight sync sends the trainer's LoRA adapters, which the engine serves. `engine_copy`
+    (weight_sync_delta): the engine keeps a host copy of the weights it serves, so a sync loads only the tensors that
+    changed, all or nothing, and a sync whose probe fails is undone; without it a sync loads whole tensors in place."""
 
     facets: tuple[HybridFacet, ...]
     adapter_sync: bool = False
+    engine_copy: bool = False
     bucket_bytes: int = 512 << 20  # the trainer gathers this much at a time for the engine
 
 
@@ -69,10 +73,16 @@ class WeightSyncInterrupted(RuntimeError):
     """A weight sync stopped part-way: the engine holds some tensors of the new version and some of the old."""
 
 
+class WeightSyncUndone(RuntimeError):
+    """A weight sync failed while loading and the engine reloaded what it had changed from its host copy: it serves
+    the version before the sync again, whole."""
+
+
 class DeviceHandover:
     """Who holds the device now: the engine (its weights and KV cache awake), or the Megatron models, each with the
     parts of its state on the device that its calls need. Every move is idempotent: asking for the current holder
-    moves nothing. `load(version)` puts the trainer's weights into the engine (the worker's in-process sync)."""
+    moves nothing. `load(version, whole)` puts the trainer's weights into the engine (the worker's in-process sync;
+    `whole`: every tensor, the engine's own no longer being what it served)."""
 
     def __init__(self, rollout, models: dict[str, Any], trainer_role: str, load, on_device=None):
         self.rollout, self.models, self.trainer_role, self.load = rollout, models, trainer_role, load
@@ -118,16 +128,20 @@ class DeviceHandover:
         self._release_models(keep=role)
         self._move(role, parts, to_host=False)
 
-    def sync(self, version: int | None = None) -> dict[str, float]:
+    def sync(self, version: int | None = None, whole: bool = False) -> dict[str, float]:
         """The trainer's weights into the engine: the trainer's parameters on the device (its gradients and optimizer
         state need not be), the engine's weights awake and its KV cache still asleep; then the KV cache back. A load
-        that fails part-way leaves the engine marked as holding mixed weights, refilled before it generates again."""
+        that fails part-way leaves the engine marked as holding mixed weights, refilled before it generates again,
+        unless the engine undid it (WeightSyncUndone: it serves its version again)."""
         self._release_models(keep=self.trainer_role)
         self._move(self.trainer_role, self.models[self.trainer_role].offloaded_parts - {"params"}, to_host=True)
         self._move(self.trainer_role, frozenset({"params"}), to_host=False)
         self._wake("weights")
         try:
-            loaded = self.load(version)
+            loaded = self.load(version, whole or not self.engine_weights_valid)
+        except WeightSyncUndone:
+            self.engine_weights_valid = True
+            raise
         except Exception as exc:
             self.engine_weights_valid = False
             raise WeightSyncInterrupted(
@@ -218,43 +232,81 @@ class HybridWorker(Worker):
 
     # ---- weights, trainer -> engine, in the process ----------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
-    def sync_engine_weights(self, version: int | None = None) -> dict[str, float]:
+    def sync_engine_weights(self, version: int | None = None, whole: bool = False) -> dict[str, float]:
         """The trainer's weights (or LoRA adapters) into this rank's engine, bucket by bucket, with no copy through
         the object store: the trainer gathers full HF tensors over its TP/PP groups, the engine takes its TP shard
-        of each. Returns {"tensors", "bytes"}."""
-        loaded = self.handover.sync(version)
+        of each; with the engine's host copy (HybridConfig.engine_copy) only the tensors that changed, all or
+        nothing, unless `whole`. Returns {"tensors", "bytes"} (and a minimal sync's other counts)."""
+        loaded = self.handover.sync(version, whole)
         self.memory[roles.WEIGHT_SYNC] = self._memory_now()
         return loaded
 
-    def _load_into_engine(self, version: int | None) -> dict[str, float]:
-        trainer = self.facets[roles.ACTOR_TRAIN].strategy
-        rollout = self.facets[roles.ACTOR_INFER].strategy
-        trainer_context = self.facets[roles.ACTOR_TRAIN].call_context
+    def _load_into_engine(self, version: int | None, whole: bool = False) -> dict[str, float]:
+        """The trainer's adapters or weights into the engine (the handover's `load`); `whole`: the engine's own weights
+        are not what it served (a level-2 sleep, a sync stopped part-way), so every tensor loads."""
         if self.config.adapter_sync:
-            with trainer_context():
-                tensors = trainer.adapter_tensors("sync_engine_weights")  # (rank 0 gathers them)
-                peft_config = trainer.peft_config()
-            tensors = _from_rank_zero(tensors)  # every engine rank serves the whole adapter
-            if self._engine_bucket_perturbed():
-                tensors = perturb_first_tensor(tensors)
-            loaded = rollout.load_adapter(tensors, peft_config, version=version)
-            return {
-                "tensors": float(loaded),
-                "bytes": float(sum(t.numel() * t.element_size() for t in tensors.values())),
-            }
-        with trainer_context():
-            buckets = iter(trainer.iter_hf_weights(self.config.bucket_bytes))
+            return self._load_adapters(version)
+        if self.config.engine_copy:
+            return self._load_changed(version, whole)
+        rollout = self.facets[roles.ACTOR_INFER].strategy
         loaded = size = 0
-        while True:
-            with trainer_context():  # the gathers run in the trainer's context, the loads in the engine's
-                bucket = next(buckets, None)
-            if bucket is None:
-                break
+        for bucket in self._gathered_buckets():
             size += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
             if self._engine_bucket_perturbed():
                 bucket = list(perturb_first_tensor(dict(bucket)).items())
             loaded += rollout.update_weights(bucket, version=version)
         return {"tensors": float(loaded), "bytes": float(size)}
+
+    def _load_adapters(self, version: int | None) -> dict[str, float]:
+        trainer = self.facets[roles.ACTOR_TRAIN].strategy
+        with self.facets[roles.ACTOR_TRAIN].call_context():
+            tensors = trainer.adapter_tensors("sync_engine_weights")  # (rank 0 gathers them)
+            peft_config = trainer.peft_config()
+        tensors = _from_rank_zero(tensors)  # every engine rank serves the whole adapter
+        if self._engine_bucket_perturbed():
+            tensors = perturb_first_tensor(tensors)
+        loaded = self.facets[roles.ACTOR_INFER].strategy.load_adapter(tensors, peft_config, version=version)
+        return {"tensors": float(loaded), "bytes": float(sum(t.numel() * t.element_size() for t in tensors.values()))}
+
+    def _load_changed(self, version: int | None, whole: bool) -> dict[str, float]:
+        """The tensors that differ from the engine's host copy of what it serves (every one when `whole`), all or
+        nothing (VllmRolloutStrategy.load_changed_weights): every bucket gathered and compared before the engine
+        loads any; a load that fails part-way reloads what it changed from the copy (WeightSyncUndone), and a sync
+        whose probe fails is undone by `revert_weights`. Counts as a minimal sync's ("bytes": those loaded)."""
+        engine = self.facets[roles.ACTOR_INFER]
+        perturb = [False]
+
+        def on_bucket(bucket) -> None:  # fault injection's perturb, as a rollout rank of its own takes it
+            perturb[0] |= self._engine_bucket_perturbed()
+            perturb[0] = perturb[0] and not perturb_whole_tensor(bucket)
+
+        try:
+            counts = engine.strategy.load_changed_weights(
+                self._gathered_buckets(),
+                version=version,
+                whole=whole,
+                on_bucket=on_bucket,
+                after_bucket=lambda: engine.fault_point(roles.ENGINE_LOAD_BUCKET),
+                all_loaded=lambda loaded: parallel.every_rank_agrees(loaded, self.device),
+            )
+        except WeightSyncFailed as exc:
+            if exc.restored:
+                raise WeightSyncUndone(str(exc)) from exc
+            raise
+        return {name: float(value) for name, value in counts.items()}
+
+    def _gathered_buckets(self):
+        """The trainer's weights as full HF tensors over its TP/PP groups, a bucket at a time: each gather in the
+        trainer's call context (what runs between them, in the engine's)."""
+        trainer_context = self.facets[roles.ACTOR_TRAIN].call_context
+        with trainer_context():
+            buckets = iter(self.facets[roles.ACTOR_TRAIN].strategy.iter_hf_weights(self.config.bucket_bytes))
+        while True:
+            with trainer_context():
+                bucket = next(buckets, None)
+            if bucket is None:
+                return
+            yield bucket
 
     def _engine_bucket_perturbed(self) -> bool:
         """Fault injection's perturb at the engine facet's weight_sync_bucket point (as a rollout rank of its own

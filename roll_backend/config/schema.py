@@ -421,10 +421,11 @@ class PipelineConfig:
     # Multi-turn rollouts: an environment, tools or an agent function (roll_backend.agentic); null: single-turn.
     agentic: AgenticConfig | None = None
     weight_sync_bucket_bytes: int = 256 * 2**20  # trainer -> rollout weights travel in buckets of about this size
-    # Minimal, all-or-nothing syncs into a separate rollout group: per tensor only what changed since the engine's
+    # Minimal, all-or-nothing syncs into a rollout engine: per tensor only what changed since the engine's
     # version travels (nothing, the changed elements or the whole tensor, whichever is fewer bytes), the engine
     # switches once every bucket landed and was checked. Costs a host copy of the weights on trainer rank 0 and on
-    # each rollout rank. false: whole tensors, loaded bucket by bucket (a failure part-way restarts the run).
+    # each rollout rank (the hybrid engine: on each of its ranks, which load only the tensors that changed, all or
+    # nothing). false: whole tensors, loaded bucket by bucket (a failure part-way restarts the run).
     weight_sync_delta: bool = True
     # The post-sync probe fails the run past this mean |log-prob gap|; None: by precision (see logprob_gap_limit).
     weight_sync_max_logprob_gap: float | None = None

@@ -300,6 +300,13 @@ def batch_broadcast_hops(coords: RankCoords) -> list[dist.ProcessGroup]:
     return hops
 
 
+def every_rank_agrees(yes: bool, device: str) -> bool:
+    """Whether every rank of the world says yes (a collective: every rank calls it)."""
+    flag = torch.tensor([int(yes)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def destroy_distributed() -> None:
     """Leave the process groups and Megatron's parallel state (a pooled process then joins another group's)."""
     global _tp_block

@@ -199,8 +199,12 @@ def _retemplates(config: PipelineConfig) -> bool:
 def _hybrid_config(config: PipelineConfig, workers: dict[str, tuple[type, Any]]) -> HybridConfig:
     hosted = (roles.ACTOR_TRAIN, *hybrid_roles(config))
     facets = tuple(HybridFacet(name, *workers[name], getattr(config, name).strategy.layout) for name in hosted)
+    adapter_sync = synced_adapter_rank(config) is not None
     return HybridConfig(
-        facets, adapter_sync=synced_adapter_rank(config) is not None, bucket_bytes=config.weight_sync_bucket_bytes
+        facets,
+        adapter_sync=adapter_sync,
+        engine_copy=config.weight_sync_delta and not adapter_sync,
+        bucket_bytes=config.weight_sync_bucket_bytes,
     )
 
 

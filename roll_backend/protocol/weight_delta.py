@@ -109,6 +109,25 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor | None) -> TensorDelt
     return delta
 
 
+def changed_tensors(
+    bucket: Iterable[tuple[str, torch.Tensor]], held: HeldWeights | None, version: int | None
+) -> WeightDeltaBucket:
+    """`bucket`'s tensors whose bits differ from the held copy's, whole, as host copies (every tensor when `held` is
+    None): what an engine in the trainer's own process loads (the hybrid engine's sync: nothing travels, so there
+    is no element form and no checksum). Relative to no base version: the copy compared with is the engine's own."""
+    out = WeightDeltaBucket(None, version)
+    for name, tensor in bucket:
+        new = tensor.detach().to("cpu", copy=True)
+        out.full_bytes += nbytes(new)
+        old = held.tensors.get(name) if held is not None else None
+        if old is not None and old.shape == new.shape and old.dtype == new.dtype:
+            if torch.equal(tensor_bits(old), tensor_bits(new)):
+                out.unchanged += 1
+                continue
+        out.deltas.append(TensorDelta(name, tuple(new.shape), new.dtype, full=new))
+    return out
+
+
 def apply(delta: TensorDelta, held: torch.Tensor | None) -> torch.Tensor:
     """The new tensor from the engine's held copy and the delta; WeightDeltaError when a rebuilt one is not the
     trainer's."""

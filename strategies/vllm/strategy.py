@@ -20,7 +20,7 @@ import torch
 from roll_backend import keys
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import left_pad, sequence_columns
-from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket
+from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, changed_tensors
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm import adapters, shm_names
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
@@ -448,6 +448,29 @@ class VllmRolloutStrategy(RolloutStrategy):
             self.engine, self.held, buckets, version, self.config.weight_sync_bucket_mb * 2**20, after_bucket
         )
         self._weights_loaded(version, in_flight)
+        return counts
+
+    def load_changed_weights(
+        self,
+        buckets: Iterable[list[tuple[str, torch.Tensor]]],
+        version: int | None = None,
+        whole: bool = False,
+        on_bucket=None,
+        after_bucket=None,
+        all_loaded=None,
+    ) -> dict[str, int]:
+        """The hybrid engine's sync (the trainer in this process): each bucket compared with the held copy
+        (protocol/weight_delta.changed_tensors; every tensor when `whole`), all of them before anything loads, then
+        loaded as a minimal sync (`load_weight_deltas`: all or nothing, undone by `revert_weights`)."""
+        held = None if whole else self.held
+        compared = []
+        for bucket in buckets:
+            compared.append(changed_tensors(bucket, held, version))
+            if on_bucket is not None:
+                on_bucket(compared[-1])
+        bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
+        counts = load_version(self.engine, self.held, compared, version, bucket_bytes, after_bucket, all_loaded)
+        self._weights_loaded(version, None)
         return counts
 
     def revert_weights(self) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from roll_backend.errors import WeightSyncFailed
 from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, tensor_bits
 
 # vLLM resolves this dotted qualname (module.Class; a "module:Class" form fails in vLLM 0.32).
@@ -152,10 +153,6 @@ def layer_buckets(
         yield bucket
 
 
-class WeightSyncFailed(RuntimeError):
-    """A weight sync that failed part-way; the message says which version the engine serves now."""
-
-
 def load_layers(
     engine, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: float, after_bucket=None
 ) -> int:
@@ -176,27 +173,38 @@ def load_version(
     version: int | None,
     bucket_bytes: float,
     after_bucket: Callable[[], None] | None = None,
+    all_loaded: Callable[[bool], bool] | None = None,
 ) -> dict[str, int]:
     """All or nothing: every bucket of `version` lands and is rebuilt and checked against the held copy before the
     engine loads any (a failure there leaves the engine untouched); the engine then loads the changed tensors with
     the rest of their layers. A load that fails part-way reloads the held version's tensors of those layers, so the
-    engine serves its old version again, and raises WeightSyncFailed saying so. Returns the sync's counts
-    (roll_backend/protocol/weight_delta.HeldWeights.stage) and "loaded": the tensors the engine loaded."""
+    engine serves its old version again, and raises WeightSyncFailed saying so. `all_loaded(loaded_here)`: whether
+    every rank of the engine loaded (a collective, where the ranks share one): when one did not, the others undo
+    their load too. Returns the sync's counts (roll_backend/protocol/weight_delta.HeldWeights.stage) and "loaded":
+    the tensors the engine loaded."""
     staged, counts = held.stage(buckets)
     named = held.with_whole_groups(staged, _layer_key)
+    failure = None
     try:
         counts["loaded"] = load_layers(engine, named, bucket_bytes, after_bucket)
     except Exception as exc:
+        failure = exc
+    if all_loaded is not None and not all_loaded(failure is None) and failure is None:
+        failure = RuntimeError("another rank of the engine failed to load its part")
+    if failure is not None:
+        reason = f"{type(failure).__name__}: {failure}"
         if not held.complete:
             raise WeightSyncFailed(
-                f"the first whole weight sync (version {version}) failed part-way ({type(exc).__name__}: {exc}); "
-                "there is no earlier copy to restore, so the engine holds mixed weights: restart the run"
-            ) from exc
+                f"the first whole weight sync (version {version}) failed part-way ({reason}); there is no earlier "
+                "copy to restore, so the engine holds mixed weights: restart the run",
+                restored=False,
+            ) from failure
         load_layers(engine, [(name, held.tensors[name]) for name, _ in named if name in held.tensors], bucket_bytes)
         raise WeightSyncFailed(
-            f"the weight sync to version {version} failed part-way ({type(exc).__name__}: {exc}); the engine "
-            f"reloaded what it had changed and serves version {held.version} again"
-        ) from exc
+            f"the weight sync to version {version} failed part-way ({reason}); the engine reloaded what it had "
+            f"changed and serves version {held.version} again",
+            restored=True,
+        ) from failure
     held.commit(staged, version)
     return counts
 

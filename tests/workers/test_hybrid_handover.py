@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from roll_backend.workers.hybrid import ALL_PARTS, DeviceHandover, WeightSyncInterrupted
+from roll_backend.workers.hybrid import ALL_PARTS, DeviceHandover, WeightSyncInterrupted, WeightSyncUndone
 
 PARAMS = frozenset({"params"})
 
@@ -28,14 +28,14 @@ class Recorder:
         self.log.append((self.name, "wake", tags))
 
 
-def handover(log, keeps_weights=True, failing_loads=0, reference_offloads=PARAMS):
+def handover(log, keeps_weights=True, failing_loads=0, reference_offloads=PARAMS, failure=OSError):
     loads = []
 
-    def load(version):
+    def load(version, whole):
         loads.append(version)
-        log.append(("trainer", "load", version))
+        log.append(("trainer", "load", version, whole))
         if len(loads) <= failing_loads:
-            raise OSError("bucket 2 of 3 lost")
+            raise failure("bucket 2 of 3 lost")
         return {"tensors": 3.0}
 
     models = {"actor_train": Recorder(log, "actor"), "reference": Recorder(log, "reference", reference_offloads)}
@@ -61,7 +61,7 @@ def test_a_step_moves_each_part_once_and_in_turn():
         ("actor", "device", ("grads", "optimizer")),
         ("actor", "host", ("grads", "optimizer")),  # the sync needs the parameters alone
         ("engine", "wake", ("weights",)),
-        ("trainer", "load", 7),
+        ("trainer", "load", 7, False),  # the engine's weights are what it served: what changed loads
         ("engine", "wake", ("kv_cache",)),
         ("actor", "host", ("params",)),
     ]
@@ -85,7 +85,7 @@ def test_after_a_level_two_sleep_the_engine_is_refilled_before_it_generates():
     device.for_engine()  # no sync came (e.g. nothing to train on): the discarded weights come from the trainer
     assert [entry for entry in log if entry[0] in ("engine", "trainer")] == [
         ("engine", "wake", ("weights",)),
-        ("trainer", "load", None),
+        ("trainer", "load", None, True),  # every tensor
         ("engine", "wake", ("kv_cache",)),
     ]
 
@@ -100,6 +100,21 @@ def test_a_sync_stopped_part_way_is_an_error_and_the_engine_never_generates_from
     assert not device.engine_weights_valid
     log.clear()
     device.for_engine()  # the next generation first loads the trainer's weights whole
-    assert ("trainer", "load", None) in log
-    assert log.index(("trainer", "load", None)) < log.index(("engine", "wake", ("kv_cache",)))
+    assert ("trainer", "load", None, True) in log
+    assert log.index(("trainer", "load", None, True)) < log.index(("engine", "wake", ("kv_cache",)))
     assert device.engine_weights_valid
+
+
+def test_a_sync_the_engine_undid_leaves_it_generating_from_its_version():
+    """With the engine's host copy (engine_copy) a load that fails part-way is reloaded from the copy: the error
+    passes through, and the next generation needs no refill."""
+    log = []
+    device = handover(log, failing_loads=1, failure=WeightSyncUndone)
+    device.for_engine()
+    device.for_model("actor_train", ALL_PARTS)
+    with pytest.raises(WeightSyncUndone, match="bucket 2 of 3 lost"):
+        device.sync(3)
+    assert device.engine_weights_valid
+    log.clear()
+    device.for_engine()
+    assert not [entry for entry in log if entry[0] == "trainer"]

@@ -312,8 +312,9 @@ def sync_weights(
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
     resubmit them). With LoRA adapter sync (groups.adapter_sync) only the adapters travel; with `delta` only what
     changed since the engine's version, switched to all at once (weight_sync_delta). A failed probe undoes a minimal
-    sync or an adapter load (the engine serves its version again, and the error says so); a full sync is not undone
-    (no copy of the old weights is kept): the run's recovery restarts from a checkpoint."""
+    sync (the hybrid engine's in-process one too) or an adapter load (the engine serves its version again, and the error
+    says so); a full sync is not undone (no copy of the old weights is kept): the run stops, to resume from a
+    checkpoint."""
     started = time.perf_counter()
     if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
         loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
@@ -359,18 +360,28 @@ def _probe(groups: RoleGroups, probe_rows: DataProto, max_gap: float, minimal_sy
     gap = float(masked_mean((engine - trainer).abs(), mask))
     if not gap <= max_gap:
         # the engine goes back to what it served where it kept it: a minimal sync's host copy, the adapter before
-        if groups.adapter_sync or (minimal_sync and groups.hybrid is None):
-            reverted = f"; the engine serves version {groups.actor_infer.call(RolloutWorker.revert_weights)[0]} again"
+        if groups.adapter_sync or minimal_sync:
+            reverted = _undo_sync(groups)
         else:
             reverted = (
-                "; the engine holds them (a whole-weight sync keeps no copy of the version before it: "
-                "weight_sync_delta: false, or the hybrid engine's in-process sync), so resume from the last checkpoint"
+                "; the engine holds them (a whole-weight sync, weight_sync_delta: false, keeps no copy of the version "
+                "before it), so resume from the last checkpoint"
             )
         raise WeightSyncError(
             f"after the weight sync the rollout engine's log-probs differ from the trainer's by {gap:.2e} on average "
             f"(limit weight_sync_max_logprob_gap={max_gap}); the weights did not arrive intact{reverted}"
         )
     return gap
+
+
+def _undo_sync(groups: RoleGroups) -> str:
+    """The engine back on the version it served before the sync whose probe failed; what the error then says."""
+    try:
+        version = groups.actor_infer.call(RolloutWorker.revert_weights)[0]
+    except RuntimeError as exc:  # e.g. the run's first sync, which filled an empty copy: no version before it
+        reason = str(exc).strip().splitlines()[-1]
+        return f"; undoing the sync failed ({reason}), so the engine holds them: resume from the last checkpoint"
+    return f"; the engine serves version {version} again"
 
 
 def _sync_deltas(groups: RoleGroups, bucket_bytes: int, version: int | None, in_flight: str | None) -> list[dict]:

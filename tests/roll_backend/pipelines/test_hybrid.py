@@ -21,6 +21,7 @@ from roll_backend.pipelines.loops import phases
 from roll_backend.pipelines.loops.rl_step import rl_step
 from roll_backend.pipelines.run import PipelineRun
 from roll_backend.protocol import DataProto
+from roll_backend.workers.hybrid import HybridWorker
 from roll_backend.workers.rollout import RolloutWorker
 
 HYBRID = "configs/grpo_hybrid_cpu.yaml"
@@ -174,6 +175,59 @@ def test_a_hybrid_adapter_sync_whose_probe_fails_is_undone(ray_session, tmp_path
         assert synced["weight_sync/logprob_gap"] < 1e-5
         mask = rows.batch[keys.RESPONSE_MASK].bool()
         assert (engine_log_probs(run, rows) - served).abs()[mask].mean() > 1e-4  # step 2's adapters do differ
+
+
+def engine_digests(run: PipelineRun) -> list[str]:
+    return run.groups.actor_infer.call(RolloutWorker.weights_digest)
+
+
+def test_a_hybrid_whole_weight_sync_loads_what_changed_all_or_nothing_and_is_undone(ray_session, tmp_path):
+    """The hybrid engine's in-process weight sync with its host copy (weight_sync_delta, #52), LoRA merged into the
+    weights it syncs (the embedding, the norms and the head never change): the run's first sync fills the copy with
+    every tensor, a later one loads only the tensors that changed. Weights perturbed on their way load, the probe
+    sees it and the engine serves version 1 again bit for bit (digests and log-probs); a load failing between two
+    buckets on one TP rank is undone on every rank; a whole sync of the same weights gives the engine of the
+    minimal sync bit for bit."""
+    hybrid = (
+        "actor_infer.hybrid=true",
+        "actor_infer.world_size=2",
+        "actor_infer.strategy.tp=2",
+        "actor_train.strategy.lora.sync=merged",
+        "actor_infer.strategy.weight_sync_bucket_mb=0.01",  # the engine loads a decoder layer at a time
+    )
+    config = load_config(LORA, [f"output_dir={tmp_path}", *QUIET, *hybrid, "max_steps=3"])
+    with PipelineRun(config) as run:
+        first = rl_step(run, 1)
+        assert first["weight_sync/unchanged_tensors"] == 0
+        assert first["weight_sync/bytes"] == first["weight_sync/full_bytes"] > 0
+        rows = phases.generate(run.groups, run.data.batch_at(3, config.rollout_batch_size), config, step=3)
+        served, digests = engine_log_probs(run, rows), engine_digests(run)
+        assert len(set(digests)) == 2  # (each TP rank's shard)
+
+        run.groups.actor_infer.call(RolloutWorker.inject_fault, "perturb:actor_infer:1:weight_sync_bucket:1")
+        with pytest.raises(phases.WeightSyncError, match="did not arrive intact; the engine serves version 1 again"):
+            rl_step(run, 2)
+        assert torch.equal(engine_log_probs(run, rows), served) and engine_digests(run) == digests
+
+        run.groups.actor_infer.call(RolloutWorker.inject_fault, "raise:actor_infer:0:engine_load_bucket:1")
+        with pytest.raises(Exception, match="serves version 1 again"):
+            run.groups.hybrid.call(HybridWorker.sync_engine_weights, version=2)
+        run.groups.actor_infer.call(RolloutWorker.inject_fault, None)
+        assert torch.equal(engine_log_probs(run, rows), served) and engine_digests(run) == digests
+
+        gap_limit = config.logprob_gap_limit()
+        synced = phases.sync_weights(run.groups, rows, config.weight_sync_bucket_bytes, gap_limit, 2, delta=True)
+        assert synced["weight_sync/logprob_gap"] < 1e-5
+        assert synced["weight_sync/unchanged_tensors"] >= 3  # the embedding, the final norm, the head
+        assert 0 < synced["weight_sync/bytes"] < synced["weight_sync/full_bytes"] == first["weight_sync/full_bytes"]
+        minimal = engine_digests(run)
+        assert all(ours != theirs for ours, theirs in zip(minimal, digests))
+        again = run.groups.hybrid.call(HybridWorker.sync_engine_weights, version=2)[0]
+        assert again["tensors"] == 0 and again["loaded"] == 0  # nothing changed since
+        run.groups.hybrid.call(HybridWorker.sync_engine_weights, version=2, whole=True)
+        assert engine_digests(run) == minimal
+        mask = rows.batch[keys.RESPONSE_MASK].bool()
+        assert (engine_log_probs(run, rows) - served).abs()[mask].mean() > 1e-4  # step 2's weights do differ
 
 
 @pytest.mark.gpu(1)

@@ -12,6 +12,7 @@ from roll_backend.protocol.weight_delta import (
     WeightDeltaBucket,
     WeightDeltaError,
     apply,
+    changed_tensors,
     checksum,
     encode,
     tensor_bits,
@@ -55,6 +56,34 @@ def test_changes_are_found_bit_by_bit():
     delta = encode("w", new, old)
     assert delta is not None and same_bits(apply(delta, old), new)
     assert encode("w", old.clone(), old) is None  # the same NaN bits: unchanged
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_in_process_sync_loads_exactly_the_tensors_whose_bits_changed(dtype):
+    """The hybrid engine's sync (changed_tensors): against the engine's held copy, a tensor goes whole when any bit
+    differs (one element, -0.0 for 0.0, another shape) and not at all otherwise; the copies are the host's own (an
+    update of the trainer's tensor in place afterwards changes nothing held); with no copy every tensor goes."""
+    gen = torch.Generator().manual_seed(len(str(dtype)))
+    served = {f"w{i}": (torch.randn(5, 7, generator=gen) * 100).to(dtype) for i in range(5)}
+    held = HeldWeights()
+    held.commit(dict(served), 1)
+    trainer = {name: tensor.clone() for name, tensor in served.items()}
+    trainer["w1"].view(-1)[-1] += 1  # the last element only
+    trainer["w2"] = torch.zeros(5, 7, dtype=dtype)
+    served["w2"] = torch.zeros(5, 7, dtype=dtype)
+    if dtype.is_floating_point:
+        served["w2"][4, 6] = -0.0  # the engine serves -0.0 where the trainer has 0.0: a changed bit
+    else:
+        served["w2"][4, 6] = 1
+    held.commit({"w2": served["w2"]}, 1)
+    trainer["w3"] = trainer["w3"].reshape(7, 5)  # the same elements, another shape
+    bucket = changed_tensors(list(trainer.items()), held, version=2)
+    assert [delta.name for delta in bucket.deltas] == ["w1", "w2", "w3"]
+    assert bucket.unchanged == 2 and bucket.full_bytes == sum(t.numel() * t.element_size() for t in trainer.values())
+    assert all(same_bits(delta.full, trainer[delta.name]) for delta in bucket.deltas)
+    trainer["w1"].add_(1)  # the trainer's next step, in place: the engine's copy keeps what was compared
+    assert not same_bits(bucket.deltas[0].full, trainer["w1"])
+    assert len(changed_tensors(list(trainer.items()), None, version=2).deltas) == 5  # no copy: every tensor
 
 
 def test_a_damaged_delta_or_a_wrong_base_is_refused():
