@@ -276,10 +276,12 @@ class RolloutStrategy(Strategy):
         version: int | None = None,
         in_flight: str | None = None,
         after_bucket: Callable[[], None] | None = None,
+        all_loaded: Callable[[bool], bool] | None = None,
     ) -> dict[str, int]:
         """A minimal weight sync, all or nothing: roll_backend.protocol.weight_delta.WeightDeltaBucket's relative to
         `weights_version`; the engine serves its version until every bucket landed and was checked, and a load that
-        fails part-way leaves it on that version. `after_bucket()` runs after each bucket loaded (fault injection).
+        fails part-way leaves it on that version. `after_bucket()` runs after each bucket loaded (fault injection);
+        `all_loaded(loaded_here)` (a collective) says whether every rank loaded: if one did not, all undo theirs.
         Returns counts: "bytes" received, "full_bytes" (a full sync's), "tensors" sent, "unchanged", "loaded"."""
         raise NotImplementedError(f"{type(self).__name__} takes whole weights only (update_weights)")
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from roll_backend import keys, roles
+from roll_backend.distributed import parallel
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.faults import perturb_first_tensor, perturb_whole_tensor
 from roll_backend.distributed.worker import Worker
@@ -150,6 +151,7 @@ class RolloutWorker(Worker):
             version=version,
             in_flight=in_flight,
             after_bucket=lambda: self.fault_point(roles.ENGINE_LOAD_BUCKET),
+            all_loaded=lambda loaded: parallel.every_rank_agrees(loaded, self.device),  # every engine or none
         )
         return counts | {"version": version}
 

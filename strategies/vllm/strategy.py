@@ -440,13 +440,13 @@ class VllmRolloutStrategy(RolloutStrategy):
         version: int | None = None,
         in_flight: str | None = None,
         after_bucket=None,
+        all_loaded=None,
     ) -> dict[str, int]:
         """A minimal weight sync (roll_backend/protocol/weight_delta.py), all or nothing: the engine switches from
         its version to `version` only once every bucket landed and checked, and a load that fails part-way restores
         the old version (strategies/vllm/weight_sync.load_version). `in_flight` as for `update_weights`."""
-        counts = load_version(
-            self.engine, self.held, buckets, version, self.config.weight_sync_bucket_mb * 2**20, after_bucket
-        )
+        bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
+        counts = load_version(self.engine, self.held, buckets, version, bucket_bytes, after_bucket, all_loaded)
         self._weights_loaded(version, in_flight)
         return counts
 
@@ -468,10 +468,7 @@ class VllmRolloutStrategy(RolloutStrategy):
             compared.append(changed_tensors(bucket, held, version))
             if on_bucket is not None:
                 on_bucket(compared[-1])
-        bucket_bytes = self.config.weight_sync_bucket_mb * 2**20
-        counts = load_version(self.engine, self.held, compared, version, bucket_bytes, after_bucket, all_loaded)
-        self._weights_loaded(version, None)
-        return counts
+        return self.load_weight_deltas(compared, version=version, after_bucket=after_bucket, all_loaded=all_loaded)
 
     def revert_weights(self) -> int | None:
         """Undo the last minimal sync or adapter load (its probe failed): the engine serves the version before it

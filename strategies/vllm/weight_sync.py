@@ -179,10 +179,15 @@ def load_version(
     engine loads any (a failure there leaves the engine untouched); the engine then loads the changed tensors with
     the rest of their layers. A load that fails part-way reloads the held version's tensors of those layers, so the
     engine serves its old version again, and raises WeightSyncFailed saying so. `all_loaded(loaded_here)`: whether
-    every rank of the engine loaded (a collective, where the ranks share one): when one did not, the others undo
-    their load too. Returns the sync's counts (roll_backend/protocol/weight_delta.HeldWeights.stage) and "loaded":
-    the tensors the engine loaded."""
-    staged, counts = held.stage(buckets)
+    every rank of the engine loaded (a collective every rank reaches once, whatever fails): when one did not, the
+    others undo their load too. Returns the sync's counts (roll_backend/protocol/weight_delta.HeldWeights.stage)
+    and "loaded": the tensors the engine loaded."""
+    try:
+        staged, counts = held.stage(buckets)
+    except Exception:  # nothing loaded here; the other ranks must hear it before they commit (or they wait)
+        if all_loaded is not None:
+            all_loaded(False)
+        raise
     named = held.with_whole_groups(staged, _layer_key)
     failure = None
     try:

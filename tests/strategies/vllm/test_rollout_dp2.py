@@ -1,5 +1,6 @@
 """Two rollout ranks (DP=2, one engine each, vLLM on the role's gloo world via external_launcher): an uneven prompt
-batch is split, sampled, collected in order with uid groups intact, and a weight update reaches both engines."""
+batch is split, sampled, collected in order with uid groups intact, a weight update reaches both engines, and a
+minimal sync that fails on one engine is undone on both."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from roll_backend import keys
 from roll_backend.keys import META_VALIDATE
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
+from roll_backend.protocol.weight_delta import changed_tensors
 from roll_backend.strategies.vllm.config import SamplingConfig, VllmRolloutConfig
 from roll_backend.workers.rollout import RolloutWorker, RolloutWorkerConfig
 
@@ -33,6 +35,7 @@ def rollout(make_group, model_dir):
             max_prompt_length=MAX_PROMPT_LENGTH,  # equal prompt widths on both ranks, so the parts concatenate
             sampling=SamplingConfig(n=3, temperature=1.0, max_tokens=12),
             validation=SamplingConfig(n=1, temperature=0.0, max_tokens=12),
+            weight_sync_bucket_mb=1 / 16,  # a decoder layer per load: a fault can fall between two
         )
     )
     group = make_group(RolloutWorker, 2, role="rollout", worker_config=config)
@@ -74,3 +77,29 @@ def test_weight_update_reaches_both_engines(rollout, model_dir):
     after = rollout.call(RolloutWorker.generate, same_prompt_twice).batch[keys.RESPONSES]
     assert torch.equal(after[0], after[1]), "the two engines disagree after the update: one kept old weights"
     assert not torch.equal(after[0], before[0])
+
+
+def test_a_minimal_sync_failing_on_one_engine_is_undone_on_both(rollout, model_dir):
+    """All or nothing across ranks (#52): a minimal sync whose load fails between two decoder layers on rank 0 leaves
+    both engines on their version bit for bit (they agree before either commits), where rank 1 alone would have
+    switched; the same sync then lands on both."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def whole(scale: float, version: int) -> list:
+        named = [(name, param.detach() * scale) for name, param in model.named_parameters()]
+        return [ray.put(changed_tensors(named, None, version))]
+
+    rollout.call(RolloutWorker.load_weight_deltas, whole(1.0, 1), version=1)  # fills both engines' copies
+    served = rollout.call(RolloutWorker.weights_digest)
+    rollout.call(RolloutWorker.inject_fault, "raise:rollout:0:engine_load_bucket:1")
+    with pytest.raises(Exception, match="serves version 1 again"):
+        rollout.call(RolloutWorker.load_weight_deltas, whole(0.5, 2), version=2)
+    rollout.call(RolloutWorker.inject_fault, None)
+    assert rollout.call(RolloutWorker.weights_digest) == served
+    assert rollout.call(RolloutWorker.weights_version) == [1, 1]
+    rollout.call(RolloutWorker.load_weight_deltas, whole(0.5, 2), version=2)
+    landed = rollout.call(RolloutWorker.weights_digest)
+    assert landed[0] == landed[1] != served[0] and rollout.call(RolloutWorker.weights_version) == [2, 2]
