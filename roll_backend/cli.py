@@ -12,6 +12,7 @@ are imported inside the commands that need them, so `validate` starts no Ray.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -116,21 +117,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
     _check_resume(args.config, config)
     from roll_backend.distributed.orphans import kill_children_with_this_process
-    from roll_backend.distributed.ray_env import init_local_ray
-    from roll_backend.pipelines import run_with_restarts  # before Ray starts: a broken install fails at once
+    from roll_backend.distributed.ray_env import start_local_ray
 
     kill_children_with_this_process(own_group=False)  # a SIGKILLed driver takes Ray's processes with it
 
     address = os.environ.get("RAY_ADDRESS")  # set by Ray inside a job: join that cluster
     if address:
-        init_local_ray(address=address)
+        ray_started = start_local_ray(address=address)
     else:
-        init_local_ray(num_cpus=config.ray_num_cpus, cpu_ranks=not config.uses_gpus)
+        ray_started = start_local_ray(num_cpus=config.ray_num_cpus, cpu_ranks=not config.uses_gpus)
     import ray
 
     try:
+        # While Ray's processes start: the pipeline's imports and the tiny model (what the run builds first anyway).
+        from roll_backend.pipelines import run_with_restarts
+        from roll_backend.pipelines.run import ensure_model
+
+        ensure_model(config)
+        ray_started.result()
         metrics = run_with_restarts(config)
     finally:
+        concurrent.futures.wait([ray_started])  # (a failure above must not race the start it would shut down)
         ray.shutdown()
     last = metrics[-1] if metrics else {}
     reward = last.get("reward/mean")

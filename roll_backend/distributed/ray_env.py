@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
+import signal
+import sys
 import tempfile
+import threading
 
 # Set before Ray first starts (see shared STACK.md): no token auth on local clusters, node on 127.0.0.1,
 # readable logs, no telemetry, gloo on loopback.
@@ -76,3 +81,34 @@ def init_local_ray(
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
     )
+
+
+class _NotOnMainThreadNotice(logging.Filter):
+    """Drops ray.init's notice that it set no SIGTERM handler off the main thread (start_local_ray sets it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def start_local_ray(**kwargs) -> concurrent.futures.Future:
+    """`init_local_ray(**kwargs)` on a thread of its own: Ray's node processes take ~4 s to come up on a 2-core
+    machine, mostly waiting, while the caller goes on with its own start-up (imports, building a model); call the
+    future's `result()` before the first Ray call. Call from the main thread: it sets the SIGTERM handler ray.init
+    sets only there (SIGTERM becomes SystemExit, so the driver's `finally` still shuts Ray down)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    logging.getLogger("ray._private.worker").addFilter(_NotOnMainThreadNotice())
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def start() -> None:
+        try:
+            future.set_result(init_local_ray(**kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        # Ray's node processes die with the thread that started them (its fate sharing is PR_SET_PDEATHSIG, which
+        # follows the parent thread): this one stays until the process ends.
+        threading.Event().wait()
+
+    threading.Thread(target=start, name="ray-start", daemon=True).start()
+    return future
