@@ -141,11 +141,6 @@ def _share_prompts_problems(cfg) -> list[str]:
     if not cfg.share_prompts:
         return []
     problems = []
-    if cfg.mtp_num_layers:
-        problems.append(
-            "share_prompts with mtp_num_layers > 0: a shared prompt's last positions would need one MTP label per "
-            "response; turn one of them off"
-        )
     if cfg.transformer_impl == "transformer_engine":
         problems.append(
             "share_prompts with transformer_impl=transformer_engine: the TE layers here take causal or THD masks "
@@ -436,12 +431,6 @@ def _split_problems(cfg, run: RunFacts) -> list[str]:
         problems.append(
             f"{where}: max_tokens_per_microbatch with vpp={layout.vpp} is not supported yet (the "
             f"interleaved schedule needs a multiple of pp micro-batches); set vpp=null or use micro_batch_size"
-        )
-    if cfg.share_prompts and layout.cp > 1:
-        problems.append(
-            f"{where}: share_prompts with cp={layout.cp} is not supported yet (a shared prompt's last position "
-            "predicts every response's first token, and CP splits positions over ranks); set cp=1 or share_prompts: "
-            "false"
         )
     num_layers = (run.model_config or {}).get("num_hidden_layers")
     if num_layers is None:

@@ -247,6 +247,7 @@ class BatchingPlan:
     packing: bool = False
     thd: bool = False  # packed rows in Megatron's THD format (TransformerEngine), else a block-diagonal mask
     share_prompts: bool = False  # rows with one prompt forward it once (shared_micro_batches.py)
+    prompt_tail: int = 1  # shared prompts: the last prompt tokens each response carries (1 + MTP depths)
     # Micro-batch widths are rounded up to this (context parallelism needs a multiple of 2 x cp as well).
     width_multiple: int = SEQUENCE_MULTIPLE
 
@@ -258,16 +259,17 @@ class BatchingPlan:
             raise ValueError(
                 "use_sequence_packing=True needs max_tokens_per_microbatch (the length of a packed row); set it"
             )
-        if packing and config.mtp_num_layers:
+        share = bool(getattr(config, "share_prompts", False))
+        if packing and config.mtp_num_layers and not share:  # (shared segments carry a tail that keeps them apart)
             raise ValueError(
                 "use_sequence_packing with mtp_num_layers > 0: MTP labels would cross packed sequences; "
-                "leave packing off for this model"
+                "leave packing off for this model, or pack prompt-shared segments (share_prompts: true)"
             )
         if max_tokens is not None and int(max_tokens) < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens} must be >= 1 (or None for fixed micro-batches)")
         budget = None if max_tokens is None else int(max_tokens)
-        share = bool(getattr(config, "share_prompts", False))
-        return cls(config.micro_batch_size, budget, packing, thd and packing and not share, share)
+        tail = 1 + (getattr(config, "mtp_num_layers", 0) or 0)
+        return cls(config.micro_batch_size, budget, packing, thd and packing and not share, share, tail)
 
 
 def batching_plan(strategy, batch: DataProto) -> BatchingPlan:

@@ -72,7 +72,9 @@ def forward_backward(
         key = (chunk_index[id(chunk)], micro_index[id(micro)])
         if routes is not None:
             routes.replayer.before_chunk(*key, micro_routes)
-        with rope_at_positions(unwrap(chunk), micro.position_ids) if micro.rope_positions else contextlib.nullcontext():
+        # (this rank's positions: under CP its chunks of the sequence)
+        rope = rope_at_positions(unwrap(chunk), inputs["position_ids"]) if micro.rope_positions else None
+        with rope or contextlib.nullcontext():
             output = chunk(**inputs)
         if capture.applies_to(chunk):
             output = capture.pop()

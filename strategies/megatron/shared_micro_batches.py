@@ -30,7 +30,7 @@ def split_shared(batch: DataProto, plan: BatchingPlan, device: str, what: str) -
     ids, attention = batch.batch[keys.INPUT_IDS], batch.batch[keys.ATTENTION_MASK]
     response_width = batch.batch[keys.RESPONSES].shape[1]
     max_rows = plan.micro_batch_size if plan.max_tokens is None else None
-    segments, empty = shared_segments(ids, attention, response_width, max_rows, plan.max_tokens)
+    segments, empty = shared_segments(ids, attention, response_width, max_rows, plan.max_tokens, plan.prompt_tail)
     lengths = [segment.length for segment in segments]
     if plan.max_tokens is None:
         packed = [[[s] for s in micro] for micro in _by_rows(segments, plan.micro_batch_size)]
@@ -70,7 +70,9 @@ def _by_rows(segments: list[Segment], max_rows: int) -> list[list[Segment]]:
 def _micro_batch(batch: DataProto, packed: list[list[Segment]], device: str, shape: tuple[int, int]) -> MicroBatch:
     """One micro-batch of `shape` (packed rows, width) from the segments of each packed row."""
     response_width = batch.batch[keys.RESPONSES].shape[1]
-    layout = lay_out(batch.batch[keys.INPUT_IDS], batch.batch[keys.ATTENTION_MASK], response_width, packed, shape[1])
+    response_mask = batch.batch[keys.RESPONSE_MASK] if keys.RESPONSE_MASK in batch.batch.keys() else None
+    ids, attention = batch.batch[keys.INPUT_IDS], batch.batch[keys.ATTENTION_MASK]
+    layout = lay_out(ids, attention, response_width, packed, shape[1], response_mask)
     pad = shape[0] - layout.input_ids.shape[0]
 
     def rows_of(tensor: torch.Tensor, value) -> torch.Tensor:  # the micro-batch's rows, padding rows below
@@ -81,8 +83,8 @@ def _micro_batch(batch: DataProto, packed: list[list[Segment]], device: str, sha
     if pad:
         visible[-pad:] = torch.eye(shape[1], dtype=torch.bool, device=device)
     input_ids = rows_of(layout.input_ids, 0)
-    # Next-token labels cross segments (a response's last position holds the next response's first token): only
-    # CP's and MTP's per-position losses read them, and sharing refuses both; outputs go through `gather`.
+    # Every position has its own next token (each response carries the prompt's tail): CP's per-position log-probs
+    # and MTP's labels read them; a response's last position's (the next segment's first token) is outside every mask.
     labels = torch.roll(input_ids, shifts=-1, dims=1)
     labels[:, -1] = 0
     proto = batch.select_idxs(layout.rows)
@@ -92,7 +94,7 @@ def _micro_batch(batch: DataProto, packed: list[list[Segment]], device: str, sha
         position_ids=rows_of(layout.position_ids, 0),
         attention_mask=~visible[:, None],
         labels=labels,
-        loss_mask=torch.zeros(input_ids.shape, dtype=torch.float32, device=device),
+        loss_mask=rows_of(layout.predicts_response, 0.0),
         responses=proto.batch[keys.RESPONSES].to(device),
         token_mask=rows_of(layout.real, False),
         gather=OutputGather(

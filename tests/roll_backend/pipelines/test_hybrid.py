@@ -1,7 +1,7 @@
 """The hybrid engine in the pipeline (workers/hybrid.py): the trainer, the rollout engine and the reference in the
 same processes take the same steps as the same roles on their own ranks: at the demo's layout (trainer TP2, engine
 TP2), where the hybrid recipe also shares prompts (share_prompts on the trainer and the reference: a GRPO run from
-YAML that forwards each prompt once for its 16 samples, ~90% fewer tokens, takes the unshared split run's steps
+YAML that forwards each prompt once for its 16 samples, ~85% fewer tokens, takes the unshared split run's steps
 within float32 rounding and learns), and with the weights resharded (trainer TP1 x PP2, engine TP2) in a PPO run
 whose critic is hosted too, whose actor trains LoRA adapters and whose actor and critic share prompts in both runs:
 a rank killed in a step restarts the run from its checkpoint (the critic's state in it), and it ends equal to the
@@ -83,11 +83,13 @@ def test_hybrid_demo_with_shared_prompts_takes_the_unshared_split_runs_steps_and
         for key in STEP_KEYS:
             assert key in ours, key
         for phase in (roles.REFERENCE_LOG_PROBS, roles.OLD_LOG_PROBS, roles.TRAIN):
-            # 16 samples of a 25-token prompt and a 1-token answer: one prompt forward instead of 16
+            # 16 samples of a 25-token prompt and a 1-token answer (16 x 26 tokens unshared): the prompt's first 24
+            # tokens once per segment, each sample its last one and its answer; a group's 16 rows in at most 3
+            # segments (the phases' micro-batches): at most 3 x 24 + 16 x 2 = 104 tokens, a quarter
             assert theirs[f"perf/{phase}_tokens_forwarded"] == theirs[f"perf/{phase}_tokens_unshared"]
             assert ours[f"perf/{phase}_tokens_unshared"] == theirs[f"perf/{phase}_tokens_unshared"]
-            assert ours[f"perf/{phase}_tokens_forwarded"] < 0.2 * ours[f"perf/{phase}_tokens_unshared"], phase
-        assert ours["perf/prompt_share_saved"] > 0.85 and theirs["perf/prompt_share_saved"] == 0.0
+            assert ours[f"perf/{phase}_tokens_forwarded"] <= 0.25 * ours[f"perf/{phase}_tokens_unshared"], phase
+        assert ours["perf/prompt_share_saved"] > 0.8 and theirs["perf/prompt_share_saved"] == 0.0
     assert len({row["reward/mean"] for row in split}) > 1  # the steps differ: the comparison is not of constants
     rewards = [row["reward/mean"] for row in hybrid_demo]
     assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"

@@ -397,14 +397,15 @@ SHARED_RUNS = {
     "tp2pp2": ("tp2pp2", {}),  # sequence parallelism at TP2
     "pp2vpp2": ("pp2vpp2", {}),
     "tp1_budget": ("tp1", {keys.META_MAX_TOKENS_PER_MICROBATCH: 24}),
+    "cp2": ("cp2", {}),  # a segment's positions over two CP ranks, the mask's rows with them
     "ep2_packed": ("ep2", {keys.META_MAX_TOKENS_PER_MICROBATCH: 32, keys.META_SEQUENCE_PACKING: True}),
 }
 
 
 def shared_examples() -> list[Example]:
-    """Drawn shapes with more rows (MTP off: sharing refuses it); dense and MoE, full training and LoRA."""
+    """Drawn shapes with more rows; dense with MTP and MoE (which refuses MTP), full training and LoRA."""
     chosen = [examples()[i] for i in (0, 3, 6)]
-    return [dataclasses.replace(e, mtp=0, rows=e.rows + 5) for e in chosen]
+    return [dataclasses.replace(e, mtp=0 if e.moe else 1, rows=e.rows + 5) for e in chosen]
 
 
 def random_groups(rows: int, seed: int) -> list[int]:
