@@ -181,13 +181,18 @@ def lay_out(
                     aliases.append(torch.stack([row * total + shared_cols, first * total + shared_cols], dim=1))
                 start += len(cols)
             offset = start
-    gather_rows = torch.zeros(len(rows), response_width, dtype=torch.long)
-    gather_cols = torch.zeros(len(rows), response_width, dtype=torch.long)
-    gather_valid = torch.zeros(len(rows), response_width, dtype=torch.bool)
+    alias = torch.cat(aliases) if aliases else torch.zeros(0, 2, dtype=torch.long)
+    gathered = _gather_indices(gathers, response_width)
+    return SharedLayout(out_ids, positions, visible, real, source, rows, *gathered, alias, predicts_response)
+
+
+def _gather_indices(gathers: list[tuple[int, torch.Tensor]], response_width: int) -> tuple[torch.Tensor, ...]:
+    """(rows, cols, valid) [n, response_width] of each row's (packed row, predicting positions)."""
+    gather_rows = torch.zeros(len(gathers), response_width, dtype=torch.long)
+    gather_cols = torch.zeros(len(gathers), response_width, dtype=torch.long)
+    gather_valid = torch.zeros(len(gathers), response_width, dtype=torch.bool)
     for i, (b, predicts) in enumerate(gathers):
         gather_rows[i] = b
         gather_cols[i, : len(predicts)] = predicts
         gather_valid[i, : len(predicts)] = True
-    alias = torch.cat(aliases) if aliases else torch.zeros(0, 2, dtype=torch.long)
-    gathered = (gather_rows, gather_cols, gather_valid)
-    return SharedLayout(out_ids, positions, visible, real, source, rows, *gathered, alias, predicts_response)
+    return gather_rows, gather_cols, gather_valid
