@@ -28,6 +28,7 @@ RAY_ENV_DEFAULTS = {
 # pages in again each time: keeping freed memory in the heap instead cut a GRPO step by ~16% on 2 cores
 # (bench/grpo_step.py). GPU ranks keep tensors in CUDA's caching allocator and do not need it.
 CPU_RANK_ENV_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+VLLM_IPC_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def cpu_rank_env() -> dict[str, str]:
@@ -72,6 +73,11 @@ def init_local_ray(
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rb", dir="/tmp")
     os.environ.update((cpu_rank_env() if cpu_ranks else {}) | (env_vars or {}))
+    # vLLM names its IPC sockets (a TP engine's message queues) under VLLM_RPC_BASE_PATH, the temp dir itself by
+    # default, and leaves them when a rank is killed: under the node's own folder they stay with its other files.
+    ipc = os.path.join(temp_dir, "vllm_ipc")
+    os.makedirs(ipc, exist_ok=True)
+    os.environ.setdefault(VLLM_IPC_ENV, ipc)
     return ray.init(
         address="local",
         num_cpus=num_cpus,

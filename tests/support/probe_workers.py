@@ -38,7 +38,7 @@ class ProbeWorker(Worker):
             "coords": self.coords,
             "note": note,
             "pid": os.getpid(),
-            "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS")},
+            "env": {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "RAY_DEDUP_LOGS", "VLLM_RPC_BASE_PATH")},
             "megatron_imported": "megatron.core" in sys.modules,
             "trackers_imported": [name for name in ("wandb", "torch.utils.tensorboard") if name in sys.modules],
         }

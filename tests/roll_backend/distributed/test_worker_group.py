@@ -4,6 +4,8 @@ issue 2).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -60,6 +62,9 @@ def test_one_to_all_and_all_to_all_reach_every_rank(make_group):
     # CPU ranks start with the allocator settings (ray_env.CPU_RANK_ENV_DEFAULTS), on top of the job's env.
     assert {r["env"]["MALLOC_MMAP_MAX_"] for r in replies} == {"0"}
     assert {r["env"]["RAY_DEDUP_LOGS"] for r in replies} == {"0"}  # the job-level env_vars still apply
+    # vLLM's IPC sockets go to the node's own folder, not the top of /tmp (where killed engines left hundreds)
+    (ipc,) = {r["env"]["VLLM_RPC_BASE_PATH"] for r in replies}
+    assert ipc.endswith("/vllm_ipc") and os.path.isdir(ipc) and os.path.dirname(ipc) != tempfile.gettempdir()
     assert group.call(ProbeWorker.echo, ["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
     with pytest.raises(DispatchError, match="list of 4"):
         group.call(ProbeWorker.echo, ["only one"])
