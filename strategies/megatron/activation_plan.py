@@ -49,11 +49,17 @@ class PlanOptions:
     entropy: bool = True
     mtp_layers: int = 0
     transformer_engine: bool = False
+    flex_attention: bool = False  # the local spec with FlexAttention (prompt sharing on a GPU): no scores kept
     sequence_parallel: bool = False
 
     @property
     def width(self) -> int:
         return DTYPE_BYTES[self.params_dtype]
+
+    @property
+    def keeps_scores(self) -> bool:
+        """Whether attention materialises its [sq, sk] scores (Megatron's local DotProductAttention)."""
+        return not (self.transformer_engine or self.flex_attention)
 
 
 SCORES_BUFFER = "attention scores buffer"
@@ -104,7 +110,7 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
         attention += tokens * (q + kv) + tokens * (nq + nkv)  # the normed query and key, their rsqrt
         if nq > nkv:
             attention += tokens * (q + 2 * kv) + tokens * q  # the QKV output the norms read, the grouped query
-    scores = micro.rows * nq * seq * micro.width * FP32  # the float32 softmax
+    scores = micro.rows * nq * seq * micro.width * FP32 if options.keeps_scores else 0  # the float32 softmax
     rope = 4 * seq * d * FP32
     if arch.moe is None:
         mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
@@ -221,7 +227,7 @@ def activation_terms(
     # the embedding's output, or the activation a stage receives (this rank's part of the sequence under SP)
     edge = (tokens // layout.tp if options.sequence_parallel else tokens) * arch.hidden_size * options.width
     terms: dict[str, int] = {}
-    if not options.transformer_engine:  # Megatron's global buffer for the scores' matmul, kept between calls
+    if options.keeps_scores:  # Megatron's global buffer for the scores' matmul, kept between calls
         nq = arch.num_heads // layout.tp
         terms[SCORES_BUFFER] = micro.rows * nq * (micro.width // layout.cp) * micro.width * options.width
     if not training:
@@ -296,7 +302,7 @@ def _forward_terms(
     tokens, seq = micro.tokens // layout.cp, micro.width // layout.cp
     nq, nkv = _heads(arch, layout.tp)
     q, kv = nq * arch.head_dim, nkv * arch.head_dim
-    scores = 0 if options.transformer_engine else micro.rows * nq * seq * micro.width * (options.width + FP32)
+    scores = micro.rows * nq * seq * micro.width * (options.width + FP32) if options.keeps_scores else 0
     # QKV's output; the query and key rotated (and normed: qwen3); the context and its copy
     attention = tokens * (q + 2 * kv) + 3 * tokens * q + tokens * kv + (tokens * (q + kv) if arch.qk_norm else 0)
     if nq > nkv:

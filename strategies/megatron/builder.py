@@ -168,6 +168,7 @@ class ModelBuildOptions:
     recompute_activations: bool = False
     use_torch_compile: bool = False  # local spec: compiled norms, core attention and SwiGLU (compiled_layers.py)
     sequence_parallel: bool = False  # Megatron's sequence parallelism at tp > 1 (MoE models always take it there)
+    flex_attention: bool = False  # local spec: FlexAttention over an explicit mask (share_prompts on a GPU)
 
 
 def transformer_config(arch: HFArch, options: ModelBuildOptions):
@@ -232,10 +233,17 @@ def transformer_config(arch: HFArch, options: ModelBuildOptions):
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None, use_torch_compile: bool = False):
+def layer_spec(
+    config,
+    use_transformer_engine: bool,
+    vp_stage: int | None = None,
+    use_torch_compile: bool = False,
+    flex_attention: bool = False,
+):
     """The decoder's spec: TransformerEngine's layers (TE does CP itself), or Megatron's local layers with
     `RMSNorm` as every norm and, under CP, the CP-capable core attention of cp.py; with `use_torch_compile`,
-    their compiled versions (compiled_layers.py)."""
+    their compiled versions (compiled_layers.py); with `flex_attention`, FlexAttention as the core attention
+    (masked_attention.py: prompt-shared segments on a GPU)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -251,6 +259,10 @@ def layer_spec(config, use_transformer_engine: bool, vp_stage: int | None = None
         from roll_backend.strategies.megatron.compiled_layers import CompiledRMSNorm, compiled_attention_class
 
         norm, attention = CompiledRMSNorm, compiled_attention_class()
+    if flex_attention:
+        from roll_backend.strategies.megatron.masked_attention import masked_attention_class
+
+        attention = masked_attention_class()
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     if config.qk_layernorm:
@@ -286,7 +298,9 @@ def build_gpt_stage(arch: HFArch, options: ModelBuildOptions, vp_stage: int | No
         if problem:
             raise ValueError(problem + ".")
     config = transformer_config(arch, options)
-    spec = layer_spec(config, options.use_transformer_engine, vp_stage, options.use_torch_compile)
+    spec = layer_spec(
+        config, options.use_transformer_engine, vp_stage, options.use_torch_compile, options.flex_attention
+    )
     pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     mtp_spec = None

@@ -67,33 +67,39 @@ def attention_core(
     return context.view(batch, heads, sq, head_dim).permute(2, 0, 1, 3).reshape(sq, batch, heads * head_dim)
 
 
+def runs_stock_attention(attention, attention_mask, attention_bias, packed_seq_params) -> bool:
+    """Whether a DotProductAttention call needs Megatron's own forward: what plain masked softmax attention with the
+    module's scale does not express (no mask given, attention bias, packed sequences, a softmax offset or scale,
+    sliding windows, dropout in training)."""
+    softmax = attention.scale_mask_softmax
+    return (
+        attention_mask is None
+        or attention_bias is not None
+        or packed_seq_params is not None
+        or attention.softmax_offset is not None
+        or softmax.scale is not None
+        or softmax.window_size is not None
+        or (attention.training and attention.config.attention_dropout > 0)
+    )
+
+
 @functools.cache
 def compiled_attention_class():
     """`CompiledDotProductAttention`, defined on first use (megatron-core is imported in rank processes only)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class CompiledDotProductAttention(DotProductAttention):
-        """Megatron's local core attention, compiled. What `attention_core` does not express (no mask given,
-        attention bias, packed sequences, a softmax offset or scale, sliding windows, dropout in training) runs
-        DotProductAttention's own forward."""
+        """Megatron's local core attention, compiled. What `attention_core` does not express
+        (runs_stock_attention) runs DotProductAttention's own forward."""
 
         def forward(
             self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
         ):
-            softmax = self.scale_mask_softmax
-            stock = (
-                attention_mask is None
-                or attention_bias is not None
-                or packed_seq_params is not None
-                or self.softmax_offset is not None
-                or softmax.scale is not None
-                or softmax.window_size is not None
-                or (self.training and self.config.attention_dropout > 0)
-            )
-            if stock:
+            if runs_stock_attention(self, attention_mask, attention_bias, packed_seq_params):
                 return super().forward(
                     query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
                 )
+            softmax = self.scale_mask_softmax
             softmax_in_fp32 = softmax.input_in_float16 and softmax.softmax_in_fp32
             return compiled(attention_core)(query, key, value, attention_mask, self.softmax_scale, softmax_in_fp32)
 

@@ -189,6 +189,7 @@ def plan_options(cfg, arch: HFArch, layout: ParallelLayout, device: str, trains:
         entropy=bool(cfg.compute_entropy),
         mtp_layers=cfg.mtp_num_layers,
         transformer_engine=plans_transformer_engine(cfg, device),
+        flex_attention=bool(getattr(cfg, "share_prompts", False)) and device == "cuda",  # (model_setup.py)
         sequence_parallel=layout.tp > 1 and (arch.moe is not None or bool(cfg.sequence_parallel)),  # (builder.py)
     )
 

@@ -111,6 +111,8 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str):
         recompute_activations=getattr(cfg, "recompute_activations", False),
         use_torch_compile=cfg.use_torch_compile,
         sequence_parallel=bool(cfg.sequence_parallel),
+        # (prompt-shared segments' explicit mask: fused FlexAttention on a GPU, the dense local attention on CPU)
+        flex_attention=bool(getattr(cfg, "share_prompts", False)) and device == "cuda",
     )
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)

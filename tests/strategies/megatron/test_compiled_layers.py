@@ -4,6 +4,7 @@ are checked at CP2 against transformers and TP1 in tests/strategies/test_megatro
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
@@ -63,3 +64,37 @@ def test_compiled_attention_core_equals_eager_and_a_float64_reference():
     for got, want in zip(actual_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert [g.shape for g in actual_grads] == [query.shape, key.shape, value.shape]
+
+
+@pytest.mark.parametrize("query_rows", ["all", "cp_rank"])
+def test_flex_attention_core_equals_the_dense_core_on_a_shared_prompt_mask(query_rows):
+    """masked_attention.flex_attention_core (share_prompts' attention on a GPU; unfused here) against the float64
+    reference and the dense core, with GQA and the mask of two prompt-shared segments (prompt once, each response
+    seeing it, its own tail copy and its own earlier tokens; padding seeing itself); with a CP rank's query rows over
+    every key too. Forward only: FlexAttention has no backward on CPU (the gpu(1) check of test_shared_prompts.py
+    trains through it)."""
+    from roll_backend.strategies.megatron.masked_attention import flex_attention_core
+    from roll_backend.strategies.megatron.shared_prompts import lay_out, shared_segments
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [0, 5, 6, 7], [9, 8, 7, 6], [9, 8, 7, 6]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1]] * 3 + [[1, 1, 1, 1]] * 2)
+    responses = torch.randint(3, 20, (5, 3), generator=gen)
+    present = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    ids, mask = torch.cat([prompts, responses], 1), torch.cat([prompt_mask, present], 1)
+    segments, _ = shared_segments(ids, mask, 3, tail=2)
+    layout = lay_out(ids, mask, 3, [segments], 32)  # both segments in one row, padding after them
+    blocked = ~layout.visible[:, None].repeat(2, 1, 1, 1)  # [b=2, 1, 32, 32]
+    rows = slice(None) if query_rows == "all" else torch.cat([torch.arange(0, 8), torch.arange(24, 32)])
+    blocked = blocked[:, :, rows]
+    seq, heads, groups, dim = 32, 4, 2, 16
+    query = torch.randn(seq, 2, heads, dim, generator=gen)[rows]
+    key, value = torch.randn(seq, 2, groups, dim, generator=gen), torch.randn(seq, 2, groups, dim, generator=gen)
+    scale = dim**-0.5
+    expected = _reference_attention(query, key, value, blocked, scale)
+    with torch.no_grad():
+        dense = attention_core(query, key, value, blocked, scale, False).float()
+        flex = flex_attention_core(query, key, value, blocked, scale)
+    torch.testing.assert_close(dense, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex, expected, rtol=1e-5, atol=1e-5)
+    assert not blocked.all(-1).any()  # (no query row with every key masked: where the two cores differ by design)
