@@ -60,6 +60,9 @@ class RunFacts:
     # None: the role sends none), and whether the minimal sync compares them with the engine's copy (weight_sync_delta)
     weight_sync_bucket: int | None = None
     weight_sync_delta: bool = False
+    # Which of the role's ranks keep a host copy of the whole model for the weight sync ("rank 0", "every rank"; a
+    # minimal or hybrid all-or-nothing sync), None: none (host memory, outside the device plan: said in a note).
+    host_weight_copy: str | None = None
 
 
 @dataclass(frozen=True)

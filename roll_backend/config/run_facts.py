@@ -132,7 +132,21 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         and config.weight_sync_delta
         and roles.ACTOR_INFER not in hosted
         and synced_adapter_rank(config) is None,
+        host_weight_copy=_host_weight_copy(config, name, hosted),
     )
+
+
+def _host_weight_copy(config: PipelineConfig, name: str, hosted: tuple[str, ...]) -> str | None:
+    """Which ranks of role `name` keep a host copy of the model for the weight sync: trainer rank 0 (what it sent) and
+    every rollout rank (what it serves) under the minimal sync; every hybrid rank (its engine's) with the same
+    setting; none with weight_sync_delta: false, adapter sync, or no rollout engine."""
+    if config.offline or getattr(config, roles.ACTOR_INFER, None) is None or not config.weight_sync_delta:
+        return None
+    if synced_adapter_rank(config) is not None:
+        return None
+    if name == roles.ACTOR_TRAIN:
+        return "every rank" if roles.ACTOR_INFER in hosted else "rank 0"
+    return "every rank" if name == roles.ACTOR_INFER and name not in hosted else None
 
 
 def hybrid_roles(config: PipelineConfig) -> tuple[str, ...]:

@@ -308,6 +308,12 @@ def plan(cfg, run) -> list:
             "activations of TransformerEngine's layers (an estimate: the suite measures the local spec on CPU); "
             "without TE on the GPUs the local spec also keeps the attention scores"
         )
+    if run.host_weight_copy:
+        whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total
+        notes.append(
+            f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
+            f"{whole * DTYPE_BYTES[cfg.params_dtype] / 2**30:.2f} GiB (weight_sync_delta: false keeps none)"
+        )
     hints = dict(HINTS)
     if getattr(getattr(cfg, "optimizer", None), "use_distributed_optimizer", False):
         hints["optimizer"] = "more data-parallel ranks shard it further (the distributed optimizer is on)"

@@ -72,6 +72,11 @@ def plan(cfg, run) -> list:
     activations = batched * (4 * m["h"] + (m["nq"] + 2 * m["nkv"]) * m["d"] // tp + 3 * m["ffn"] // tp) * width
     activations += DEFAULT_MAX_NUM_SEQS * m["vocab"] // tp * 4  # the sampler's float32 logits
     notes = []
+    if run.host_weight_copy:  # (HF tensors as the trainer sends them; the engine's dtype as a stand-in for theirs)
+        notes.append(
+            f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
+            f"{weight_elements(fields, 1) * width / GIB:.2f} GiB (weight_sync_delta: false keeps none)"
+        )
     # Asleep (the hybrid engine on a GPU) it keeps nothing on the device: level 1 moves the weights to host memory
     # and frees the cache, level 2 discards both. vLLM on CPU has no sleep mode.
     offloaded = frozenset({"weights"}) if run.hybrid and run.device == "cuda" and cfg.sleep_level >= 1 else frozenset()

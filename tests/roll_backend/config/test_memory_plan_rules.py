@@ -148,6 +148,15 @@ def test_the_weight_sync_phase_holds_a_bucket_of_whole_tensors_and_the_hybrid_en
         True,
     )
     assert role_plans(no_delta)["actor_train"][0].phases["weight_sync"] == {"weight-sync bucket": embedding}
+    # The host copies the sync keeps (host memory, outside the device plan: notes with their size): trainer rank 0
+    # and every rollout rank for the minimal sync, every hybrid rank for the hybrid's, none without weight_sync_delta.
+    copy = f"keeps a copy of the model's weights for the weight sync, {whole / 2**30:.2f} GiB"
+    split_plans = role_plans(split)
+    assert f"host memory: rank 0 {copy} (weight_sync_delta: false keeps none)" in split_plans["actor_train"][0].notes
+    assert any(n.startswith("host memory: every rank keeps") for n in split_plans["actor_infer"][0].notes)
+    assert f"host memory: every rank {copy} (weight_sync_delta: false keeps none)" in trainer.notes
+    assert not [n for n in engine.notes if n.startswith("host memory")]  # (the hybrid's copy: counted once, above)
+    assert not [n for plan in role_plans(no_delta).values() for n in plan[0].notes if n.startswith("host memory")]
 
 
 def hybrid_model_fields(config) -> dict:
