@@ -66,6 +66,7 @@ def test_compiled_attention_core_equals_eager_and_a_float64_reference():
     assert [g.shape for g in actual_grads] == [query.shape, key.shape, value.shape]
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # (unfused on CPU, as intended)
 @pytest.mark.parametrize("query_rows", ["all", "cp_rank"])
 def test_flex_attention_core_equals_the_dense_core_on_a_shared_prompt_mask(query_rows):
     """masked_attention.flex_attention_core (share_prompts' attention on a GPU; unfused here) against the float64
