@@ -80,6 +80,10 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     *_megatron(f"{_ACTOR}.megatron", "actor_train"),
     *_megatron("actor_rollout_ref.ref.megatron", "reference"),
     KeyRule("actor_rollout_ref.ref.megatron.param_offload", "reference.strategy.offload_params"),
+    # (FSDP's offload in verl's colocated layout is what the hybrid engine's does: host memory while another role runs)
+    KeyRule(f"{_ACTOR}.fsdp_config.param_offload", "actor_train.strategy.offload_params"),
+    KeyRule(f"{_ACTOR}.fsdp_config.optimizer_offload", "actor_train.strategy.offload_optimizer"),
+    KeyRule("actor_rollout_ref.ref.fsdp_config.param_offload", "reference.strategy.offload_params"),
     KeyRule("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "reference.strategy.micro_batch_size"),
     KeyRule("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "reference.strategy.max_tokens_per_microbatch"),
     KeyRule(

@@ -1,7 +1,8 @@
 """`roll-backend convert verl|roll INPUT`: a verl or ROLL job as a config here, with a report of every input key.
 
 INPUT is a YAML config, or a run script (verl's `python3 -m verl.trainer.main_ppo key=value ...`, backslash line
-continuations and `$VAR` references as written: a value that is a shell variable is reported, not guessed). Each key
+continuations; `$VAR` references take the script's own assignments above the command, then the environment's, as the
+shell would; a value with a variable set nowhere is reported, not guessed). Each key
 goes through config.foreign_keys: copied to its key here, converted where the meaning differs (verl's mini-batch
 counts prompts, here responses; epochs become steps; GPU counts become world sizes), or listed as having no
 equivalent. The result starts from a GRPO job on Megatron + vLLM with the rollout and reference on the trainer's GPUs
@@ -11,6 +12,7 @@ equivalent. The result starts from a GRPO job on Megatron + vLLM with the rollou
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -53,12 +55,29 @@ def read_job(source: str) -> dict[str, Any]:
             return flatten(OmegaConf.to_container(tree, resolve=True))
         except Exception:
             return flatten(OmegaConf.to_container(tree, resolve=False))
-    settings = {}
-    for token in shlex.split(text.replace("\\\n", " "), comments=True):
-        match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
-        if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
-            settings[match.group(1)] = _value(match.group(2))
+    settings, variables = {}, {}
+    for line in text.replace("\\\n", " ").splitlines():
+        assignment = re.fullmatch(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)", line)
+        if assignment:  # a shell variable the command below may use
+            words = shlex.split(assignment.group(2), comments=True)
+            variables[assignment.group(1)] = _expand(words[0] if words else "", variables)
+            continue
+        for token in shlex.split(line, comments=True):
+            match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
+            if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
+                settings[match.group(1)] = _value(_expand(match.group(2), variables))
     return settings
+
+
+def _expand(text: str, variables: dict[str, str]) -> str:
+    """`$name` and `${name}` replaced by the script's assignment or the environment's value, as the shell would;
+    one set nowhere stays as written (and is reported)."""
+
+    def value(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        return variables.get(name, os.environ.get(name, match.group(0)))
+
+    return re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", value, text)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -250,6 +269,7 @@ class _Job:
         if every and not self.tree.get("data", {}).get("val_path"):
             del self.tree["eval"]["every_steps"]
             self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
+        self._packing_budget()
         prompt = self.tree.get("data", {}).get("max_prompt_length")
         if prompt is not None:
             infer["strategy"].setdefault("max_prompt_length", prompt)
@@ -257,15 +277,37 @@ class _Job:
             if response is not None:
                 infer["strategy"].setdefault("max_model_len", prompt + response)
 
+    def _packing_budget(self) -> None:
+        """verl's use_remove_padding drops the padding of micro-batches of ppo_micro_batch_size_per_gpu rows; packing
+        here fills rows up to a token budget: as many tokens as that many whole sequences, unless a budget is set."""
+        strategy = self.tree["actor_train"]["strategy"]
+        if not strategy.get("use_sequence_packing") or strategy.get("max_tokens_per_microbatch"):
+            return
+        rows = strategy.get("micro_batch_size", 1)
+        prompt, response = self.tree.get("data", {}).get("max_prompt_length"), self.tree.get("response_length")
+        key = "actor_rollout_ref.model.use_remove_padding = True"
+        if not (prompt and response):
+            strategy["use_sequence_packing"] = False
+            self.report.unmapped.append(f"{key}: packing needs a token budget; set max_tokens_per_microbatch")
+            return
+        budget = rows * (prompt + response)
+        strategy["max_tokens_per_microbatch"] = budget
+        self.report.converted.append(
+            f"{key} -> actor_train.strategy.max_tokens_per_microbatch = {budget} (verl removes the padding of "
+            f"micro-batches of {rows} rows; here sequences are packed into rows of at most {rows} whole sequences' "
+            "tokens)"
+        )
+
 
 _SKIP = object()
 
 
 def _shell_variable(value: Any) -> bool:
-    """A value the run script takes from a shell variable (`$train_files`, or a list of them): not known here."""
+    """A value the run script takes from a shell variable set nowhere (`$train_files`, `$DATA/train.parquet`, or a
+    list of them): not known here."""
     if isinstance(value, list):
         return any(_shell_variable(item) for item in value)
-    return isinstance(value, str) and value.startswith("$")
+    return isinstance(value, str) and re.search(r"\$\{?[A-Za-z_]", value) is not None
 
 
 def _gpu_list(value: Any) -> list:

@@ -228,3 +228,56 @@ def test_the_coming_from_page_lists_every_key_of_the_table():
     page = (Path(__file__).resolve().parents[3] / "docs" / "coming_from_verl_roll.md").read_text()
     missing = [rule.pattern for rules in FRAMEWORKS.values() for rule in rules if f"| `{rule.pattern}` |" not in page]
     assert not missing, f"docs/coming_from_verl_roll.md lacks {missing}; regenerate its key map"
+
+
+VERL_FSDP_SCRIPT = """set -x
+gsm8k_train_path=$HOME/data/gsm8k/train.parquet
+export math_train_path="${{HOME}}/data/math/train.parquet"
+train_files="['$gsm8k_train_path', '$math_train_path']"
+python3 -m verl.trainer.main_ppo \\
+    algorithm.adv_estimator=grpo \\
+    data.train_files="$train_files" \\
+    data.val_files="$UNSET_IN_THIS_SCRIPT/test.parquet" \\
+    data.train_batch_size=32 \\
+    data.max_prompt_length=512 \\
+    data.max_response_length=1024 \\
+    actor_rollout_ref.model.path={model} \\
+    actor_rollout_ref.model.use_remove_padding=True \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \\
+    actor_rollout_ref.actor.use_kl_loss=True \\
+    actor_rollout_ref.actor.fsdp_config.param_offload=True \\
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True \\
+    actor_rollout_ref.rollout.name=vllm \\
+    actor_rollout_ref.rollout.n=4 \\
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \\
+    trainer.n_gpus_per_node=8 \\
+    trainer.nnodes=1 $@
+"""
+
+
+def test_verl_s_fsdp_example_script_with_its_shell_variables_converts_to_a_config_that_validates(tmp_path, monkeypatch):
+    """verl's own GRPO examples set their data paths in shell variables above the command and turn on
+    use_remove_padding and FSDP offload: the variables resolve as the shell would (the script's, then the
+    environment's), padding removal becomes packing with a token budget of the micro-batch's whole sequences, and
+    FSDP's offload is the hybrid engine's; a variable set nowhere is reported."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": "1"}} for i in range(8)]
+    for name in ("gsm8k", "math"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / name / "train.parquet")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("UNSET_IN_THIS_SCRIPT", raising=False)
+    script = tmp_path / "run_qwen2-7b_seq_balance.sh"
+    script.write_text(VERL_FSDP_SCRIPT.format(model=MODEL))
+    out = tmp_path / "converted.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    report = (tmp_path / "converted.report.txt").read_text()
+    config = load_config(out, [], recipe_check=True)
+    assert [entry.path for entry in config.data.train_path] == [
+        str(tmp_path / "data" / name / "train.parquet") for name in ("gsm8k", "math")
+    ]
+    train = config.actor_train.strategy.config
+    assert train.use_sequence_packing and train.max_tokens_per_microbatch == 8 * (512 + 1024)
+    assert train.offload_params and train.offload_optimizer and config.reference.strategy.config.offload_params
+    assert "data.val_files = $UNSET_IN_THIS_SCRIPT/test.parquet: a shell variable" in report
+    assert "-> actor_train.strategy.max_tokens_per_microbatch = 12288 (verl removes the padding" in report
