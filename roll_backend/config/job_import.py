@@ -114,8 +114,11 @@ def convert(framework: str, settings: dict[str, Any]) -> tuple[dict[str, Any], R
 class _Job:
     def __init__(self, framework: str, settings: dict[str, Any]):
         self.framework, self.settings, self.report = framework, settings, Report()
+        with_critic = framework == "verl" and (
+            settings.get("algorithm.adv_estimator") == "gae" or any(key.startswith("critic.") for key in settings)
+        )
         self.tree: dict[str, Any] = {
-            "pipeline": "grpo",
+            "pipeline": "ppo" if with_critic else "grpo",
             "reward": {"rewards": None, "by_source": "auto" if framework == "verl" else {}},
             "actor_train": {"model_path": "${model_path}", "strategy": {"name": "megatron_train"}},
             "actor_infer": {
@@ -129,6 +132,12 @@ class _Job:
                 "strategy": {"name": "megatron_infer"},
             },
         }
+        if with_critic:  # verl's critic: the actor's model unless critic.model.path says otherwise
+            self.tree["critic"] = {
+                "model_path": "${model_path}",
+                "hybrid": True,
+                "strategy": {"name": "megatron_train"},
+            }
 
     def set(self, key: str, value: Any) -> None:
         node = self.tree
@@ -256,15 +265,18 @@ class _Job:
     def finish(self) -> None:
         uses_kl = self._get("actor_rollout_ref.actor.use_kl_loss", self._get("use_kl_loss", False))
         in_reward = self._get("algorithm.use_kl_in_reward", self._get("add_token_level_kl", False))
-        if not (uses_kl or in_reward):
+        if not (uses_kl or in_reward):  # (verl's and ROLL's defaults: no KL, so no reference)
             del self.tree["reference"]
+            self.tree.setdefault("algorithm", {}).update(use_kl_loss=False, use_kl_in_reward=False)
         if self.tree["reward"]["by_source"] == {}:
             self.tree["reward"]["by_source"] = "auto"
         infer = self.tree["actor_infer"]
         if infer.get("hybrid"):  # verl's colocated engine: the hybrid engine at the trainer's world size
             infer["world_size"] = self.tree["actor_train"].get("world_size", 1)
-            if "reference" in self.tree:
-                self.tree["reference"]["world_size"] = infer["world_size"]
+            for hosted in ("reference", "critic"):
+                if hosted in self.tree:
+                    self.tree[hosted]["world_size"] = infer["world_size"]
+                    self.tree[hosted].pop("num_gpus_per_rank", None)
         every = self.tree.get("eval", {}).get("every_steps")
         if every and not self.tree.get("data", {}).get("val_path"):
             del self.tree["eval"]["every_steps"]
@@ -280,23 +292,24 @@ class _Job:
     def _packing_budget(self) -> None:
         """verl's use_remove_padding drops the padding of micro-batches of ppo_micro_batch_size_per_gpu rows; packing
         here fills rows up to a token budget: as many tokens as that many whole sequences, unless a budget is set."""
-        strategy = self.tree["actor_train"]["strategy"]
-        if not strategy.get("use_sequence_packing") or strategy.get("max_tokens_per_microbatch"):
-            return
-        rows = strategy.get("micro_batch_size", 1)
-        prompt, response = self.tree.get("data", {}).get("max_prompt_length"), self.tree.get("response_length")
-        key = "actor_rollout_ref.model.use_remove_padding = True"
-        if not (prompt and response):
-            strategy["use_sequence_packing"] = False
-            self.report.unmapped.append(f"{key}: packing needs a token budget; set max_tokens_per_microbatch")
-            return
-        budget = rows * (prompt + response)
-        strategy["max_tokens_per_microbatch"] = budget
-        self.report.converted.append(
-            f"{key} -> actor_train.strategy.max_tokens_per_microbatch = {budget} (verl removes the padding of "
-            f"micro-batches of {rows} rows; here sequences are packed into rows of at most {rows} whole sequences' "
-            "tokens)"
-        )
+        for role, theirs in (("actor_train", "actor_rollout_ref.model"), ("critic", "critic.model")):
+            strategy = self.tree.get(role, {}).get("strategy", {})
+            if not strategy.get("use_sequence_packing") or strategy.get("max_tokens_per_microbatch"):
+                continue
+            rows = strategy.get("micro_batch_size", 1)
+            prompt, response = self.tree.get("data", {}).get("max_prompt_length"), self.tree.get("response_length")
+            key = f"{theirs}.use_remove_padding = True"
+            if not (prompt and response):
+                strategy["use_sequence_packing"] = False
+                self.report.unmapped.append(f"{key}: packing needs a token budget; set max_tokens_per_microbatch")
+                continue
+            budget = rows * (prompt + response)
+            strategy["max_tokens_per_microbatch"] = budget
+            self.report.converted.append(
+                f"{key} -> {role}.strategy.max_tokens_per_microbatch = {budget} (verl removes the padding of "
+                f"micro-batches of {rows} rows; here sequences are packed into rows of at most {rows} whole "
+                "sequences' tokens)"
+            )
 
 
 _SKIP = object()

@@ -281,3 +281,30 @@ def test_verl_s_fsdp_example_script_with_its_shell_variables_converts_to_a_confi
     assert train.offload_params and train.offload_optimizer and config.reference.strategy.config.offload_params
     assert "data.val_files = $UNSET_IN_THIS_SCRIPT/test.parquet: a shell variable" in report
     assert "-> actor_train.strategy.max_tokens_per_microbatch = 12288 (verl removes the padding" in report
+
+
+def test_verl_s_ppo_script_gets_its_critic_hosted_beside_the_actor(tmp_path, prompt_files):
+    """verl's PPO example (GAE advantages, a critic colocated with the actor): the critic's settings become a Megatron
+    critic on the hybrid engine, and the job is a PPO pipeline that validates."""
+    script = tmp_path / "run_deepseek7b_llm.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=gae "
+        f"data.train_files={prompt_files[0]} data.train_batch_size=16 data.max_prompt_length=256 "
+        f"data.max_response_length=256 actor_rollout_ref.model.path={MODEL} actor_rollout_ref.rollout.n=4 "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+        f"critic.model.path={MODEL} critic.optim.lr=1e-5 critic.model.use_remove_padding=True "
+        "critic.ppo_micro_batch_size_per_gpu=8 critic.model.fsdp_config.param_offload=True critic.cliprange_value=0.3 "
+        "critic.ppo_mini_batch_size=8 trainer.n_gpus_per_node=4 trainer.nnodes=2\n"
+    )
+    out = tmp_path / "ppo.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    config = load_config(out, [], recipe_check=True)
+    assert config.pipeline == "ppo" and config.algorithm.adv_estimator == "gae"
+    assert config.critic.hybrid and config.critic.world_size == config.actor_train.world_size == 8
+    critic = config.critic.strategy.config
+    assert config.critic.strategy.name == "megatron_train" and critic.optimizer.lr == 1e-5 and critic.offload_params
+    assert critic.use_sequence_packing and critic.max_tokens_per_microbatch == 8 * (256 + 256)
+    assert config.algorithm.value_clip == 0.3
+    assert config.reference is None and not (config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward)
+    report = (tmp_path / "ppo.report.txt").read_text()
+    assert "critic.ppo_mini_batch_size = 8: the critic steps on the actor's mini-batches" in report
