@@ -63,6 +63,9 @@ class RunFacts:
     # Which of the role's ranks keep a host copy of the whole model for the weight sync ("rank 0", "every rank"; a
     # minimal or hybrid all-or-nothing sync), None: none (host memory, outside the device plan: said in a note).
     host_weight_copy: str | None = None
+    # A MoE model's experts under EP are planned at this many times the tokens a rank's own tokens route (1.0: balanced
+    # routing; memory_plan_expert_load)
+    expert_load: float = 1.0
 
 
 @dataclass(frozen=True)

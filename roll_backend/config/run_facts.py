@@ -133,6 +133,7 @@ def run_facts(config: PipelineConfig, name: str, role: RoleConfig | None = None)
         and roles.ACTOR_INFER not in hosted
         and synced_adapter_rank(config) is None,
         host_weight_copy=_host_weight_copy(config, name, hosted),
+        expert_load=config.memory_plan_expert_load,
     )
 
 

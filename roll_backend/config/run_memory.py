@@ -98,6 +98,11 @@ def device_phases(config: PipelineConfig, plans: dict[str, list[RankMemory]]) ->
 
 def memory_problems(config: PipelineConfig) -> list[str]:
     """Why the run does not fit the declared device memory ([] when it fits or none is declared)."""
+    if config.memory_plan_expert_load < 1:
+        return [
+            f"memory_plan_expert_load={config.memory_plan_expert_load:g} must be >= 1 (1: balanced routing; a plan "
+            "below it would count fewer tokens than the experts compute)"
+        ]
     if config.device_memory_gib is not None and config.device_memory_gib <= 0:
         return [f"device_memory_gib={config.device_memory_gib} must be > 0 (or null: the plan is not checked)"]
     if not config.device_memory_gib:

@@ -436,6 +436,10 @@ class PipelineConfig:
     # GiB of memory on each device the roles take (80 for an H100 80GB): validation then refuses a run whose memory
     # plan (`roll-backend plan`) does not fit; null: the plan is reported, not checked.
     device_memory_gib: float | None = None
+    # The memory plan's routing assumption for MoE models under expert parallelism: a rank's experts compute this many
+    # times the tokens its own tokens route (1.0: balanced). A skewed router (early training, no load-balancing loss)
+    # sends one rank's experts up to EP times that; the run logs the load each rank measured at step 1.
+    memory_plan_expert_load: float = 1.0
 
     @property
     def uses_gpus(self) -> bool:

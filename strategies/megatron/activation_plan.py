@@ -7,6 +7,7 @@ layers with flash attention (what a GPU runs; an estimate until measured on one)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from roll_backend.distributed.parallel import ParallelLayout
@@ -51,6 +52,13 @@ class PlanOptions:
     transformer_engine: bool = False
     flex_attention: bool = False  # the local spec with FlexAttention (prompt sharing on a GPU): no scores kept
     sequence_parallel: bool = False
+    # Under EP, the tokens a rank's experts compute relative to what its own tokens route (tokens x top-k): 1.0 is
+    # balanced routing; a skewed router sends one rank's experts up to EP times that (ExpertLoad measures it).
+    expert_load: float = 1.0
+    # A rank's busiest local expert's tokens relative to its local experts' mean (routing is not known before the
+    # start: a busy expert is allowed twice its share; the suite plans at the skew it measured)
+    expert_skew: float = 2.0
+    gathering_dispatcher: bool = False  # Megatron's allgather token dispatcher (moe.token_dispatcher_type: CPU ranks)
 
     @property
     def width(self) -> int:
@@ -70,12 +78,20 @@ def _heads(arch: HFArch, tp: int) -> tuple[int, int]:
     return arch.num_heads // tp, max(1, arch.num_kv_heads // tp)
 
 
-def _moe_elements(arch: HFArch, layout: ParallelLayout, tokens: int, local_tokens: int) -> int:
-    """A MoE layer's kept elements: the tokens permuted to their experts (again after EP's exchange), each expert's
-    SwiGLU over its tokens (top-k per token in expectation), the router's float32 scores, the shared expert."""
+def expert_tokens(arch: HFArch, layout: ParallelLayout, options: PlanOptions, tokens: int) -> int:
+    """(token, expert) pairs this rank's experts compute for `tokens` of its own: every pair its tokens route when
+    all experts are local; under EP what the other ranks' tokens route to its experts, at the planned load."""
+    routed = tokens * arch.moe.topk
+    return routed if layout.ep == 1 else math.ceil(routed * options.expert_load)
+
+
+def _moe_elements(arch: HFArch, layout: ParallelLayout, options: PlanOptions, tokens: int, local_tokens: int) -> int:
+    """A MoE layer's kept elements: the tokens permuted to their experts (and what EP's exchange brought), each
+    expert's SwiGLU over its tokens, the router's float32 scores, the shared expert."""
     moe, h = arch.moe, arch.hidden_size
-    routed = tokens * moe.topk
-    kept = routed * h * (2 if layout.ep > 1 else 1) + routed * 6 * moe.expert_ffn_hidden_size // layout.expert_tp
+    routed, computed = tokens * moe.topk, expert_tokens(arch, layout, options, tokens)
+    kept = routed * h + (computed * h if layout.ep > 1 else 0)
+    kept += computed * 6 * moe.expert_ffn_hidden_size // layout.expert_tp
     # the router's scores (and transposed copies) over this rank's tokens (its part of the sequence under sequence
     # parallelism), the top-k; the experts' combined output (and the shared expert's gated one)
     kept += 4 * local_tokens * moe.num_experts + 2 * routed
@@ -103,9 +119,13 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
     keys = micro.tokens  # key positions: every position of the sequence (CP gathers them)
     if nq > nkv:
         attention += tokens * q + 2 * keys * q  # the query after RoPE; key and value repeated to every query head
+    elif cp > 1:
+        # the query after RoPE; key and value as CP gathered them, which the scores and the context read (so neither
+        # the fused QKV output, whose view the value was, nor the local rotated key stays)
+        attention += tokens * q + 2 * keys * kv
+        attention += tokens * (q + 2 * kv) if arch.qk_norm else 0  # (the norms keep their input, QKV's output)
     else:
         attention += tokens * (q + 2 * kv) + tokens * (q + kv)  # the fused QKV output; query and key after RoPE
-        attention += 2 * keys * kv if cp > 1 else 0  # (and the key and value CP gathered, which the scores read)
     if arch.qk_norm:
         attention += tokens * (q + kv) + tokens * (nq + nkv)  # the normed query and key, their rsqrt
         if nq > nkv:
@@ -115,7 +135,7 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
     if arch.moe is None:
         mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
     else:
-        mlp = _moe_elements(arch, layout, tokens, norm_tokens)
+        mlp = _moe_elements(arch, layout, options, tokens, norm_tokens)
     return norms + residuals + (attention + mlp) * width + scores + rope
 
 
@@ -133,7 +153,7 @@ def te_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: P
     if arch.moe is None:
         mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
     else:
-        mlp = _moe_elements(arch, layout, tokens, norm_tokens)
+        mlp = _moe_elements(arch, layout, options, tokens, norm_tokens)
     return norms + 2 * norm_tokens * h * width + (attention + mlp) * width + stats
 
 
@@ -164,11 +184,15 @@ def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options:
     forward_end = max(heads * (logits + copy), logits + buffers * positions * vocab * FP32)
     if not training:
         return forward_end
+    # Under CP (every local position read) the backward reaches all the buffers' gradients before it adds them up: the
+    # saved exp and shifted logits, the entropy product's two gradients, the label gather's (its zeros and their
+    # scatter), beside the layers' saved activations (without entropy: exp, its gradient, the gather's two).
+    backward_start = logits + (6 if options.entropy else 4) * positions * vocab * FP32 if cp > 1 else 0
     # The head's backward: the logits' gradient beside the output layer's weight gradient, or with MTP that weight
     # gradient once per head reading it and their sum (the logits' gradients gone by then).
     weight_grad = 0 if options.lora else vocab * arch.hidden_size * width
     backward = max(logits + weight_grad, (1 + 2 * options.mtp_layers) * weight_grad)
-    return max(forward_end, backward + tokens * arch.hidden_size * width)
+    return max(forward_end, backward_start, backward + tokens * arch.hidden_size * width)
 
 
 def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
@@ -179,7 +203,8 @@ def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape
     if arch.moe is None:
         ffn, ffn_tokens = arch.ffn_hidden_size // layout.tp, tokens
     else:
-        ffn, ffn_tokens = arch.moe.expert_ffn_hidden_size // layout.expert_tp, tokens * arch.moe.topk
+        ffn = arch.moe.expert_ffn_hidden_size // layout.expert_tp
+        ffn_tokens = expert_tokens(arch, layout, options, tokens)
     weight = 0 if options.lora else ffn * h  # fc2's; fc1's is twice as large
     fc2 = weight + ffn_tokens * ffn + tokens * h  # its weight gradient, its input's and output's gradients
     # fc1's, by when the MLP has given back what it kept for its backward but fc1's input
@@ -280,15 +305,23 @@ def _forward_mlp_elements(arch: HFArch, layout: ParallelLayout, options: PlanOpt
     # shard); then SequentialMLP's concatenation beside the list of outputs it joins (three copies of the routed
     # tokens); the shared expert runs first, and its output (and gated copy) waits for the routed experts' to be added.
     local = max(1, moe.num_experts // layout.ep)
-    routed = tokens * moe.topk
-    # (routing is not known before the start: a busy expert is allowed twice its share, at most every token)
-    busiest = min(tokens, 2 * -(-routed // local))
+    routed = expert_tokens(arch, layout, options, tokens)
+    # (each token is routed to an expert at most once)
+    every_token = tokens if layout.ep == 1 else min(layout.ep * tokens, routed)
+    busiest = min(every_token, routed, math.ceil(options.expert_skew * routed / local))
     swiglu = ffn_factor * busiest * moe.expert_ffn_hidden_size // layout.expert_tp
     shared_ffn = moe.shared_expert_ffn_hidden_size or 0
     # (a row-parallel output: this rank's part of the sequence under sequence parallelism)
     local_tokens = tokens // layout.tp if layout.tp > 1 and options.sequence_parallel else tokens
     shared_output = 2 * local_tokens * arch.hidden_size if shared_ffn else 0
-    mlp = shared_output + max(3 * routed * arch.hidden_size, 2 * routed * arch.hidden_size + swiglu)
+    h = arch.hidden_size
+    permuted = max(3 * routed * h, 2 * routed * h + swiglu)
+    if options.gathering_dispatcher and layout.ep > 1:
+        # every EP rank's tokens, gathered and kept until the combine, whose buffer is as large
+        gathered = layout.ep * tokens * h
+        shared_output += gathered
+        permuted = max(permuted, gathered + 2 * routed * h)
+    mlp = shared_output + permuted
     return max(mlp, ffn_factor * tokens * shared_ffn // layout.tp)
 
 

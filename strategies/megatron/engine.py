@@ -27,6 +27,7 @@ from roll_backend.strategies.megatron.builder import HFArch, unwrap
 from roll_backend.strategies.megatron.log_probs import per_token_outputs
 from roll_backend.strategies.megatron.micro_batches import MicroBatch
 from roll_backend.strategies.megatron.model_setup import set_train_mode
+from roll_backend.strategies.megatron.moe import ExpertLoad
 from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
 from roll_backend.strategies.megatron.shared_micro_batches import split_shared
@@ -110,10 +111,17 @@ class MegatronEngine:
         # Each distinct micro-batch (a token budget's differ in tokens, width and response positions read): the plan
         # takes the largest of theirs (memory_accounting.planned_at_micro_batches).
         shape = {"micro_batches": sorted({_plan_shape(m) for m in micro_batches}), "count": len(micro_batches)}
+        # (a MoE rank's experts compute what every EP rank routes to them: the plan is compared at the load measured)
+        expert_load = ExpertLoad(self.chunks) if measure and self.arch.moe is not None else None
         with self.memory.measure("forward" if forward_only else "train", measure, shape):
-            return schedule.forward_backward(
-                self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes
-            )
+            try:
+                return schedule.forward_backward(
+                    self.chunks, self.capture, micro_batches, forward_only, self.mtp_loss, loss_func, routes
+                )
+            finally:
+                if expert_load is not None:
+                    expert_load.close()
+                    shape["expert_load"] = expert_load.summary()
 
     # ---- forward only ------------------------------------------------------------------------------------
     def forward(self, batch: DataProto, value_head: bool, what: str) -> DataProto | None:

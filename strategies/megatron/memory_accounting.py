@@ -23,6 +23,7 @@ several micro-batches in flight (1F1B: pp - stage on a stage; interleaved: Megat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ from roll_backend.strategies.megatron.activation_plan import (
     activation_terms,
 )
 from roll_backend.strategies.megatron.builder import HFArch
+from roll_backend.strategies.megatron.moe import token_dispatcher_type
 from roll_backend.strategies.megatron.stage_splits import default_stage_split
 
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq, float32 each
@@ -182,6 +184,7 @@ def plans_transformer_engine(cfg, device: str) -> bool:
 def plan_options(cfg, arch: HFArch, layout: ParallelLayout, device: str, trains: bool):
     """The activation plan's view of a Megatron config (activation_plan.PlanOptions)."""
     return PlanOptions(
+        gathering_dispatcher=token_dispatcher_type(device) == "allgather",
         params_dtype=cfg.params_dtype,
         lora=getattr(cfg, "lora", None) is not None,
         value_head=cfg.value_head,
@@ -204,10 +207,12 @@ def plan_stage(
     micro: MicroShape,
     micro_batches: int,
     sync=None,
+    routing: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """(model state by part, {phase: its terms}) of pipeline rank `stage` of a role running Megatron config `cfg`:
     a training config's "train" and "forward" phases, a forward-only one's "forward", and "weight_sync" where the
-    run (`sync`: its RunFacts) has the role send weights to a rollout engine."""
+    run (`sync`: its RunFacts) has the role send weights to a rollout engine; a MoE model's experts at `routing`
+    (PlanOptions' expert_load and expert_skew; by default balanced over EP, a busy expert twice its share)."""
     from roll_backend.strategies.megatron.stage_splits import stage_split
 
     trains = hasattr(cfg, "optimizer")
@@ -217,7 +222,7 @@ def plan_stage(
     params = stage_params(arch, layout, layers, stage, cfg.value_head, cfg.mtp_num_layers, lora)
     distributed = trains and cfg.optimizer.use_distributed_optimizer
     state = model_state(params, cfg.params_dtype, trains, distributed, layout, world)
-    options = plan_options(cfg, arch, layout, device, trains)
+    options = dataclasses.replace(plan_options(cfg, arch, layout, device, trains), **(routing or {}))
     phases = {"forward": activation_terms(arch, layout, micro, options, layers, stage, micro_batches, False)}
     if trains:
         phases["train"] = activation_terms(arch, layout, micro, options, layers, stage, micro_batches, True)
@@ -314,12 +319,20 @@ def plan(cfg, run) -> list:
             f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
             f"{whole * DTYPE_BYTES[cfg.params_dtype] / 2**30:.2f} GiB (weight_sync_delta: false keeps none)"
         )
+    if arch.moe is not None and layout.ep > 1:
+        notes.append(
+            f"experts planned at {run.expert_load:g}x the tokens a rank's own tokens route (1 = balanced routing); "
+            "a skewed router sends one rank's experts more: memory_plan_expert_load plans that (the run logs the "
+            "load measured at step 1)"
+        )
     hints = dict(HINTS)
     if getattr(getattr(cfg, "optimizer", None), "use_distributed_optimizer", False):
         hints["optimizer"] = "more data-parallel ranks shard it further (the distributed optimizer is on)"
     plans = []
     for stage in range(layout.pp):
-        state, phases = plan_stage(cfg, arch, layout, world, run.device, stage, micro, micro_batches, run)
+        state, phases = plan_stage(
+            cfg, arch, layout, world, run.device, stage, micro, micro_batches, run, {"expert_load": run.expert_load}
+        )
         ranks = "every rank" if layout.pp == 1 else f"pp stage {stage} of {layout.pp}"
         plans.append(RankMemory(ranks, state, phases, cfg.offloaded_parts, hints=hints, notes=tuple(notes)))
     return plans
@@ -334,12 +347,23 @@ def measured_micro_shapes(shape) -> tuple[list[MicroShape], int]:
     return micros, shape["count"]
 
 
+def measured_routing(shape, phase: str) -> dict[str, float]:
+    """The routing a rank measured in a phase (moe.ExpertLoad) as the plan of that phase takes it (PlanOptions'
+    expert_load and expert_skew): a forward without gradients peaks inside one layer (the busiest), a train phase
+    keeps every layer's (their mean); nothing for a dense model."""
+    load = shape.get("expert_load")
+    if not load:
+        return {}
+    return {"expert_load": load["busiest" if phase == "forward" else "mean"], "expert_skew": load["skew"]}
+
+
 def planned_at_micro_batches(cfg, arch, layout, world, device, stage, shape, phase) -> tuple[dict, dict[str, int]]:
     """(model state, `phase`'s terms) planned at the micro-batches of a recorded `shape`: each runs on its own, so the
     phase's peak is that of the one whose plan is largest (the widest body and the most response positions read may
     belong to different ones)."""
     micros, count = measured_micro_shapes(shape)
-    plans = [plan_stage(cfg, arch, layout, world, device, stage, micro, count) for micro in micros]
+    routing = measured_routing(shape, phase)
+    plans = [plan_stage(cfg, arch, layout, world, device, stage, micro, count, routing=routing) for micro in micros]
     state, phases = max(plans, key=lambda plan: sum(plan[1][phase].values()))
     return state, phases[phase]
 

@@ -193,3 +193,51 @@ class RouterMetrics:
             metrics["moe/aux_loss"] = float(per_layer_loss.sum()) * self.aux_loss_coef
         self.reset()
         return metrics
+
+
+class ExpertLoad:
+    """The tokens each MoE layer's local experts computed in a call, relative to what the layer's own tokens route
+    (its tokens over the whole sequence of its TP group, times top-k): 1.0 without EP, and under EP 1.0 for balanced
+    routing, up to EP for a router that sends every rank's tokens to this rank's experts. The memory plan takes it
+    (activation_plan.PlanOptions.expert_load) to compare its counts with a measured phase's."""
+
+    def __init__(self, model_chunks: list):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        # per layer, (own routed tokens, load, skew) of the call's micro-batch with the most tokens (the one the plan
+        # takes; of equal ones the busiest), skew being the busiest local expert's tokens over the local experts' mean
+        self.loads: dict[int, tuple[int, float, float]] = {}
+        self._own: dict[int, int] = {}
+        self._handles = []
+        for chunk in model_chunks:
+            for layer in (m for m in chunk.modules() if isinstance(m, MoELayer)):
+                self._handles.append(layer.register_forward_pre_hook(self._layer_input))
+                self._handles.append(layer.experts.register_forward_pre_hook(self._expert_input(layer)))
+
+    def _layer_input(self, layer, args):
+        hidden = args[0]  # [s, b, h]: this rank's part of the sequence under sequence parallelism
+        tp = layer.attn_tp_group.size() if layer.config.sequence_parallel else 1
+        self._own[id(layer)] = hidden.shape[0] * hidden.shape[1] * tp * layer.config.moe_router_topk
+
+    def _expert_input(self, layer):
+        def hook(experts, args):
+            own, received = self._own[id(layer)], args[0].shape[0]
+            per_expert = args[1].tolist() if isinstance(args[1], torch.Tensor) else list(args[1])
+            skew = max(per_expert) * len(per_expert) / received if received else 1.0
+            load = (own, received / max(1, own), skew)
+            self.loads[id(layer)] = max(load, self.loads.get(id(layer), (0, 0.0, 0.0)))
+
+        return hook
+
+    def summary(self) -> dict[str, float] | None:
+        """{"busiest": the largest layer's load, "mean": the layers' mean, "skew": the largest busiest-expert share
+        relative to an even one}; None without MoE layers."""
+        if not self.loads:
+            return None
+        loads = [load for _, load, _ in self.loads.values()]
+        skew = max(skew for *_, skew in self.loads.values())
+        return {"busiest": max(loads), "mean": sum(loads) / len(loads), "skew": skew}
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

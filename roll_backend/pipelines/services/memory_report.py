@@ -27,13 +27,26 @@ def memory_report(run) -> dict[str, float]:
         if group is None or role is None or not plans.get(name):
             continue
         facts, planner = run_facts(config, name, role), memory_planner(role.strategy.name)
-        measured, planned = {}, {}
+        measured, planned, loads = {}, {}, {}
         for report in group.call(StrategyWorker.measured_memory):
             at = planner.planned_at(role.strategy.config, facts, report)
             figures = {"model_state": sum(report["model_state"].values()), **report["phases"]}
             for what, value in figures.items():
                 if value >= measured.get(what, -1):
                     measured[what], planned[what] = value, at.get(what, 0)
+            for what, shape in report.get("micro_batches", {}).items():
+                if (shape or {}).get("expert_load"):  # a MoE rank: what its experts computed (moe.ExpertLoad)
+                    loads[what] = max(loads.get(what, 0.0), shape["expert_load"]["busiest"])
+        for what, load in loads.items():
+            metrics[f"memory/{name}_{what}/expert_load"] = load
+            logger.info(
+                "memory at step 1, %s %s: the busiest rank's experts computed %.2fx the tokens its own tokens route "
+                "(the plan takes memory_plan_expert_load=%g)",
+                name,
+                what,
+                load,
+                config.memory_plan_expert_load,
+            )
         for what, value in measured.items():
             prefix = f"memory/{name}_{what}"
             metrics[f"{prefix}/measured_gib"] = value / 2**30

@@ -163,3 +163,24 @@ def hybrid_model_fields(config) -> dict:
     from roll_backend.config.run_facts import model_fields
 
     return model_fields(config, config.model_path)
+
+
+def test_experts_under_ep_are_planned_at_the_declared_load_and_a_load_below_balance_is_refused():
+    """A rank's experts compute what every EP rank's tokens route to them: the plan takes balanced routing unless
+    memory_plan_expert_load says more (a skewed router), says so in a note, and refuses a load below balance; the
+    dense parts and the model state do not move (measured against ranks at the load they saw in test_memory_plan)."""
+    recipe, model = "configs/gpu/qwen3-30b-a3b_grpo_ep_16gpu.yaml", "model_path=configs/gpu/models/Qwen3-30B-A3B"
+    balanced = role_plans(load_config(recipe, [model], True))["actor_train"]
+    skewed_config = load_config(recipe, [model, "memory_plan_expert_load=2", "device_memory_gib=null"], True)
+    skewed = role_plans(skewed_config)["actor_train"]
+    for even, busy in zip(balanced, skewed, strict=True):
+        assert busy.state == even.state
+        assert busy.phase_peak("train") >= even.phase_peak("train")  # (the last stage's head may hide the layers)
+    first = {plan.ranks: plan for plan in balanced}["pp stage 0 of 2"], {p.ranks: p for p in skewed}["pp stage 0 of 2"]
+    # (recomputed layers keep their inputs only: the experts' tokens weigh in a layer's backward)
+    assert first[1].phases["train"]["a layer's backward"] > first[0].phases["train"]["a layer's backward"]
+    assert first[1].phase_peak("forward") > first[0].phase_peak("forward")
+    assert any(n.startswith("experts planned at 1x") for n in balanced[0].notes)
+    assert any(n.startswith("experts planned at 2x") for n in skewed[0].notes)
+    with pytest.raises(ConfigError, match=r"memory_plan_expert_load=0.5 must be >= 1"):
+        load_config(recipe, [model, "memory_plan_expert_load=0.5", "device_memory_gib=80"], True)

@@ -60,5 +60,10 @@ def test_grpo_with_a_qwen3_moe_actor_at_ep2_replaying_r2(ray_session, tmp_path):
         # One mini-batch: the update replays routes recorded at its own weights, which its routers also choose.
         assert record["actor/moe/replay_mismatched_tokens"] == 0 and record["actor/moe/route_agreement"] == 1.0
     first, off_policy = history
+    # Step 1 measures memory: the busiest EP rank's experts computed at least their share (the ranks' loads average to
+    # 1), and the plan at that load is the measured peak within the memory plan's 15%.
+    assert first["memory/actor_train_train/expert_load"] >= 1.0, first
+    planned, measured = first["memory/actor_train_train/planned_gib"], first["memory/actor_train_train/measured_gib"]
+    assert abs(planned / measured - 1) <= 0.15, (planned, measured)
     assert first["actor/moe/log_probs_route_agreement"] == 1.0  # the rollout's routes, the same weights in float32
     assert off_policy["actor/moe/log_probs_route_agreement"] < 1.0  # sampled one update behind
