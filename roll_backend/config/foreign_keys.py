@@ -111,7 +111,11 @@ VERL_KEYS: tuple[KeyRule, ...] = (
         "old log-probs run on actor_train's ranks with actor_train.strategy.micro_batch_size",
     ),
     KeyRule(f"{_ROLLOUT}.log_prob_max_token_len_per_gpu", None, "old log-probs use actor_train's token budget"),
-    KeyRule(f"{_ROLLOUT}.name", "actor_infer.strategy.name", "vllm is vllm_rollout; sglang has no backend here"),
+    KeyRule(
+        f"{_ROLLOUT}.name",
+        "actor_infer.strategy.name",
+        "vllm is vllm_rollout; sglang and trtllm have no backend here: vLLM serves",
+    ),
     KeyRule(f"{_ROLLOUT}.tensor_model_parallel_size", "actor_infer.strategy.tp"),
     KeyRule(f"{_ROLLOUT}.gpu_memory_utilization", "actor_infer.strategy.gpu_memory_utilization"),
     KeyRule(f"{_ROLLOUT}.n", "num_return_sequences_in_group"),
@@ -139,10 +143,13 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("custom_reward_function.name", "reward.functions", "reward.functions[0].name"),
     KeyRule("reward_model.enable", None, "a `reward_model:` role block turns the reward model on"),
     KeyRule("reward_model.model.path", "reward_model.model_path"),
+    KeyRule("reward_model.micro_batch_size_per_gpu", "reward_model.strategy.micro_batch_size"),
+    KeyRule("reward_model.rollout.tensor_model_parallel_size", "reward_model.strategy.tp"),
+    KeyRule("reward_model.num_workers", None, "the reward model's ranks are reward_model.world_size"),
     KeyRule("trainer.total_training_steps", "max_steps"),
     KeyRule("trainer.total_epochs", "max_steps", "epochs become steps: epochs x prompts / data.train_batch_size", True),
     KeyRule("trainer.save_freq", "checkpoint.save_steps"),
-    KeyRule("trainer.test_freq", "eval.every_steps"),
+    KeyRule("trainer.test_freq", "eval.every_steps", "-1 (never during training) is 0 here"),
     KeyRule("trainer.val_before_train", "eval.before_train"),
     KeyRule("trainer.project_name", "logging.project"),
     KeyRule("trainer.experiment_name", "exp_name"),
@@ -166,7 +173,14 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("response_length", "response_length"),
     KeyRule("prompt_length", "data.max_prompt_length"),
     KeyRule("ppo_epochs", "algorithm.ppo_epochs"),
-    KeyRule("adv_estimator", "algorithm.adv_estimator"),
+    KeyRule(
+        "adv_estimator",
+        "algorithm.adv_estimator",
+        "reinforce (discounted returns, whitened) is reinforce_plus_plus here; with norm_mean_type: group, grpo",
+    ),
+    KeyRule("gamma", "algorithm.gamma"),
+    KeyRule("lambd", "algorithm.lam"),
+    KeyRule("norm_mean_type", None, "read with adv_estimator (group: a group baseline, GRPO here)"),
     KeyRule("save_steps", "checkpoint.save_steps"),
     KeyRule("eval_steps", "eval.every_steps"),
     KeyRule("pretrain", "model_path"),
@@ -201,9 +215,19 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("*.data_args.template", None, "the model's own chat template applies"),
     KeyRule("*.data_args.*", None, "data loading settings of ROLL's own"),
     KeyRule("*.model_args.dtype", "{role}.strategy.params_dtype", "bf16 is bfloat16, fp16 float16"),
+    *(
+        KeyRule(f"{role}.{key}", None, "an inference role has no backward: nothing to recompute")
+        for role in ("actor_infer", "reference")
+        for key in ("model_args.disable_gradient_checkpointing", "strategy_args.strategy_config.recompute_granularity")
+    ),
     KeyRule("*.model_args.disable_gradient_checkpointing", "{role}.strategy.recompute_activations", "negated"),
     KeyRule("*.model_args.*", None, "model settings of ROLL's own"),
-    KeyRule("*.strategy_args.strategy_name", "{role}.strategy.name", "vllm is vllm_rollout; megatron_* keep names"),
+    KeyRule(
+        "*.strategy_args.strategy_name",
+        "{role}.strategy.name",
+        "vllm is vllm_rollout; megatron_* keep names; FSDP2, DeepSpeed and HF strategies run on Megatron here, sglang"
+        " on vLLM",
+    ),
     *_megatron("*.strategy_args.strategy_config", "{role}"),
     KeyRule(
         "*.strategy_args.strategy_config.use_distributed_optimizer",
@@ -217,6 +241,8 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("*.strategy_args.strategy_config.max_model_len", "{role}.strategy.max_model_len"),
     KeyRule("*.strategy_args.strategy_config.*", None, "engine settings of ROLL's own"),
     KeyRule("*.device_mapping", "{role}.world_size", "one rank per listed GPU", derived=True),
+    KeyRule("actor_infer.infer_batch_size", None, "the engine batches its requests itself"),
+    KeyRule("actor_train.infer_batch_size", None, "old log-probs run with actor_train.strategy.micro_batch_size"),
     KeyRule("*.infer_batch_size", "{role}.strategy.micro_batch_size"),
     KeyRule("actor_infer.generating_args.temperature", "actor_infer.strategy.sampling.temperature"),
     KeyRule("actor_infer.generating_args.top_p", "actor_infer.strategy.sampling.top_p"),

@@ -57,9 +57,10 @@ def read_job(source: str) -> dict[str, Any]:
             return flatten(OmegaConf.to_container(tree, resolve=False))
     settings, variables = {}, {}
     for line in text.replace("\\\n", " ").splitlines():
+        line = _substitute_arithmetic(line, variables)
         assignment = re.fullmatch(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)", line)
-        if assignment:  # a shell variable the command below may use
-            words = shlex.split(assignment.group(2), comments=True)
+        words = shlex.split(assignment.group(2), comments=True) if assignment else []
+        if assignment and len(words) <= 1:  # a shell variable the command below may use (not `NAME=value command`)
             variables[assignment.group(1)] = _expand(words[0] if words else "", variables)
             continue
         for token in shlex.split(line, comments=True):
@@ -69,15 +70,92 @@ def read_job(source: str) -> dict[str, Any]:
     return settings
 
 
+_UNSET = "\x00"  # marks a variable set nowhere while the expansion goes on (written back as `$name`)
+
+
+def _lookup(name: str, variables: dict[str, str]) -> str | None:
+    return variables.get(name, os.environ.get(name))  # (a positional parameter, `$1`, is never given here)
+
+
 def _expand(text: str, variables: dict[str, str]) -> str:
-    """`$name` and `${name}` replaced by the script's assignment or the environment's value, as the shell would;
-    one set nowhere stays as written (and is reported)."""
+    """Parameter expansion as the shell does it: `$name`, `${name}`, and `${name:-default}` (`-`, `=`, `:=` alike,
+    `:+alternative`), innermost first, from the script's assignments or the environment; a variable set nowhere and
+    without a default stays as `$name` (and is reported)."""
 
-    def value(match: re.Match) -> str:
-        name = match.group(1) or match.group(2)
-        return variables.get(name, os.environ.get(name, match.group(0)))
+    def braced(match: re.Match) -> str:
+        found = re.fullmatch(r"([A-Za-z_]\w*|\d+)(?:(:?[-=+])(.*))?", match.group(1), re.S)
+        if found is None:
+            return match.group(0).replace("${", "$\x01")  # (not an expansion this reads: left as written)
+        name, operation, word = found.groups()
+        value = _lookup(name, variables)
+        is_set = value is not None and not (value == "" and (operation or "").startswith(":"))
+        if operation and operation.endswith("+"):
+            return word if is_set else ""
+        if is_set:
+            return value
+        if operation is None:
+            return f"{_UNSET}{name}{_UNSET}"
+        if operation.endswith("="):
+            variables[name] = word
+        return word
 
-    return re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", value, text)
+    previous = None
+    while previous != text:
+        previous, text = text, re.sub(r"\$\{([^{}]*)\}", braced, text)
+
+    def plain(match: re.Match) -> str:
+        value = _lookup(match.group(1), variables)
+        return f"{_UNSET}{match.group(1)}{_UNSET}" if value is None else value
+
+    text = re.sub(r"\$([A-Za-z_]\w*)", plain, text)
+    return re.sub(f"{_UNSET}(\\w+){_UNSET}", r"$\1", text).replace("$\x01", "${")
+
+
+def _substitute_arithmetic(line: str, variables: dict[str, str]) -> str:
+    """Each `$(( expression ))` of a line (parentheses balanced) replaced by its value."""
+    out, index = [], 0
+    while (start := line.find("$((", index)) >= 0:
+        depth, end = 2, start + 3
+        while end < len(line) and depth:
+            depth += {"(": 1, ")": -1}.get(line[end], 0)
+            end += 1
+        if depth:
+            break
+        out += [line[index:start], _arithmetic(line[start + 3 : end - 2], variables, line[start:end])]
+        index = end
+    return "".join(out) + line[index:]
+
+
+def _arithmetic(expression: str, variables: dict[str, str], written: str) -> str:
+    """The value of a shell `$(( expression ))` over integers (its names are variables), or `written` when it is not
+    one this can read."""
+    import ast
+    import operator
+
+    operators = {
+        ast.Add: operator.add,
+        ast.Sub: operator.sub,
+        ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv,
+        ast.Div: operator.floordiv,  # (the shell's division is an integer's)
+        ast.Mod: operator.mod,
+    }
+
+    def evaluate(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return int(_lookup(node.id, variables) or 0)  # (an unset name is 0 in the shell)
+        if isinstance(node, ast.BinOp) and type(node.op) in operators:
+            return operators[type(node.op)](evaluate(node.left), evaluate(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -evaluate(node.operand)
+        raise ValueError(expression)
+
+    try:
+        return str(evaluate(ast.parse(_expand(expression, variables).strip(), mode="eval").body))
+    except (ValueError, SyntaxError, ZeroDivisionError):
+        return written
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -155,6 +233,8 @@ class _Job:
             rule = parent if parent is not None and (parent.target is None or parent.mapping) else None
         if _shell_variable(value):
             self.report.unmapped.append(f"{key} = {value}: a shell variable; set the value in the output yourself")
+            if rule is not None and rule.target == "model_path":  # (every role refers to it: validation names it)
+                self.set("model_path", value)
             return
         if rule is None or rule.target is None:
             why = rule.note if rule else "not a setting this converter knows"
@@ -192,7 +272,9 @@ class _Job:
         elif leaf in ("clip_ratio", "pg_clip"):
             self.set("algorithm.clip_ratio_high", value)
         elif leaf == "name" and key.endswith("rollout.name") or leaf == "strategy_name":
-            value = {"vllm": "vllm_rollout"}.get(value, value)
+            value = _STRATEGIES.get(value, value)
+        elif leaf == "test_freq" and int(value) <= 0:
+            value = 0
         elif leaf == "dtype":
             value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value)
             if role == "actor_infer":  # the engine's setting is `dtype`
@@ -205,6 +287,11 @@ class _Job:
             value = [name for name in (value if isinstance(value, list) else [value]) if name != "console"]
         elif leaf == "resume_mode":
             value = "auto" if value == "auto" else None
+        elif key == "adv_estimator" and self.framework == "roll":
+            if value == "reinforce":  # (ROLL computes GRPO's returns the same way, after a group normalisation)
+                value = "grpo" if self._get("norm_mean_type", None) == "group" else "reinforce_plus_plus"
+        elif leaf == "resume_from_checkpoint":
+            value = value or None  # (false: a fresh run)
         elif leaf in ("path", "name") and key.startswith("custom_reward_function"):
             return self._reward_function(leaf, value)
         elif key.startswith("rewards."):
@@ -282,12 +369,20 @@ class _Job:
             del self.tree["eval"]["every_steps"]
             self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
         self._packing_budget()
+        self._reward_model()
+        self._hosted_layouts()
         prompt = self.tree.get("data", {}).get("max_prompt_length")
         if prompt is not None:
             infer["strategy"].setdefault("max_prompt_length", prompt)
             response = self.tree.get("response_length")
             if response is not None:
-                infer["strategy"].setdefault("max_model_len", prompt + response)
+                written = infer["strategy"].get("max_model_len")
+                infer["strategy"]["max_model_len"] = max(written or 0, prompt + response)
+                if written is not None and written < prompt + response:
+                    self.report.converted.append(
+                        f"max_model_len = {written} -> actor_infer.strategy.max_model_len = {prompt + response} (the "
+                        "longest prompt plus the response must fit the engine here)"
+                    )
 
     def _packing_budget(self) -> None:
         """verl's use_remove_padding drops the padding of micro-batches of ppo_micro_batch_size_per_gpu rows; packing
@@ -311,8 +406,64 @@ class _Job:
                 "sequences' tokens)"
             )
 
+    def _reward_model(self) -> None:
+        """verl's reward model (reward_model.enable): a Megatron scorer here, on a GPU of its own unless said. ROLL's
+        `reward_model` served by vLLM is an LLM judge's engine, which has no equivalent here."""
+        if self.framework != "verl":
+            judge = self.tree.get("reward_model", {}).get("strategy", {}).get("name") == "vllm_rollout"
+            if judge:
+                del self.tree["reward_model"]
+                self.report.unmapped.append(
+                    "reward_model (served by vLLM): an LLM judge's engine; judging by generation has no equivalent here"
+                )
+            return
+        if not self._get("reward_model.enable", False):
+            self.tree.pop("reward_model", None)
+            return
+        block = self.tree.setdefault("reward_model", {})
+        block.setdefault("model_path", "${model_path}")
+        block.setdefault("strategy", {}).setdefault("name", "megatron_infer")
+        block.setdefault("world_size", block["strategy"].get("tp", 1))
+        if "num_gpus_per_rank" in self.tree["actor_train"]:
+            block.setdefault("num_gpus_per_rank", 1)
+        self.report.converted.append(
+            f"reward_model.enable = True -> reward_model (a Megatron scorer on world_size={block['world_size']} ranks "
+            "of its own GPUs: raise world_size, or colocate it, to spread it)"
+        )
+
+    def _hosted_layouts(self) -> None:
+        """Roles hosted by the hybrid engine share actor_train's processes and so its parallel layout."""
+        layout = ("tp", "pp", "cp", "vpp", "ep", "etp")
+        actor = self.tree["actor_train"]["strategy"]
+        for role in ("reference", "critic"):
+            block = self.tree.get(role)
+            if not block or not block.get("hybrid"):
+                continue
+            for size in layout:
+                theirs, ours = block["strategy"].get(size), actor.get(size)
+                if theirs is not None and theirs != ours:
+                    self.report.converted.append(
+                        f"{role}.strategy.{size} = {theirs!r} -> {ours!r} (a role on the hybrid engine runs in "
+                        "actor_train's processes, with its parallel layout)"
+                    )
+                if ours is None:
+                    block["strategy"].pop(size, None)
+                else:
+                    block["strategy"][size] = ours
+
 
 _SKIP = object()
+# Their engines' and trainers' names: the backend here that does the job (vLLM serves, Megatron trains and infers)
+_STRATEGIES = {
+    "vllm": "vllm_rollout",
+    "sglang": "vllm_rollout",
+    "trtllm": "vllm_rollout",
+    "fsdp2_train": "megatron_train",
+    "deepspeed_train": "megatron_train",
+    "fsdp2_infer": "megatron_infer",
+    "deepspeed_infer": "megatron_infer",
+    "hf_infer": "megatron_infer",
+}
 
 
 def _shell_variable(value: Any) -> bool:
@@ -325,6 +476,8 @@ def _shell_variable(value: Any) -> bool:
 
 def _gpu_list(value: Any) -> list:
     """ROLL's device_mapping: a list, or the text `list(range(a, b))`."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        value = yaml.safe_load(value)
     if isinstance(value, list):
         return value
     match = re.fullmatch(r"\s*list\(range\((\d+)\s*,\s*(\d+)\)\)\s*", str(value))

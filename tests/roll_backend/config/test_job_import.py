@@ -4,11 +4,14 @@ equivalent; unknown-key errors name the equivalent of a verl or ROLL key."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import safetensors.torch
+import torch
 import yaml
 
 from roll_backend import cli
@@ -79,6 +82,7 @@ use_kl_loss: true
 kl_loss_coef: 0.001
 pretrain: {model}
 reward_pretrain: {model}
+resume_from_checkpoint: false
 validation:
   data_args:
     template: qwen2_5
@@ -107,7 +111,8 @@ actor_train:
   device_mapping: list(range(0,8))
   infer_batch_size: 4
 actor_infer:
-  model_args: {{dtype: bf16}}
+  model_args: {{disable_gradient_checkpointing: true, dtype: bf16}}
+  infer_batch_size: 1
   generating_args:
     max_new_tokens: ${{response_length}}
     top_p: 0.99
@@ -118,7 +123,8 @@ actor_infer:
     strategy_config: {{gpu_memory_utilization: 0.8, block_size: 16, max_model_len: 3072}}
   device_mapping: list(range(0,8))
 reference:
-  model_args: {{dtype: bf16}}
+  model_args: {{disable_gradient_checkpointing: true, dtype: bf16}}
+  infer_batch_size: 8
   strategy_args:
     strategy_name: megatron_infer
     strategy_config: {{tensor_model_parallel_size: 2}}
@@ -189,8 +195,12 @@ def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt
         and config.actor_train.strategy.config.recompute_activations
     )
     assert config.actor_train.world_size == 8 and config.actor_train.num_gpus_per_rank == 1
-    # A mini-batch is micro-batch x accumulation x data-parallel ranks (8 GPUs / TP2 = 4).
+    # A mini-batch is micro-batch x accumulation x data-parallel ranks (8 GPUs / TP2 = 4); the trainer's micro-batch is
+    # its training one (its infer_batch_size is ROLL's log-prob batch), the reference's its infer_batch_size.
     assert config.algorithm.ppo_mini_batch_size == 2 * 16 * 4
+    assert config.actor_train.strategy.config.micro_batch_size == 2
+    assert config.reference.strategy.config.micro_batch_size == 8 and config.checkpoint.resume is None
+    assert "actor_infer.model_args.disable_gradient_checkpointing = True: an inference role has no backward" in report
     # ROLL's reward domains and their tags route to the built-in scorers; a domain with none is reported.
     assert config.reward.by_source == {
         "math_rule": "math_verify",
@@ -308,3 +318,89 @@ def test_verl_s_ppo_script_gets_its_critic_hosted_beside_the_actor(tmp_path, pro
     assert config.reference is None and not (config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward)
     report = (tmp_path / "ppo.report.txt").read_text()
     assert "critic.ppo_mini_batch_size = 8: the critic steps on the actor's mini-batches" in report
+
+
+VERL_SHELL_SCRIPT = """set -x
+ENGINE=${{1:-sglang}}
+MODEL_PATH=${{MODEL_PATH:-"${{MODELS}}/Qwen2.5-7B-Instruct"}}
+max_prompt_length=$((256 * 2))
+max_response_length=$((128 * 4))
+actor_ppo_max_token_len=$(((max_prompt_length + max_response_length) * 2))
+NAME=run${{SUFFIX:+"-"}}${{SUFFIX}}
+VLLM_USE_V1=1 \\
+python3 -m verl.trainer.main_ppo \\
+    algorithm.adv_estimator=gae \\
+    data.train_files={train} \\
+    data.train_batch_size=16 \\
+    data.max_prompt_length=${{max_prompt_length}} \\
+    data.max_response_length=${{max_response_length}} \\
+    actor_rollout_ref.model.path="${{MODEL_PATH}}" \\
+    actor_rollout_ref.rollout.name=$ENGINE \\
+    actor_rollout_ref.rollout.n=4 \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \\
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=${{actor_ppo_max_token_len}} \\
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 \\
+    critic.model.path="${{MODEL_PATH}}" \\
+    critic.megatron.tensor_model_parallel_size=4 \\
+    reward_model.enable=True \\
+    reward_model.model.path={reward_model} \\
+    reward_model.rollout.tensor_model_parallel_size=2 \\
+    trainer.experiment_name=$NAME \\
+    trainer.test_freq=-1 \\
+    trainer.n_gpus_per_node=8 $@
+"""
+
+
+def test_a_verl_script_s_shell_expansions_engines_critic_and_reward_model_convert(tmp_path, prompt_files, monkeypatch):
+    """The shell forms verl's example scripts use resolve as the shell would: a positional parameter's default,
+    nested defaults (`${MODEL_PATH:-"${MODELS}/..."}`), arithmetic with nested parentheses over earlier variables,
+    `${X:+alt}`, and a `NAME=value command` environment prefix (not an assignment swallowing the command). sglang
+    serves through vLLM here, a hosted critic takes the actor's layout (said in the report), an enabled reward
+    model becomes a Megatron scorer, and test_freq=-1 means no validation during training."""
+    monkeypatch.setenv("MODELS", str(Path(MODEL).parent))
+    for name in ("MODEL_PATH", "SUFFIX"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "run_qwen2_5-7b_megatron_gae.sh"
+    reward_model = tmp_path / "rm"  # (a reward model folder: its config and a one-label score head)
+    reward_model.mkdir()
+    (reward_model / "config.json").write_text((Path(MODEL) / "config.json").read_text())
+    (reward_model / "tokenizer_config.json").write_text("{}")  # (validation looks for a tokenizer's files)
+    hidden = json.loads((Path(MODEL) / "config.json").read_text())["hidden_size"]
+    safetensors.torch.save_file({"score.weight": torch.zeros(1, hidden)}, reward_model / "model.safetensors")
+    script.write_text(VERL_SHELL_SCRIPT.format(train=prompt_files[0], reward_model=reward_model))
+    out = tmp_path / "converted.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    config = load_config(out, [], recipe_check=True)
+    report = (tmp_path / "converted.report.txt").read_text()
+    assert config.model_path == MODEL and config.exp_name == "run"
+    assert (config.data.max_prompt_length, config.response_length) == (512, 512)
+    assert config.actor_train.strategy.config.max_tokens_per_microbatch == (512 + 512) * 2
+    assert config.actor_infer.strategy.name == "vllm_rollout" and "sglang and trtllm have no backend here" in report
+    assert config.critic.strategy.layout.tp == config.actor_train.strategy.layout.tp == 2
+    assert "critic.strategy.tp = 4 -> 2 (a role on the hybrid engine runs in actor_train's processes" in report
+    assert config.reward_model.strategy.name == "megatron_infer" and config.reward_model.model_path == str(reward_model)
+    assert config.reward_model.strategy.layout.tp == config.reward_model.world_size == 2
+    assert config.eval.every_steps == 0
+
+
+@pytest.mark.parametrize("norm_mean_type, ours", [("~", "reinforce_plus_plus"), ("group", "grpo")])
+def test_roll_s_reinforce_is_reinforce_plus_plus_or_grpo_by_its_reward_normalisation(
+    tmp_path, prompt_files, norm_mean_type, ours
+):
+    """Most of ROLL's RLVR examples run adv_estimator: reinforce (discounted returns whitened over the batch, which is
+    REINFORCE++ here; with rewards normalised by group first, GRPO), and some set an engine max_model_len below the
+    prompt plus the response, which the engine here is raised to (reported)."""
+    source = tmp_path / "rlvr_config.yaml"
+    text = ROLL_CONFIG.format(model=MODEL, train=prompt_files[0], val=prompt_files[1])
+    text = text.replace("adv_estimator: grpo", f"adv_estimator: reinforce\nnorm_mean_type: {norm_mean_type}")
+    source.write_text(text.replace("max_model_len: 3072", "max_model_len: 2048"))
+    out = tmp_path / "rlvr.yaml"
+    assert cli.main(["convert", "roll", str(source), "-o", str(out)]) == 0
+    config = load_config(out, [], recipe_check=True)
+    assert config.algorithm.adv_estimator == ours
+    assert config.actor_infer.strategy.config.max_model_len == 1024 + 2048
+    assert (
+        "max_model_len = 2048 -> actor_infer.strategy.max_model_len = 3072"
+        in (tmp_path / "rlvr.report.txt").read_text()
+    )
