@@ -66,7 +66,9 @@ def read_job(source: str) -> dict[str, Any]:
         for token in shlex.split(line, comments=True):
             match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
             if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
-                settings[match.group(1)] = _value(_expand(match.group(2), variables))
+                expanded = _expand(match.group(2), variables)
+                # (a variable that is empty leaves nothing to convert: reported like one set nowhere)
+                settings[match.group(1)] = _value(expanded if expanded or "$" not in match.group(2) else match.group(2))
     return settings
 
 

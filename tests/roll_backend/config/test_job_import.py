@@ -359,8 +359,8 @@ def test_a_verl_script_s_shell_expansions_engines_critic_and_reward_model_conver
     serves through vLLM here, a hosted critic takes the actor's layout (said in the report), an enabled reward
     model becomes a Megatron scorer, and test_freq=-1 means no validation during training."""
     monkeypatch.setenv("MODELS", str(Path(MODEL).parent))
-    for name in ("MODEL_PATH", "SUFFIX"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MODEL_PATH", raising=False)
+    monkeypatch.setenv("SUFFIX", "b2")
     script = tmp_path / "run_qwen2_5-7b_megatron_gae.sh"
     reward_model = tmp_path / "rm"  # (a reward model folder: its config and a one-label score head)
     reward_model.mkdir()
@@ -373,7 +373,7 @@ def test_a_verl_script_s_shell_expansions_engines_critic_and_reward_model_conver
     assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
     config = load_config(out, [], recipe_check=True)
     report = (tmp_path / "converted.report.txt").read_text()
-    assert config.model_path == MODEL and config.exp_name == "run"
+    assert config.model_path == MODEL and config.exp_name == "run-b2"
     assert (config.data.max_prompt_length, config.response_length) == (512, 512)
     assert config.actor_train.strategy.config.max_tokens_per_microbatch == (512 + 512) * 2
     assert config.actor_infer.strategy.name == "vllm_rollout" and "sglang and trtllm have no backend here" in report
