@@ -352,6 +352,15 @@ class _Job:
         return scorer
 
     def finish(self) -> None:
+        if self.framework == "roll" and any(
+            key.startswith(("train_env_manager.", "custom_envs.")) for key in self.settings
+        ):
+            self.report.unmapped.insert(
+                0,
+                "train_env_manager / custom_envs: ROLL's agentic pipeline is not converted (its environments and env "
+                "managers): write an `agentic:` block by hand (configs/agentic_frozenlake_cpu.yaml plays FrozenLake); "
+                "the rest below is converted as a single-turn job",
+            )
         uses_kl = self._get("actor_rollout_ref.actor.use_kl_loss", self._get("use_kl_loss", False))
         in_reward = self._get("algorithm.use_kl_in_reward", self._get("add_token_level_kl", False))
         if not (uses_kl or in_reward):  # (verl's and ROLL's defaults: no KL, so no reference)

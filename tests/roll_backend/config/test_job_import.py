@@ -404,3 +404,12 @@ def test_roll_s_reinforce_is_reinforce_plus_plus_or_grpo_by_its_reward_normalisa
         "max_model_len = 2048 -> actor_infer.strategy.max_model_len = 3072"
         in (tmp_path / "rlvr.report.txt").read_text()
     )
+
+
+def test_a_roll_agentic_config_says_its_environments_are_not_converted(tmp_path, prompt_files):
+    source = tmp_path / "agent_val_frozen_lake.yaml"
+    text = ROLL_CONFIG.format(model=MODEL, train=prompt_files[0], val=prompt_files[1])
+    source.write_text(text + "train_env_manager: {num_env_groups: 128, group_size: 8, tags: [FrozenLake]}\n")
+    assert cli.main(["convert", "roll", str(source), "-o", str(tmp_path / "agentic.yaml")]) == 0
+    report = (tmp_path / "agentic.report.txt").read_text()
+    assert "No equivalent here" in report and "ROLL's agentic pipeline is not converted" in report
