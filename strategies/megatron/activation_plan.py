@@ -274,24 +274,29 @@ def activation_terms(
         if options.mtp_layers:
             terms["MTP heads"] = mtp_bytes(arch, layout, micro, options)
     if stage == 0 and not options.lora:
-        return _backward_end(arch, layout, options, terms, edge)
+        # (the micro-batches still in flight when one's backward ends: 1F1B's warm-up ran them ahead)
+        return _backward_end(arch, layout, options, terms, edge, terms["activations"] * (held - 1) / held)
     return terms
 
 
-def _backward_end(arch: HFArch, layout: ParallelLayout, options: PlanOptions, terms: dict, edge: int) -> dict:
-    """The first stage's last moment of backward when it is its peak: the embedding's weight gradient, dense
-    [vocab / TP, hidden] until DDP adds it to the gradient buffer, beside its output's gradient, when the saved
-    activations are gone (a critic or a short micro-batch: nothing of the head hides it). A tied model on one stage
-    holds three such tensors then: the output layer's weight gradient, the embedding's, and their sum (autograd adds
-    the two gradients of the one shared weight)."""
+def _backward_end(
+    arch: HFArch, layout: ParallelLayout, options: PlanOptions, terms: dict, edge: int, in_flight_bytes: float
+) -> dict:
+    """The first stage's last moment of a micro-batch's backward when it is its peak: the embedding's weight gradient,
+    dense [vocab / TP, hidden] until DDP adds it to the gradient buffer, beside its output's gradient, when that
+    micro-batch's saved activations are gone (a critic or a short micro-batch: nothing of the head hides it) but those
+    of the micro-batches the pipeline ran ahead are not. A tied model on one stage holds three such tensors then: the
+    output layer's weight gradient, the embedding's, and their sum (autograd adds the two gradients of the one
+    shared weight)."""
     scores = {name: value for name, value in terms.items() if name == SCORES_BUFFER}
     others = sum(value for name, value in terms.items() if name != SCORES_BUFFER)
     shared_weight = arch.tie_word_embeddings and not options.value_head and layout.pp == 1
     embedding_grad = arch.padded_vocab_size(layout.tp) // layout.tp * arch.hidden_size * options.width
     end = (3 if shared_weight else 1) * embedding_grad + edge
-    if end <= others:
+    if end + in_flight_bytes <= others:
         return terms
-    return scores | {"the embedding's weight gradient": end}
+    ahead = {"activations of the micro-batches ahead": int(in_flight_bytes)} if in_flight_bytes else {}
+    return scores | {"the embedding's weight gradient": end} | ahead
 
 
 def _forward_mlp_elements(arch: HFArch, layout: ParallelLayout, options: PlanOptions, tokens: int) -> int:
