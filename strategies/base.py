@@ -68,6 +68,16 @@ class RunFacts:
     expert_load: float = 1.0
 
 
+def host_weight_copy_note(run: RunFacts, nbytes: int) -> str | None:
+    """A memory plan's note on the weight sync's host copy (`run.host_weight_copy`) of `nbytes`; None without one."""
+    if not run.host_weight_copy:
+        return None
+    return (
+        f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
+        f"{nbytes / 2**30:.2f} GiB (weight_sync_delta: false keeps none)"
+    )
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """The memory plan of some ranks of a role (`ranks` says which: "every rank", "pp stage 1 of 2"), in bytes per

@@ -76,7 +76,9 @@ _UNSET = "\x00"  # marks a variable set nowhere while the expansion goes on (wri
 
 
 def _lookup(name: str, variables: dict[str, str]) -> str | None:
-    return variables.get(name, os.environ.get(name))  # (a positional parameter, `$1`, is never given here)
+    if name.isdigit():  # a positional parameter (`$1`): the script is read, never run with arguments
+        return None
+    return variables.get(name, os.environ.get(name))
 
 
 def _expand(text: str, variables: dict[str, str]) -> str:
@@ -444,7 +446,7 @@ class _Job:
 
     def _hosted_layouts(self) -> None:
         """Roles hosted by the hybrid engine share actor_train's processes and so its parallel layout."""
-        layout = ("tp", "pp", "cp", "vpp", "ep", "etp")
+        layout = ("tp", "pp", "cp", "vpp", "ep", "etp")  # (ParallelLayout's sizes; importing it brings torch)
         actor = self.tree["actor_train"]["strategy"]
         for role in ("reference", "critic"):
             block = self.tree.get(role)

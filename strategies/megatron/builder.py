@@ -55,6 +55,12 @@ def transformer_engine_for(config, device: str) -> bool:
     return not getattr(config, "share_prompts", False) and use_transformer_engine(config.transformer_impl, device)
 
 
+def flex_attention_for(config, device: str) -> bool:
+    """Whether a Megatron role's local spec attends through FlexAttention: prompt-shared segments (explicit masks) on
+    a GPU; the dense local attention on CPU, where FlexAttention has no backward."""
+    return bool(getattr(config, "share_prompts", False)) and device == "cuda"
+
+
 def unwrap(model):
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):

@@ -39,7 +39,7 @@ from roll_backend.strategies.megatron.activation_plan import (
     PlanOptions,
     activation_terms,
 )
-from roll_backend.strategies.megatron.builder import HFArch
+from roll_backend.strategies.megatron.builder import HFArch, flex_attention_for
 from roll_backend.strategies.megatron.moe import token_dispatcher_type
 from roll_backend.strategies.megatron.stage_splits import default_stage_split
 
@@ -192,7 +192,7 @@ def plan_options(cfg, arch: HFArch, layout: ParallelLayout, device: str, trains:
         entropy=bool(cfg.compute_entropy),
         mtp_layers=cfg.mtp_num_layers,
         transformer_engine=plans_transformer_engine(cfg, device),
-        flex_attention=bool(getattr(cfg, "share_prompts", False)) and device == "cuda",  # (model_setup.py)
+        flex_attention=flex_attention_for(cfg, device),
         sequence_parallel=layout.tp > 1 and (arch.moe is not None or bool(cfg.sequence_parallel)),  # (builder.py)
     )
 
@@ -292,7 +292,7 @@ def planned_micro_shape(cfg, run) -> MicroShape:
 
 def plan(cfg, run) -> list:
     """A Megatron config's memory plan in this run (MemoryPlanner.plan): one RankMemory per pipeline stage."""
-    from roll_backend.strategies.base import RankMemory
+    from roll_backend.strategies.base import RankMemory, host_weight_copy_note
 
     if not run.model_config:
         return []
@@ -313,12 +313,9 @@ def plan(cfg, run) -> list:
             "activations of TransformerEngine's layers (an estimate: the suite measures the local spec on CPU); "
             "without TE on the GPUs the local spec also keeps the attention scores"
         )
-    if run.host_weight_copy:
-        whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total
-        notes.append(
-            f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
-            f"{whole * DTYPE_BYTES[cfg.params_dtype] / 2**30:.2f} GiB (weight_sync_delta: false keeps none)"
-        )
+    whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total
+    copy_note = host_weight_copy_note(run, whole * DTYPE_BYTES[cfg.params_dtype])
+    notes += [copy_note] if copy_note else []
     if arch.moe is not None and layout.ep > 1:
         notes.append(
             f"experts planned at {run.expert_load:g}x the tokens a rank's own tokens route (1 = balanced routing); "

@@ -11,6 +11,7 @@ from roll_backend.strategies.megatron.builder import (
     HFArch,
     ModelBuildOptions,
     build_gpt_stage,
+    flex_attention_for,
     transformer_engine_for,
     unwrap,
 )
@@ -111,8 +112,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str):
         recompute_activations=getattr(cfg, "recompute_activations", False),
         use_torch_compile=cfg.use_torch_compile,
         sequence_parallel=bool(cfg.sequence_parallel),
-        # (prompt-shared segments' explicit mask: fused FlexAttention on a GPU, the dense local attention on CPU)
-        flex_attention=bool(getattr(cfg, "share_prompts", False)) and device == "cuda",
+        flex_attention=flex_attention_for(cfg, device),
     )
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)

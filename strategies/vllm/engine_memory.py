@@ -59,7 +59,7 @@ def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
 
 def plan(cfg, run) -> list:
     """The rollout config's memory plan in this run (MemoryPlanner.plan)."""
-    from roll_backend.strategies.base import RankMemory
+    from roll_backend.strategies.base import RankMemory, host_weight_copy_note
 
     fields = run.model_config
     if not fields or "hidden_size" not in fields:
@@ -71,12 +71,9 @@ def plan(cfg, run) -> list:
     batched = cfg.max_num_batched_tokens or max(cfg.max_model_len, 2048)
     activations = batched * (4 * m["h"] + (m["nq"] + 2 * m["nkv"]) * m["d"] // tp + 3 * m["ffn"] // tp) * width
     activations += DEFAULT_MAX_NUM_SEQS * m["vocab"] // tp * 4  # the sampler's float32 logits
-    notes = []
-    if run.host_weight_copy:  # (HF tensors as the trainer sends them; the engine's dtype as a stand-in for theirs)
-        notes.append(
-            f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
-            f"{weight_elements(fields, 1) * width / GIB:.2f} GiB (weight_sync_delta: false keeps none)"
-        )
+    # (HF tensors as the trainer sends them; the engine's dtype as a stand-in for theirs)
+    copy_note = host_weight_copy_note(run, weight_elements(fields, 1) * width)
+    notes = [copy_note] if copy_note else []
     # Asleep (the hybrid engine on a GPU) it keeps nothing on the device: level 1 moves the weights to host memory
     # and frees the cache, level 2 discards both. vLLM on CPU has no sleep mode.
     offloaded = frozenset({"weights"}) if run.hybrid and run.device == "cuda" and cfg.sleep_level >= 1 else frozenset()
