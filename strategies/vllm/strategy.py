@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from roll_backend import keys
+from roll_backend.distributed import heap
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import left_pad, sequence_columns
 from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, changed_tensors
 from roll_backend.strategies.base import FinishedRequest, RolloutStrategy
 from roll_backend.strategies.vllm import adapters, shm_names
 from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE, SamplingConfig, VllmRolloutConfig
+from roll_backend.strategies.vllm.engine_memory import cpu_kv_cache_bytes
 from roll_backend.strategies.vllm.routes import routes_column, sample_request_ids
 from roll_backend.strategies.vllm.stream_session import Sampled, StreamingSession, token_versions
 from roll_backend.strategies.vllm.weight_sync import WORKER_EXTENSION, load_layers, load_version, revert_version
@@ -37,10 +39,7 @@ logger = logging.getLogger(__name__)
 
 def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]:
     """The environment variables vLLM reads at engine start, derived from the config and device."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.engine_in_process else "1"}
-    if device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
-    return env
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.engine_in_process else "1"}
 
 
 @functools.cache
@@ -76,7 +75,9 @@ class VllmRolloutStrategy(RolloutStrategy):
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
         os.environ.update(engine_environment(self.config, self.device))
-        from transformers import AutoTokenizer
+        # (vLLM's legacy whole-GiB variable would override the cache size the config sets below)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
 
         config = self.config
@@ -107,7 +108,10 @@ class VllmRolloutStrategy(RolloutStrategy):
         block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
         if block_size is not None:
             engine_kwargs["block_size"] = block_size
-        if self.device != "cpu":
+        if self.device == "cpu":
+            fields = AutoConfig.from_pretrained(config.model_path).to_dict()
+            engine_kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, fields, self.tp)
+        else:
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             engine_kwargs["enable_sleep_mode"] = config.hybrid
         shared_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -119,7 +123,9 @@ class VllmRolloutStrategy(RolloutStrategy):
                 shm_names.apply()
                 ident = shm_names.new_engine_ident()
         start = time.perf_counter()
-        self.llm = LLM(**engine_kwargs)
+        heap.freeze_for_engine()  # (what vLLM freezes at start and unfreezes at stop: roll_backend/distributed/heap.py)
+        with heap.engine_keeps_heap_frozen():
+            self.llm = LLM(**engine_kwargs)
         if shared_world and self.device == "cpu":
             shm_names.unlink_segments(ident)
         logger.info(
@@ -137,7 +143,8 @@ class VllmRolloutStrategy(RolloutStrategy):
         if self.llm is not None:
             if not self.config.engine_in_process:
                 return False
-            self.llm.llm_engine.engine_core.shutdown()
+            with heap.engine_keeps_heap_frozen():
+                self.llm.llm_engine.engine_core.shutdown()
         self.llm = self.adapters = None
         return True
 

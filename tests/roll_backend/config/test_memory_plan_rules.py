@@ -184,3 +184,29 @@ def test_experts_under_ep_are_planned_at_the_declared_load_and_a_load_below_bala
     assert any(n.startswith("experts planned at 2x") for n in skewed[0].notes)
     with pytest.raises(ConfigError, match=r"memory_plan_expert_load=0.5 must be >= 1"):
         load_config(recipe, [model, "memory_plan_expert_load=0.5", "device_memory_gib=80"], True)
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_a_cpu_engine_s_kv_cache_holds_its_concurrency_of_full_sequences_unless_set(engine_tp):
+    """Unset, a CPU engine's cache is vLLM's default concurrency (256 sequences per TP rank) of max_model_len tokens:
+    the demo's tiny model needs 16 MiB where every engine used to zero 1 GiB at its start. Set, it is the GiB given
+    (fractions allowed); a large model's default stops at 1 GiB; 0 is refused. The engine allocates what the plan says
+    (tests/strategies/vllm/test_rollout.py)."""
+    tp = [f"actor_infer.world_size={engine_tp}", f"actor_infer.strategy.tp={engine_tp}"]
+    config = load_config("configs/grpo_tiny_cpu.yaml", tp, True)
+    spec, engine = config.build_tiny_model, config.actor_infer.strategy.config
+    # K and V of one token in every layer, on one TP rank, in float32
+    per_token = 2 * spec["num_hidden_layers"] * (spec["num_key_value_heads"] // engine_tp)
+    per_token *= spec["hidden_size"] // spec["num_attention_heads"] * 4
+    planned = role_plans(config)["actor_infer"][0].phases["generate"]["kv_cache"]
+    assert planned == 256 * engine_tp * engine.max_model_len * per_token
+    set_config = load_config(
+        "configs/grpo_tiny_cpu.yaml", [*tp, "actor_infer.strategy.cpu_kvcache_space_gib=0.25"], True
+    )
+    assert role_plans(set_config)["actor_infer"][0].phases["generate"]["kv_cache"] == 1 << 28
+    large = ["build_tiny_model.hidden_size=2048", "build_tiny_model.num_hidden_layers=24"]
+    large = [*large, "actor_infer.strategy.max_model_len=4096"]
+    large_config = load_config("configs/grpo_tiny_cpu.yaml", [*tp, *large], True)
+    assert role_plans(large_config)["actor_infer"][0].phases["generate"]["kv_cache"] == 1 << 30
+    with pytest.raises(ConfigError, match=r"cpu_kvcache_space_gib=0.0: set a size above 0 or null"):
+        load_config("configs/grpo_tiny_cpu.yaml", [*tp, "actor_infer.strategy.cpu_kvcache_space_gib=0"], True)

@@ -242,7 +242,7 @@ def test_engine_environment_comes_from_config():
     from roll_backend.strategies.vllm.strategy import engine_environment
 
     config = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
-    assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert engine_environment(config, "cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert engine_environment(config, "cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -260,3 +260,20 @@ def test_response_text_is_the_decoded_response_with_or_without_stop_strings(roll
         with_stop.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
         < sampled.batch[keys.RESPONSE_MASK].sum(-1).float().mean()
     )
+
+
+def test_the_engine_allocates_the_kv_cache_the_plan_counts(rollout, model_dir):
+    """Unset, the cache is sized for vLLM's default concurrency of max_model_len sequences
+    (strategies/vllm/engine_memory.cpu_kv_cache_bytes); vLLM's legacy whole-GiB variable no longer decides it."""
+    import json
+    from pathlib import Path
+
+    import ray
+
+    def configured(worker):
+        return worker.strategy.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
+
+    fields = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    per_token = 2 * fields["num_hidden_layers"] * fields["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    assert ray.get(rollout.workers[0].__ray_call__.remote(configured)) == 256 * 512 * per_token
