@@ -77,7 +77,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         os.environ.update(engine_environment(self.config, self.device))
         # (vLLM's legacy whole-GiB variable would override the cache size the config sets below)
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
         from vllm import LLM
 
         config = self.config
@@ -86,6 +86,34 @@ class VllmRolloutStrategy(RolloutStrategy):
             raise ValueError(
                 f"the tokenizer at {config.model_path} has no pad token; set one so responses can be padded."
             )
+        engine_kwargs = self._engine_kwargs()
+        shared_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if shared_world:
+            # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
+            # build its groups on the existing world rather than spawn its own (verl's integration mode).
+            engine_kwargs["distributed_executor_backend"] = "external_launcher"
+            if self.device == "cpu":
+                shm_names.apply()
+                ident = shm_names.new_engine_ident()
+        start = time.perf_counter()
+        heap.freeze_for_engine()  # (what vLLM freezes at start and unfreezes at stop: roll_backend/distributed/heap.py)
+        with heap.engine_keeps_heap_frozen():
+            self.llm = LLM(**engine_kwargs)
+        if shared_world and self.device == "cpu":
+            shm_names.unlink_segments(ident)
+        logger.info(
+            "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
+        )
+        self.route_shape = None  # (layers, top_k) of the routes the engine returns (return_routed_experts)
+        self.adapters = adapters.AdapterSlot(self.llm) if config.max_lora_rank is not None else None
+        if config.return_routed_experts:
+            self.route_shape = tuple(self.llm.collective_rpc("start_route_capture")[0])
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's engine arguments from the config, the layout and the device."""
+        from transformers import AutoConfig
+
+        config = self.config
         engine_kwargs: dict[str, Any] = dict(
             model=config.model_path,
             dtype=config.dtype,
@@ -114,27 +142,7 @@ class VllmRolloutStrategy(RolloutStrategy):
         else:
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             engine_kwargs["enable_sleep_mode"] = config.hybrid
-        shared_world = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        if shared_world:
-            # Inside a role's process group every rank runs its own engine (or TP shard of one): vLLM must
-            # build its groups on the existing world rather than spawn its own (verl's integration mode).
-            engine_kwargs["distributed_executor_backend"] = "external_launcher"
-            if self.device == "cpu":
-                shm_names.apply()
-                ident = shm_names.new_engine_ident()
-        start = time.perf_counter()
-        heap.freeze_for_engine()  # (what vLLM freezes at start and unfreezes at stop: roll_backend/distributed/heap.py)
-        with heap.engine_keeps_heap_frozen():
-            self.llm = LLM(**engine_kwargs)
-        if shared_world and self.device == "cpu":
-            shm_names.unlink_segments(ident)
-        logger.info(
-            "vLLM engine for %s ready in %.1fs on %s", config.model_path, time.perf_counter() - start, self.device
-        )
-        self.route_shape = None  # (layers, top_k) of the routes the engine returns (return_routed_experts)
-        self.adapters = adapters.AdapterSlot(self.llm) if config.max_lora_rank is not None else None
-        if config.return_routed_experts:
-            self.route_shape = tuple(self.llm.collective_rpc("start_route_capture")[0])
+        return engine_kwargs
 
     def shutdown(self) -> bool:
         """The engine core's own tear-down (as vLLM's tests start engine after engine in one process): its executor
