@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections import defaultdict
 
 import ray
@@ -24,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
 RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
-# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
-MAX_IDLE_PER_CLASS = 2
-MAX_IDLE = 8
+# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all; past the
+# total, the class given back longest ago makes room (a driver's next group is most often of a class it just used).
+MAX_IDLE_PER_CLASS = 4
+MAX_IDLE = 10
 ALIVE_TIMEOUT_S = 10.0  # an idle process that does not answer within this is stopped, not reused
 
 
@@ -36,13 +38,15 @@ class RankPool:
     def __init__(self, session: str):
         self.session = session
         self._idle: dict[tuple, list] = defaultdict(list)
+        self._lock = threading.Lock()
         self.reused = 0
 
     def take(self, key: tuple, count: int) -> list:
         """Up to `count` idle processes for `key` that still answer (one that died while idle, say to the OOM killer,
         is dropped: the group starts a new one in its place)."""
-        idle = self._idle[key]
-        candidates, self._idle[key] = idle[:count], idle[count:]
+        with self._lock:
+            idle = self._idle[key]
+            candidates, self._idle[key] = idle[:count], idle[count:]
         answered, silent = _ask(candidates, "__ray_ready__", ALIVE_TIMEOUT_S)
         for handle in silent:
             _kill(handle)
@@ -51,11 +55,24 @@ class RankPool:
         return taken
 
     def give_back(self, key: tuple, handles: list) -> None:
-        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean; stop the others."""
-        room = max(min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values()))), 0)
+        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean (making room by
+        stopping other classes' idle processes, those given back longest ago first); stop the others."""
+        with self._lock:  # (groups of a run shut down at once: RoleGroups.shutdown)
+            room = max(MAX_IDLE_PER_CLASS - len(self._idle[key]), 0)
         answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
-        self._idle[key] += [handle for handle, clean in answered if clean]
-        for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
+        kept = [handle for handle, clean in answered if clean]
+        stop = handles[room:] + silent + [handle for handle, clean in answered if not clean]
+        with self._lock:
+            kept = self._idle.pop(key, []) + kept  # (last in the order: given back most recently)
+            self._idle[key], stop = kept[:MAX_IDLE_PER_CLASS], stop + kept[MAX_IDLE_PER_CLASS:]
+            for other in list(self._idle):
+                excess = sum(map(len, self._idle.values())) - MAX_IDLE
+                if excess <= 0:
+                    break
+                if other != key:
+                    stop += self._idle[other][:excess]
+                    self._idle[other] = self._idle[other][excess:]
+        for handle in stop:
             _kill(handle)
 
     def clear(self) -> None:
