@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import ray
 
@@ -25,10 +25,9 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
 RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
-# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all; past the
-# total, the class given back longest ago makes room (a driver's next group is most often of a class it just used).
-MAX_IDLE_PER_CLASS = 4
-MAX_IDLE = 10
+# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
+MAX_IDLE_PER_CLASS = 2
+MAX_IDLE = 8
 ALIVE_TIMEOUT_S = 10.0  # an idle process that does not answer within this is stopped, not reused
 
 
@@ -39,6 +38,7 @@ class RankPool:
         self.session = session
         self._idle: dict[tuple, list] = defaultdict(list)
         self._lock = threading.Lock()
+        self._reserved: Counter = Counter()  # room promised to releases under way, by key
         self.reused = 0
 
     def take(self, key: tuple, count: int) -> list:
@@ -55,25 +55,27 @@ class RankPool:
         return taken
 
     def give_back(self, key: tuple, handles: list) -> None:
-        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean (making room by
-        stopping other classes' idle processes, those given back longest ago first); stop the others."""
-        with self._lock:  # (groups of a run shut down at once: RoleGroups.shutdown)
-            room = max(MAX_IDLE_PER_CLASS - len(self._idle[key]), 0)
-        answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
-        kept = [handle for handle, clean in answered if clean]
-        stop = handles[room:] + silent + [handle for handle, clean in answered if not clean]
+        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean, as many as the
+        caps leave room for; stop the others."""
+        with self._lock:  # (the groups of a run shut down at once: RoleGroups.shutdown)
+            in_class = len(self._idle[key]) + self._reserved[key]
+            room = max(min(MAX_IDLE_PER_CLASS - in_class, MAX_IDLE - self._idle_count()), 0)
+            self._reserved[key] += room
+        try:
+            answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
+        except BaseException:
+            with self._lock:
+                self._reserved[key] -= room
+            raise
         with self._lock:
-            kept = self._idle.pop(key, []) + kept  # (last in the order: given back most recently)
-            self._idle[key], stop = kept[:MAX_IDLE_PER_CLASS], stop + kept[MAX_IDLE_PER_CLASS:]
-            for other in list(self._idle):
-                excess = sum(map(len, self._idle.values())) - MAX_IDLE
-                if excess <= 0:
-                    break
-                if other != key:
-                    stop += self._idle[other][:excess]
-                    self._idle[other] = self._idle[other][excess:]
-        for handle in stop:
+            self._reserved[key] -= room
+            self._idle[key] += [handle for handle, clean in answered if clean]
+        for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
             _kill(handle)
+
+    def _idle_count(self) -> int:
+        """Idle processes, and those being released into the pool now."""
+        return sum(map(len, self._idle.values())) + sum(self._reserved.values())
 
     def clear(self) -> None:
         for handles in self._idle.values():

@@ -87,7 +87,9 @@ def test_a_reused_process_gives_a_fresh_ranks_numbers_and_a_broken_group_leaves_
     assert [coords.tp for coords in again.coords] == [0, 1]
     assert torch.equal(_log_probs(again, tensors), fresh_log_probs)
 
+    killed_pid = again.call(Worker.pid)[1]
     ray.kill(again.workers[1])
+    assert describe(wait_until_gone([killed_pid], within_s=30)) == []  # (ray.kill returns before the process ends)
     with pytest.raises((RankDiedError, GroupBrokenError)):
         again.call(Worker.pid)
     again.shutdown()
