@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import ray
 
@@ -37,16 +36,13 @@ class RankPool:
     def __init__(self, session: str):
         self.session = session
         self._idle: dict[tuple, list] = defaultdict(list)
-        self._lock = threading.Lock()
-        self._reserved: Counter = Counter()  # room promised to releases under way, by key
         self.reused = 0
 
     def take(self, key: tuple, count: int) -> list:
         """Up to `count` idle processes for `key` that still answer (one that died while idle, say to the OOM killer,
         is dropped: the group starts a new one in its place)."""
-        with self._lock:
-            idle = self._idle[key]
-            candidates, self._idle[key] = idle[:count], idle[count:]
+        idle = self._idle[key]
+        candidates, self._idle[key] = idle[:count], idle[count:]
         answered, silent = _ask(candidates, "__ray_ready__", ALIVE_TIMEOUT_S)
         for handle in silent:
             _kill(handle)
@@ -55,27 +51,12 @@ class RankPool:
         return taken
 
     def give_back(self, key: tuple, handles: list) -> None:
-        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean, as many as the
-        caps leave room for; stop the others."""
-        with self._lock:  # (the groups of a run shut down at once: RoleGroups.shutdown)
-            in_class = len(self._idle[key]) + self._reserved[key]
-            room = max(min(MAX_IDLE_PER_CLASS - in_class, MAX_IDLE - self._idle_count()), 0)
-            self._reserved[key] += room
-        try:
-            answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
-        except BaseException:
-            with self._lock:
-                self._reserved[key] -= room
-            raise
-        with self._lock:
-            self._reserved[key] -= room
-            self._idle[key] += [handle for handle, clean in answered if clean]
+        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean; stop the others."""
+        room = max(min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values()))), 0)
+        answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
+        self._idle[key] += [handle for handle, clean in answered if clean]
         for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
             _kill(handle)
-
-    def _idle_count(self) -> int:
-        """Idle processes, and those being released into the pool now."""
-        return sum(map(len, self._idle.values())) + sum(self._reserved.values())
 
     def clear(self) -> None:
         for handles in self._idle.values():

@@ -4,7 +4,6 @@ config says."""
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +82,8 @@ class RoleGroups:
         return hosted + ([self.hybrid] if self.hybrid is not None else [])  # (a facet is its host's)
 
     def shutdown(self) -> None:
-        """Every group at once: each waits on its own ranks' tear-down (or release to the rank pool)."""
-        groups = self.all()
-        with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="shutdown") as threads:
-            for done in [threads.submit(group.shutdown) for group in groups]:
-                done.result()
+        for group in self.all():
+            group.shutdown()
 
 
 class _GroupStarter:

@@ -1,11 +1,8 @@
 """The rank pool's bookkeeping (roll_backend/distributed/rank_pool.py) without processes: how many idle processes of a
-class it keeps and in all, and that groups shutting down at once (a run's roles: RoleGroups.shutdown) keep no more
-than one group alone would. The processes themselves (a reused rank is a fresh one) are checked in
+class it keeps and in all. The processes themselves (a reused rank is a fresh one) are checked in
 tests/strategies/megatron/test_pooled_ranks.py."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 
@@ -41,26 +38,3 @@ def test_a_class_keeps_up_to_its_cap_and_the_pool_up_to_its_total(stopped):
     assert idle_count(pool) == MAX_IDLE
     assert pool.take(("A",), 3) == handles("a", MAX_IDLE_PER_CLASS)[:3]  # the first kept stay
     assert pool.take(classes[-1], 1) == []  # the last found the pool full
-
-
-def test_groups_given_back_at_once_keep_what_one_at_a_time_would(monkeypatch, stopped):
-    """Each release waits on its ranks: while one is under way, another of the same class must not take its room."""
-    arrived, proceed = threading.Barrier(2), threading.Event()
-
-    def slow_ask(group, method, timeout_s):
-        arrived.wait(timeout=10)  # both give-backs have chosen their room before either finishes
-        proceed.wait(timeout=10)
-        return [(h, True) for h in group], []
-
-    monkeypatch.setattr(rank_pool, "_ask", slow_ask)
-    pool = RankPool("session")
-    threads = [
-        threading.Thread(target=pool.give_back, args=(("A",), handles(name, MAX_IDLE_PER_CLASS))) for name in "xy"
-    ]
-    for thread in threads:
-        thread.start()
-    proceed.set()
-    for thread in threads:
-        thread.join(timeout=20)
-    assert len(pool._idle[("A",)]) == MAX_IDLE_PER_CLASS
-    assert len(stopped) == MAX_IDLE_PER_CLASS
