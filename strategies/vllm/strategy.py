@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 # setting for the call.
 
 
-def engine_environment(config: VllmRolloutConfig, device: str) -> dict[str, str]:
-    """The environment variables vLLM reads at engine start, derived from the config and device."""
+def engine_environment(config: VllmRolloutConfig) -> dict[str, str]:
+    """The environment variables vLLM reads at engine start, derived from the config (the CPU KV cache's size is an
+    engine argument: `_engine_kwargs`)."""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.engine_in_process else "1"}
 
 
@@ -74,7 +75,7 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
-        os.environ.update(engine_environment(self.config, self.device))
+        os.environ.update(engine_environment(self.config))
         # (vLLM's legacy whole-GiB variable would override the cache size the config sets below)
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from transformers import AutoTokenizer
