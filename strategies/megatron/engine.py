@@ -32,6 +32,8 @@ from roll_backend.strategies.megatron.mtp_loss import MtpLoss
 from roll_backend.strategies.megatron.router_replay import RouteCall, RouteReplayer, join_stages, route_call
 from roll_backend.strategies.megatron.shared_micro_batches import split_shared
 
+GREEDY_TEMPERATURE = 1e-5  # a rollout temperature below this is greedy decoding (vLLM's own threshold)
+
 
 def measures_memory(batch: DataProto) -> bool:
     """The call asks its phases to count their memory (keys.META_MEASURE_MEMORY)."""
@@ -76,8 +78,11 @@ class MegatronEngine:
         self.memory = PhasePeaks(device)  # what each phase allocated at its peak ("train", "forward")
 
     def output_spec(self, batch: DataProto, value_head: bool) -> OutputSpec:
-        """This call's outputs: the config's temperature unless batch.meta_info overrides it."""
+        """This call's outputs: the config's temperature unless batch.meta_info overrides it. A greedy rollout's
+        (temperature 0) log-probs are of the logits as they are, as vLLM reports them."""
         temperature = float(batch.meta_info.get(keys.META_TEMPERATURE, self.config.temperature))
+        if temperature < GREEDY_TEMPERATURE:
+            temperature = 1.0
         return OutputSpec(value_head, temperature, bool(self.config.compute_entropy))
 
     def outputs(self, micro: MicroBatch, head_output: torch.Tensor, spec: OutputSpec) -> dict[str, torch.Tensor]:
