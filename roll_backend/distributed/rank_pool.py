@@ -1,10 +1,12 @@
-"""Warm rank processes handed from one actor group to the next of the same worker class (CPU ranks on one node).
+"""Warm rank processes handed from one actor group to the next (CPU ranks on one node).
 
 Most of a rank's start-up is importing torch, megatron-core and transformers: seconds of a core per process, paid
 again by every group a driver starts. A driver that starts many groups one after another (the test suite, a sweep, a
 notebook) can keep the processes instead: with the pool on, a group's `shutdown` asks each rank to tear down what it
-holds (`Worker.release_rank`: its model and optimizer, its process groups) and keeps the processes that did; the next
-group of that worker class takes them (`Worker.reinit_rank` builds the new rank in place) and starts only the rest.
+holds (`RankHost.release_rank`: its model and optimizer, its process groups) and keeps the processes that did; the
+next group, of any worker class (every rank's actor is a RankHost: rank_host.py), takes them (`RankHost.reinit_rank`
+builds the new rank in place) and starts only the rest. A group takes first the processes its own worker class left
+(their imports are the ones it needs).
 
 A process that died, was killed, broke its group, could not tear down within the deadline or ran user code in-process
 (whose imports would stay) is never reused. GPU ranks and multi-node clusters are not pooled: a process's device and
@@ -17,6 +19,7 @@ import logging
 import math
 import os
 from collections import defaultdict
+from typing import Any
 
 import ray
 
@@ -24,25 +27,24 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
 RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
-# Idle processes kept (each holds its imports: ~0.3-0.5 GiB of host memory), per worker class and in all.
-MAX_IDLE_PER_CLASS = 2
-MAX_IDLE = 8
+MAX_IDLE = 8  # idle processes kept (each holds its imports: ~0.3-0.7 GiB of host memory)
 ALIVE_TIMEOUT_S = 10.0  # an idle process that does not answer within this is stopped, not reused
 
 
 class RankPool:
-    """Idle rank processes by (worker class, runtime env) of one Ray session."""
+    """Idle rank processes of one Ray session, by the environment they started with (a rank's environment variables
+    are fixed when its process starts), each with the worker class it last served."""
 
     def __init__(self, session: str):
         self.session = session
-        self._idle: dict[tuple, list] = defaultdict(list)
+        self._idle: dict[tuple, list[tuple[Any, str]]] = defaultdict(list)
         self.reused = 0
 
-    def take(self, key: tuple, count: int) -> list:
-        """Up to `count` idle processes for `key` that still answer (one that died while idle, say to the OOM killer,
-        is dropped: the group starts a new one in its place)."""
-        idle = self._idle[key]
-        candidates, self._idle[key] = idle[:count], idle[count:]
+    def take(self, key: tuple, count: int, worker_cls: type) -> list:
+        """Up to `count` idle processes for `key` that still answer, those `worker_cls` left first (one that died
+        while idle, say to the OOM killer, is dropped: the group starts a new one in its place)."""
+        idle = sorted(self._idle[key], key=lambda entry: entry[1] != worker_cls.__qualname__)  # (stable: oldest first)
+        candidates, self._idle[key] = [handle for handle, _ in idle[:count]], idle[count:]
         answered, silent = _ask(candidates, "__ray_ready__", ALIVE_TIMEOUT_S)
         for handle in silent:
             _kill(handle)
@@ -50,17 +52,18 @@ class RankPool:
         self.reused += len(taken)
         return taken
 
-    def give_back(self, key: tuple, handles: list) -> None:
-        """Tear down each rank (`Worker.release_rank`) and keep the processes that came back clean; stop the others."""
-        room = max(min(MAX_IDLE_PER_CLASS - len(self._idle[key]), MAX_IDLE - sum(map(len, self._idle.values()))), 0)
+    def give_back(self, key: tuple, handles: list, worker_cls: type) -> None:
+        """Tear down each rank (`RankHost.release_rank`) and keep the processes that came back clean; stop the
+        others."""
+        room = max(MAX_IDLE - sum(map(len, self._idle.values())), 0)
         answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
-        self._idle[key] += [handle for handle, clean in answered if clean]
+        self._idle[key] += [(handle, worker_cls.__qualname__) for handle, clean in answered if clean]
         for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
             _kill(handle)
 
     def clear(self) -> None:
-        for handles in self._idle.values():
-            for handle in handles:
+        for entries in self._idle.values():
+            for handle, _ in entries:
                 _kill(handle)
         self._idle.clear()
 
@@ -100,8 +103,9 @@ def enable_rank_pool(on: bool = True) -> None:
 
 def pool_for(worker_cls, num_cpus: float, num_gpus: float) -> RankPool | None:
     """The pool a group of `worker_cls` ranks takes its processes from and gives them back to, or None where ranks
-    are not pooled: the pool off, a worker class that cannot tear down in place, GPU ranks, ranks that use more than
-    one thread (a pooled process keeps the one it started with), a cluster of more than one node."""
+    are not pooled: the pool off, a worker class that cannot tear down in place (`Worker.poolable`), GPU ranks, ranks
+    that use more than one thread (a pooled process keeps the one it started with), a cluster of more than one
+    node."""
     global _pool
     enabled = _enabled if _enabled is not None else os.environ.get(ENV_SWITCH, "0") == "1"
     if not enabled or not getattr(worker_cls, "poolable", False) or num_gpus > 0 or math.floor(num_cpus) > 1:

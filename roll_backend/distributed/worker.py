@@ -101,15 +101,11 @@ class Worker:
         )
         return self.coords
 
-    # ---- a pooled process (rank_pool.py), called by the WorkerGroup --------------------------------------
-    def reinit_rank(self, *args) -> None:
-        """Become a rank of a new group in this process (after `release_rank`): as a new actor's constructor."""
-        self.__dict__.clear()
-        self.__init__(*args)
-
+    # ---- a pooled process (rank_pool.py), called by its RankHost ------------------------------------------
     def release_rank(self) -> bool:
         """Tear down what this rank holds (its role's state, then its process groups) so that the process can serve
-        another group; True when it is clean to reuse, False where this role cannot tear down in place."""
+        another group (of any worker class); True when it is clean to reuse, False where this role cannot tear down
+        in place."""
         if not self.poolable or not self.release_role():
             return False
         parallel.destroy_distributed()

@@ -24,6 +24,7 @@ from roll_backend.distributed.placement import (  # noqa: F401  (create_placemen
     reserve_rank_bundles,
     shared_rank_bundles,
 )
+from roll_backend.distributed.rank_host import RankHost
 from roll_backend.distributed.ray_env import cpu_rank_env
 from roll_backend.distributed.worker import RankError, Worker
 from roll_backend.errors import NotRestartableError, UserCodeError
@@ -171,15 +172,16 @@ class WorkerGroup:
         )
         rank_env = {} if resources.use_gpu else cpu_rank_env()  # merged into the job's runtime_env by Ray
         self._pool = rank_pool.pool_for(worker_cls, resources.num_cpus, resources.num_gpus)
-        self._pool_key = (worker_cls, tuple(sorted(rank_env.items())))
-        reused = self._pool.take(self._pool_key, world_size) if self._pool is not None else []
+        self._pool_key = tuple(sorted(rank_env.items()))
+        reused = self._pool.take(self._pool_key, world_size, worker_cls) if self._pool is not None else []
         ranks_args = [
-            (role, rank, world_size, layout, resources.use_gpu, worker_config, fault) for rank in range(world_size)
+            (worker_cls, role, rank, world_size, layout, resources.use_gpu, worker_config, fault)
+            for rank in range(world_size)
         ]
         self._reinits = [worker.reinit_rank.remote(*args) for worker, args in zip(reused, ranks_args)]
-        actor_cls = ray.remote(worker_cls)
+        host_cls = ray.remote(RankHost)
         self.workers = reused + [
-            actor_cls.options(
+            host_cls.options(
                 runtime_env={"env_vars": rank_env} if rank_env else None,
                 **self._placement(rank, resources),
             ).remote(*ranks_args[rank])
@@ -188,7 +190,7 @@ class WorkerGroup:
         self._start_deadline = earliest(
             call_deadline(None), Deadline.after(start_timeout_s, f"start-up ({start_timeout_s:g}s)")
         )
-        self._rendezvous, self._joining = self.workers[0].rendezvous_address.remote(), None
+        self._rendezvous, self._joining = self._send(self.workers[0], "rendezvous_address", (), {}), None
         if wait:
             self.wait_started()
 
@@ -224,7 +226,7 @@ class WorkerGroup:
                 self._gather("reinit_rank", self._reinits, self._start_deadline)
                 self._reinits = []
             master_addr, master_port = self._gather("rendezvous_address", [self._rendezvous], self._start_deadline)[0]
-            self._joining = [w.init_distributed.remote(master_addr, master_port) for w in self.workers]
+            self._joining = [self._send(w, "init_distributed", (master_addr, master_port), {}) for w in self.workers]
 
     def call(self, method, *args, timeout_s: float | None = None, **kwargs):
         """Run `method` (a `@register`-ed method of this group's worker class, e.g. `ActorWorker.train_step`) on
@@ -272,7 +274,7 @@ class WorkerGroup:
         return GroupFuture(self, method_name, refs, collect, deadline)
 
     def _send(self, worker, method_name: str, args: tuple, kwargs: dict):
-        return getattr(worker, method_name).remote(*args, **kwargs)
+        return worker.call.remote(method_name, args, kwargs)
 
     def facet(self, role: str, worker_cls: type[Worker], coords: Sequence[RankCoords] | None = None) -> FacetGroup:
         """Role `role` hosted in this group's actors (the hybrid engine, workers/hybrid.py): a group whose calls run
@@ -369,7 +371,7 @@ class WorkerGroup:
         the placement groups this group reserved."""
         if getattr(self, "_pool", None) is not None and self.broken is None and self.workers:
             workers, self.workers = self.workers, []
-            self._pool.give_back(self._pool_key, workers)
+            self._pool.give_back(self._pool_key, workers, self.worker_cls)
         self._kill_workers()
         if getattr(self, "_bundles", None) is not None:
             self._bundles.release()
@@ -410,7 +412,7 @@ class FacetGroup(WorkerGroup):
         return self
 
     def _send(self, worker, method_name: str, args: tuple, kwargs: dict):
-        return worker.facet_call.remote(self.role, method_name, args, kwargs)
+        return worker.call.remote("facet_call", (self.role, method_name, args, kwargs), {})
 
     def shutdown(self) -> None:
         self.host.shutdown()

@@ -43,11 +43,16 @@ class Messages(logging.Handler):
 
 
 def actor_nodes() -> dict[str, list[str]]:
-    """Node ids of the live actors of each worker class."""
+    """Node ids of the live rank actors of each worker class (every rank's actor is a RankHost; its repr, which Ray
+    keeps from the actor's start, names the worker class first)."""
+    from ray.core.generated import gcs_pb2
+
+    accessor = ray._private.state.state._connect_and_get_accessor()
     nodes: dict[str, list[str]] = {}
-    for info in ray._private.state.actors().values():
-        if info["State"] == "ALIVE":
-            nodes.setdefault(info["ActorClassName"], []).append(info["Address"]["NodeID"])
+    for raw in accessor.get_actor_table(None, "ALIVE"):
+        actor = gcs_pb2.ActorTableData.FromString(raw)
+        name = actor.repr_name.split(" ")[0] or actor.class_name
+        nodes.setdefault(name, []).append(actor.address.node_id.hex())
     return nodes
 
 

@@ -1,5 +1,5 @@
-"""The rank pool's bookkeeping (roll_backend/distributed/rank_pool.py) without processes: how many idle processes of a
-class it keeps and in all. The processes themselves (a reused rank is a fresh one) are checked in
+"""The rank pool's bookkeeping (roll_backend/distributed/rank_pool.py) without processes: how many idle processes it
+keeps, and which a group takes. The processes themselves (a reused rank is a fresh one) are checked in
 tests/strategies/megatron/test_pooled_ranks.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from roll_backend.distributed import rank_pool
-from roll_backend.distributed.rank_pool import MAX_IDLE, MAX_IDLE_PER_CLASS, RankPool
+from roll_backend.distributed.rank_pool import MAX_IDLE, RankPool
 
 
 @pytest.fixture
@@ -27,14 +27,20 @@ def idle_count(pool: RankPool) -> int:
     return sum(map(len, pool._idle.values()))
 
 
-def test_a_class_keeps_up_to_its_cap_and_the_pool_up_to_its_total(stopped):
+class A:
+    pass
+
+
+class B:
+    pass
+
+
+def test_the_pool_keeps_up_to_its_cap_and_a_class_takes_its_own_processes_first(stopped):
     pool = RankPool("session")
-    pool.give_back(("A",), handles("a", MAX_IDLE_PER_CLASS + 2))
-    assert stopped == handles("a", MAX_IDLE_PER_CLASS + 2)[MAX_IDLE_PER_CLASS:]
-    classes = [(chr(ord("B") + index),) for index in range(MAX_IDLE)]
-    for key in classes:
-        pool.give_back(key, handles(key[0].lower(), MAX_IDLE_PER_CLASS))
-        assert idle_count(pool) <= MAX_IDLE
-    assert idle_count(pool) == MAX_IDLE
-    assert pool.take(("A",), 3) == handles("a", MAX_IDLE_PER_CLASS)[:3]  # the first kept stay
-    assert pool.take(classes[-1], 1) == []  # the last found the pool full
+    pool.give_back(("env",), handles("a", MAX_IDLE - 2), A)
+    pool.give_back(("env",), handles("b", 4), B)
+    assert stopped == handles("b", 4)[2:]  # (the pool was full after two)
+    assert pool.take(("env",), 3, B) == ["b0", "b1", "a0"]  # its own first, then the oldest of another class
+    assert pool.take(("other env",), 1, A) == []  # a process keeps the environment it started with
+    assert pool.take(("env",), MAX_IDLE, A) == handles("a", MAX_IDLE - 2)[1:]
+    assert idle_count(pool) == 0

@@ -35,7 +35,7 @@ def assert_ranks_stopped(group_workers: list, pids: list[int]) -> None:
     assert describe(wait_until_gone(pids, within_s=30)) == []
     for worker in group_workers:
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(worker.pid.remote(), timeout=120)
+            ray.get(worker.call.remote("pid", (), {}), timeout=120)
 
 
 def test_plain_call_deadline_breaks_the_group_and_a_rebuild_works(ray_session):

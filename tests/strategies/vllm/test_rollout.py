@@ -271,8 +271,8 @@ def test_the_engine_allocates_the_kv_cache_the_plan_counts(rollout, model_dir):
 
     import ray
 
-    def configured(worker):
-        return worker.strategy.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
+    def configured(host):
+        return host.worker.strategy.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
 
     fields = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = fields["hidden_size"] // fields["num_attention_heads"]
