@@ -217,7 +217,9 @@ class TrainStrategy(InferStrategy):
 
     @abc.abstractmethod
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket)."""
+        """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket). A bucket
+        is the consumer's until it asks for the next one (its list may then be emptied): use or copy its tensors
+        before."""
 
     @abc.abstractmethod
     def parameter_counts(self) -> dict[str, int]:

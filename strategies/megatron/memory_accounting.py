@@ -244,8 +244,9 @@ def largest_hf_tensor(arch: HFArch) -> int:
 def weight_sync_terms(arch: HFArch, params_dtype: str, run, device: str) -> dict[str, int]:
     """A rank's transient bytes while it sends its weights to the rollout (iter_hf_weights): one bucket of full
     Hugging Face tensors gathered over TP / EP (a tensor bigger than the bucket is a bucket of its own; at most the
-    whole model), and with the minimal sync on a GPU the comparison on the device of the largest tensor with the
-    copy the engine holds (brought up from host memory) and a one-byte mask per element."""
+    whole model; left out: the next tensor, gathered before a full bucket goes, and each gather's shards), and with
+    the minimal sync on a GPU the comparison on the device of the largest tensor with the copy the engine holds
+    (brought up from host memory) and a one-byte mask per element."""
     width = DTYPE_BYTES[params_dtype]
     largest = largest_hf_tensor(arch)
     whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total

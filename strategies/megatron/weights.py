@@ -89,14 +89,18 @@ def iter_full_hf_tensors(
 def bucketed(
     named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone)."""
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone). A bucket's
+    list is emptied once the next one is asked for: a consumer's loop variable would otherwise keep the previous
+    bucket's tensors (full gathered weights, on the device) alive while the next bucket is gathered."""
     bucket, size = [], 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
+            bucket.clear()
+            size = 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket
+        bucket.clear()
