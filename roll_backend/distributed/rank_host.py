@@ -4,8 +4,7 @@ worker's methods through it by name. A process is then not tied to one worker cl
 role adds are paid again, not torch's and transformers'.
 
 What a released rank could leave in its process besides its objects is put back as the process started: the
-environment variables (an engine sets its own) and the CPUs the main thread may run on (vLLM's CPU worker binds its
-thread to one core; a rank of another group bound there would share that core with its neighbour)."""
+environment variables (an engine sets its own, which a later engine of another config would inherit)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ class RankHost:
 
     def __init__(self, worker_cls: type, *args: Any):
         self._started_env = dict(os.environ)
-        self._started_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.worker = worker_cls(*args)
 
     def __repr__(self) -> str:  # Ray prefixes the rank's log lines with it
@@ -45,8 +43,6 @@ class RankHost:
             return False
         os.environ.clear()
         os.environ.update(self._started_env)
-        if self._started_cpus is not None and os.sched_getaffinity(0) != self._started_cpus:
-            os.sched_setaffinity(0, self._started_cpus)
         _relabel_logs(repr(self))
         return True
 
