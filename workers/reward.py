@@ -14,9 +14,10 @@ from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
+from roll_backend.rewards.function_host import RewardFunctionProcess
 from roll_backend.rewards.registry import REWARDS, builtin_weights, get_reward_fn, score_answer
 from roll_backend.rewards.source_routing import SourceRouting
-from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, FunctionScorer, RewardFunctionSpec, RewardRows
+from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, RewardFunctionSpec, RewardRows
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,17 @@ class RewardWorker(Worker):
             raise TypeError(
                 f"RewardWorker takes a RewardWorkerConfig as worker_config, got {type(self.config).__name__}"
             )
-        # User code is loaded on the first call (in this process), so its import errors travel like its other errors.
-        self.scorers = [
-            FunctionScorer(spec, self.config.on_function_error, self.config.function_timeout_s)
-            for spec in self.config.functions
-        ]
+        # User code runs in a child process (rewards/function_host.py), loaded at its first call, so its import
+        # errors travel like its other errors and this process never imports it.
+        self.functions = RewardFunctionProcess(
+            tuple(self.config.functions), self.config.on_function_error, self.config.function_timeout_s
+        )
         self.routing = self.config.routing()
 
     def release_role(self) -> bool:
-        """Reusable unless user code was imported here (its modules would stay for the next group)."""
-        return not any(scorer.loaded for scorer in self.scorers)
+        """Reusable: the user's code ran in the child, which stops here."""
+        self.functions.shutdown()
+        return True
 
     @register(Dispatch.DP_MP_COMPUTE, deadline=roles.REWARD_DEADLINE)
     def compute_rewards(self, batch: DataProto) -> DataProto:
@@ -115,10 +117,10 @@ class RewardWorker(Worker):
             scores[rows] += values * torch.tensor([row_weights[i][name] for i in rows], dtype=torch.float32)
             metrics[f"reward/{name}_mean"] = _mean(values)
         real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
-        for scorer in self.scorers:
-            label = scorer.spec.label
+        for index, spec in enumerate(self.config.functions):
+            label = spec.label
             routed = np.array([i for i in real if label in row_weights[i]], dtype=np.int64)
-            result = scorer.score(reward_rows(batch, routed))
+            result = self.functions.score(index, reward_rows(batch, routed))
             values = torch.from_numpy(result.scores)
             scores[routed] += values * torch.tensor([row_weights[i][label] for i in routed], dtype=torch.float32)
             metrics[f"reward/{label}/mean"] = _mean(values)

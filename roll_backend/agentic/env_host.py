@@ -52,14 +52,15 @@ _JOIN_S = 5.0  # wait for a SIGKILLed worker to be reaped
 
 class SessionError(UserCodeError):
     """A session's call failed: `kind` is "raised" (the method raised), "timeout" (it missed its deadline and its
-    worker was killed) or "worker_died" (its worker died or was killed, so the session's state is gone)."""
+    worker was killed) or "worker_died" (its worker died or was killed, so the session's state is gone); `cause`:
+    what happened, without the host's framing (the exception's text, "was killed by SIGSEGV", ...)."""
 
-    def __init__(self, message: str, kind: str):
+    def __init__(self, message: str, kind: str, cause: str = ""):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.cause = kind, cause
 
     def __reduce__(self):
-        return type(self), (str(self), self.kind)
+        return type(self), (str(self), self.kind, self.cause)
 
 
 # ---- the worker process ---------------------------------------------------------------------------------------
@@ -271,8 +272,8 @@ class SessionHost:
         child_conn.close()
         return _Worker(index, process, parent_conn)
 
-    def _error(self, request: _Request, kind: str, problem: str) -> SessionError:
-        return SessionError(f"[{self.label}] session {request.session_id!r}: {request.what} {problem}", kind)
+    def _error(self, request: _Request, kind: str, problem: str, cause: str = "") -> SessionError:
+        return SessionError(f"[{self.label}] session {request.session_id!r}: {request.what} {problem}", kind, cause)
 
     def _lost_error(self, session_id: str, what: str) -> SessionError:
         return SessionError(
@@ -378,7 +379,7 @@ class SessionHost:
         if request.op == "open":  # the session never came to be: later calls say "not open"
             self._sessions.pop(request.session_id, None)
             worker.sessions.discard(request.session_id)
-        done.append((request.future, self._error(request, "raised", f"raised {value}")))
+        done.append((request.future, self._error(request, "raised", f"raised {value}", cause=value)))
 
     def _replace(self, worker: _Worker, late: _Request | None, done: list) -> None:
         """Kill `worker` (`late` missed its deadline; None: it died by itself), fail its calls and sessions, and
@@ -411,7 +412,10 @@ class SessionHost:
                 error = None  # the session is gone either way
             else:
                 error = self._error(
-                    request, "worker_died", f"failed: {where} {cause}; the session's state is gone, open a new one"
+                    request,
+                    "worker_died",
+                    f"failed: {where} {cause}; the session's state is gone, open a new one",
+                    cause=cause,
                 )
             done.append((request.future, error))
         logger.warning("[%s] %s %s; sessions ended: %s", self.label, where, cause, sorted(worker.sessions))

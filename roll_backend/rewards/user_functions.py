@@ -259,13 +259,11 @@ class FunctionScorer:
         self.spec, self.on_error, self.timeout_s = spec, on_error, timeout_s
         self._fn: Callable | None = None
         self._built = False  # the spec named a class: self._fn is its instance, called per batch
-        self.loaded = False  # whether the user's code was imported into this process (even if that failed)
 
     @property
     def fn(self) -> Callable:
         """The function, or a class's instance (built on first use, with the spec's kwargs)."""
         if self._fn is None:
-            self.loaded = True
             loaded = load_function(self.spec)
             self._built = isinstance(loaded, type)
             if self._built:

@@ -78,6 +78,17 @@ def slow(data_source, solution_str, ground_truth, extra_info=None):
     import time
     time.sleep(0 if solution_str != "1" else 60)
     return 1.0
+
+def stuck(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "stuck":
+        sum(range(10**13))  # one native call: the per-call deadline's signal waits for it to return (hours)
+    return 1.0
+
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "exit":
+        import os
+        os._exit(3)
+    return 1.0
 """
 
 
@@ -171,6 +182,41 @@ def test_on_function_error_zero_and_the_deadline_in_ray_workers(make_group, user
     assert torch.allclose(batch.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor(divide) + torch.tensor(slow))
     assert metrics["reward/user_rewards.divide/error_count"] == 2.0  # summed over both ranks
     assert metrics["reward/user_rewards.slow/error_count"] == 2.0
+
+
+def test_a_function_stuck_in_native_code_or_ending_its_process_is_named_and_the_rank_goes_on(
+    make_group, user_rewards_file
+):
+    """User functions run in a child of the rank (rewards/function_host.py): one that Python's per-call deadline
+    cannot interrupt is killed at its batch's deadline, one that exits ends the child, not the rank; either is named,
+    and the next batch is scored by a fresh child."""
+    from roll_backend.distributed.worker import Worker
+    from roll_backend.errors import UserCodeError
+    from roll_backend.rewards.user_functions import RewardFunctionSpec
+
+    functions = tuple(RewardFunctionSpec(path=user_rewards_file, name=name) for name in ("stuck", "exits"))
+    group = make_group(
+        RewardWorker, 1, role="reward", worker_config=RewardWorkerConfig(function_timeout_s=0.5, functions=functions)
+    )
+    pids = group.call(Worker.pid)
+    with pytest.raises(UserCodeError) as info:
+        group.call(RewardWorker.compute_rewards, text_batch(["stuck"], ["1"]))
+    assert (
+        "reward function user_rewards.stuck did not finish a batch of 1 rows within 2.5s "
+        "(reward.function_timeout_s=0.5 per call, stuck where Python cannot interrupt it), so its process was killed"
+    ) in str(info.value)
+    with pytest.raises(UserCodeError) as info:
+        group.call(RewardWorker.compute_rewards, text_batch(["7", "exit"], ["7", "7"]))
+    assert "reward function user_rewards.exits ended its process (exited with code 3)" in str(info.value)
+    scores = group.call(RewardWorker.compute_rewards, text_batch(["7", "8"], ["7", "7"])).batch
+    assert scores[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [2.0, 2.0]
+    assert group.call(Worker.pid) == pids  # the rank lived through both
+
+    zero = RewardWorkerConfig(on_function_error="zero", functions=functions)
+    group = make_group(RewardWorker, 1, role="reward", worker_config=zero)
+    scored = group.call(RewardWorker.compute_rewards, text_batch(["7", "exit", "8"], ["7", "7", "7"]))
+    assert scored.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [1.0, 1.0, 1.0]  # stuck's; exits' batch lost
+    assert scored.meta_info[keys.META_METRICS]["reward/user_rewards.exits/error_count"] == [3.0]
 
 
 # ---- reward.by_source and class-based rewards -------------------------------------------------------------------

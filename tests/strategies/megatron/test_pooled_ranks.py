@@ -2,7 +2,7 @@
 left, and a rank in a reused process is the rank a fresh process would be. The same model at the same layout gives the
 same log-probs bit for bit in the processes a smaller group of another model used in between (a stale model,
 process group or parallel state would change them), with one orphan watchdog however many ranks it served; a group
-that broke, and a rank that imported user code, leave no process behind for the next group."""
+that broke leaves no process behind for the next group; a reward rank runs user code in a child and is reused."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_a_reused_process_gives_a_fresh_ranks_numbers_and_a_broken_group_leaves_
     after_break.shutdown()
 
 
-def test_a_reward_rank_that_ran_user_code_is_not_reused(empty_pool, tmp_path):
+def test_a_reward_rank_runs_user_code_in_a_child_and_is_reused(empty_pool, tmp_path):
     from roll_backend.rewards.user_functions import RewardFunctionSpec
 
     batch = DataProto.from_dict(
@@ -110,24 +110,37 @@ def test_a_reward_rank_that_ran_user_code_is_not_reused(empty_pool, tmp_path):
     plain.shutdown()
 
     path = tmp_path / "user_rewards.py"
-    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    path.write_text(
+        "import os\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'pid': float(os.getpid())}\n"
+    )
     config = RewardWorkerConfig(rewards={}, functions=(RewardFunctionSpec(path=str(path)),))
     with_user_code = WorkerGroup(RewardWorker, "reward", 1, worker_config=config)
     assert with_user_code.call(Worker.pid) == [plain_pid]  # a rank that ran no user code is reused
-    scores = with_user_code.call(RewardWorker.compute_rewards, batch).batch[keys.TOKEN_LEVEL_SCORES]
-    assert scores.sum(-1).tolist() == [0.5, 0.5]
+    scored = with_user_code.call(RewardWorker.compute_rewards, batch)
+    assert scored.batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [0.5, 0.5]
+    [function_pid] = map(int, scored.meta_info[keys.META_METRICS]["reward/user_rewards.compute_score/pid"])
+    assert function_pid != plain_pid and psutil.pid_exists(function_pid)  # the function ran in another process
+    user_modules = ray.get(
+        with_user_code.workers[0].__ray_call__.remote(
+            lambda _: [name for name in __import__("sys").modules if name.startswith("roll_backend_user_")]
+        )
+    )
+    assert user_modules == []  # ... and the rank never imported it
     with_user_code.shutdown()
+    assert describe(wait_until_gone([function_pid], within_s=30)) == []  # the release stopped the child
 
     next_group = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
     [next_pid] = next_group.call(Worker.pid)
-    assert next_pid != plain_pid
+    assert next_pid == plain_pid  # so the process serves the next group
     next_group.shutdown()
 
     # A pooled process that dies while idle (the OOM killer, say) is passed over: the next group starts a new one.
     os.kill(next_pid, signal.SIGKILL)
     assert describe(wait_until_gone([next_pid], within_s=30)) == []
     after_death = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
-    assert after_death.call(Worker.pid) not in ([next_pid], [plain_pid])
+    assert after_death.call(Worker.pid) != [next_pid]
     assert after_death.call(RewardWorker.compute_rewards, batch).batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [
         1.0,
         0.0,
