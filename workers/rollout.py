@@ -47,10 +47,11 @@ class RolloutWorker(Worker):
         return strategy_call_context(self.config.strategy_name, self.device)
 
     def release_role(self) -> bool:
-        """Reusable once the engine stopped in place, unless an agentic rollout (environments, tools: user code)
-        ran here."""
-        if self.config.agentic is not None or self.agentic is not None:
-            return False
+        """Reusable once the environments' workers and the engine stopped (an agentic rollout's user code runs in its
+        workers, not here)."""
+        if self.agentic is not None:
+            self.agentic.close()
+            self.agentic = None
         strategy, self.strategy = self.strategy, None
         return strategy is None or strategy.shutdown()
 

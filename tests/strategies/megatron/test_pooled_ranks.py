@@ -140,9 +140,22 @@ def test_a_reward_rank_runs_user_code_in_a_child_and_is_reused(empty_pool, tmp_p
     os.kill(next_pid, signal.SIGKILL)
     assert describe(wait_until_gone([next_pid], within_s=30)) == []
     after_death = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
-    assert after_death.call(Worker.pid) != [next_pid]
+    [after_death_pid] = after_death.call(Worker.pid)
+    assert after_death_pid != next_pid
     assert after_death.call(RewardWorker.compute_rewards, batch).batch[keys.TOKEN_LEVEL_SCORES].sum(-1).tolist() == [
         1.0,
         0.0,
     ]
+    # A rank that imported user code itself (here a driver's call; a role's own code never does) is not reused.
+    importer = lambda _, path=str(path): (
+        __import__(  # noqa: E731
+            "roll_backend.rewards.user_functions", fromlist=["_"]
+        )
+        .import_user_module(path)
+        .__name__
+    )
+    assert ray.get(after_death.workers[0].__ray_call__.remote(importer)).startswith("roll_backend_user_user_rewards_")
     after_death.shutdown()
+    last = WorkerGroup(RewardWorker, "reward", 1, worker_config=RewardWorkerConfig(rewards={"exact_match": 1.0}))
+    assert last.call(Worker.pid) != [after_death_pid]
+    last.shutdown()
