@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(config, items):
             )
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How many ranks the rank pool served from idle processes (fresh processes are most of a group's start-up)."""
+    from roll_backend.distributed.rank_pool import current_pool
+
+    pool = current_pool()
+    if pool is not None:
+        terminalreporter.write_line(pool.summary())
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray on loopback for the whole session. Declares more CPUs than the machine has on purpose:

@@ -38,7 +38,10 @@ class RankPool:
     def __init__(self, session: str):
         self.session = session
         self._idle: dict[tuple, list[tuple[Any, str]]] = defaultdict(list)
-        self.reused = 0
+        # What the pool did (for a driver's summary): ranks asked for and served by an idle process; released
+        # processes stopped because they did not come back clean (user code imported, a failed tear-down) or found
+        # the pool full.
+        self.asked = self.reused = self.unclean = self.overflow = 0
 
     def take(self, key: tuple, count: int, worker_cls: type) -> list:
         """Up to `count` idle processes for `key` that still answer, those `worker_cls` left first (one that died
@@ -49,6 +52,7 @@ class RankPool:
         for handle in silent:
             _kill(handle)
         taken = [handle for handle, ok in answered if ok]
+        self.asked += count
         self.reused += len(taken)
         return taken
 
@@ -58,8 +62,17 @@ class RankPool:
         room = max(MAX_IDLE - sum(map(len, self._idle.values())), 0)
         answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
         self._idle[key] += [(handle, worker_cls.__qualname__) for handle, clean in answered if clean]
-        for handle in handles[room:] + silent + [handle for handle, clean in answered if not clean]:
+        unclean = silent + [handle for handle, clean in answered if not clean]
+        self.unclean += len(unclean)
+        self.overflow += len(handles[room:])
+        for handle in handles[room:] + unclean:
             _kill(handle)
+
+    def summary(self) -> str:
+        return (
+            f"rank pool: {self.reused} of {self.asked} pooled ranks took an idle process; stopped at release: "
+            f"{self.unclean} not clean, {self.overflow} with the pool full ({MAX_IDLE} idle at most)"
+        )
 
     def clear(self) -> None:
         for entries in self._idle.values():
@@ -91,6 +104,11 @@ def _kill(handle) -> None:
 
 _enabled: bool | None = None
 _pool: RankPool | None = None
+
+
+def current_pool() -> RankPool | None:
+    """The pool of this driver's current Ray session, if a group used one."""
+    return _pool
 
 
 def enable_rank_pool(on: bool = True) -> None:

@@ -5,6 +5,7 @@ milliseconds for a tiny one)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,7 @@ class LayoutPool(Mapping):
 
 
 _POOL = LayoutPool()
+HERE = Path(__file__).parent
 
 
 _last_user: list = []  # the last collected test that uses the shared groups
@@ -91,7 +93,17 @@ def layout_actors(ray_session) -> LayoutPool:
 
 
 def pytest_collection_modifyitems(config, items):
+    """The modules of this folder that start only groups of their own run after the last test of the shared groups
+    (moved whole, so their module fixtures stay together): their ranks then come from the rank pool, which is empty
+    while the shared groups hold its processes."""
     users = [item for item in items if "layout_actors" in getattr(item, "fixturenames", ())]
+    if users:
+        first, last = items.index(users[0]), items.index(users[-1])
+        user_paths = {item.path for item in users}
+        span = items[first : last + 1]
+        moved = [item for item in span if item.path.parent == HERE and item.path not in user_paths]
+        moved_ids = {id(item) for item in moved}
+        items[first : last + 1] = [item for item in span if id(item) not in moved_ids] + moved
     _last_user[:] = users[-1:]
 
 
