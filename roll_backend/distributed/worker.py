@@ -109,8 +109,6 @@ class Worker:
         in place."""
         if not self.poolable or not self.release_role():
             return False
-        if imported_user_modules():  # (they would stay for the next group)
-            return False
         parallel.destroy_distributed()
         self.__dict__.clear()
         if "torch._dynamo" in sys.modules:  # compiled code and its guards hold the old model
@@ -121,7 +119,7 @@ class Worker:
 
     def release_role(self) -> bool:
         """Drop the role's own state before `release_rank`; False where that cannot be undone in this process (an
-        engine's own processes). A process that imported user code is never reused either way."""
+        engine's own processes). A process that imported user code is not reused either way (RankHost.release_rank)."""
         return True
 
     @register(Dispatch.ONE_TO_ALL)
@@ -231,16 +229,18 @@ class Worker:
         return tuple(receive(a) for a in args), {k: receive(v) for k, v in kwargs.items()}
 
 
-def imported_user_modules() -> list[str]:
-    """Modules of this process that come from neither the installed packages, the standard library nor roll_backend:
-    a user's code (reward functions, environments, tools, a driver's helpers, a job's working_dir)."""
+def imported_user_modules(since: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Modules of this process, other than those in `since`, that come from neither the installed packages, the
+    standard library nor roll_backend: a user's code (reward functions, environments, tools, a driver's helpers, a
+    job's working_dir)."""
     installed = tuple(
         os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
     )
     return sorted(
         name
         for name, module in list(sys.modules.items())
-        if name != "roll_backend"
+        if name not in since
+        and name != "roll_backend"
         and not name.startswith("roll_backend.")
         and isinstance(path := getattr(module, "__file__", None), str)
         and os.path.isabs(path)  # (torch.ops and the like name no file)
