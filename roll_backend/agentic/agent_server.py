@@ -3,7 +3,7 @@
 The endpoint runs in the rollout rank (a thread serving 127.0.0.1 only): each trajectory gets its own base URL
 (`http://127.0.0.1:PORT/<trajectory>/v1`), so every chat completion an agent asks for is recorded as tokens on that
 trajectory. Requests are queued for the rollout loop (agentic.rollout), which owns the engine; the handler thread
-waits for the loop's answer. The agent function itself runs in an env_host worker process (`AgentRunner`), many at
+waits for the loop's answer. The agent function itself runs in a session_host worker process (`AgentRunner`), many at
 once under asyncio, each under `agentic.agent_timeout_s`.
 """
 
@@ -142,7 +142,7 @@ def _send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict) -> N
     handler.wfile.write(data)
 
 
-# ---- the agent side (in an env_host worker process) --------------------------------------------------------------
+# ---- the agent side (in a session_host worker process) --------------------------------------------------------------
 
 
 class AgentRunner:

@@ -1,7 +1,7 @@
 """The `agentic` config section: which environment, tools or agent function a multi-turn rollout runs, and its limits.
 
 User code (environments, tools, agents) is named only through the explicit `path` + `name` fields below, and
-runs in subprocesses (agentic.env_host), never in a rank's own process.
+runs in subprocesses (roll_backend.session_host), never in a rank's own process.
 """
 
 from __future__ import annotations

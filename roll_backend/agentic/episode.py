@@ -1,4 +1,4 @@
-"""One trajectory's environment side, run inside an env_host worker process (never in a rank's own): the environment
+"""One trajectory's environment side, run inside a session_host worker process (never in a rank's own): the environment
 (if any) and the tools, turning each sampled reply into the messages that follow it.
 
 A reply with tool calls (and tools configured) runs the tools and answers with one tool message per call; any other

@@ -1,5 +1,5 @@
 """Multi-turn rollouts on one rollout rank: many trajectories in flight on the engine while their environments, tools
-or agent functions run in subprocesses (env_host), so a slow environment does not idle the engine.
+or agent functions run in subprocesses (roll_backend.session_host), so a slow environment does not idle the engine.
 
 The loop, single-threaded: hand each trajectory whose next prompt is ready to the engine (one request per turn,
 seeded per trajectory and turn so the result does not depend on which environment answered first), step the engine,
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from roll_backend import keys
 from roll_backend.agentic.agent_server import AgentRunner, CompletionRequest, CompletionServer, completion_payload
 from roll_backend.agentic.config import AgenticConfig
-from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.agentic.episode import Episode, EpisodeSpec, Outcome
 from roll_backend.agentic.tools import parse_tool_calls
 from roll_backend.agentic.trajectory import ChatTurns, Conversation, TemplateBreak
 from roll_backend.agentic.trajectory_rows import env_seed, tasks_of, trajectory_metrics, trajectory_rows
 from roll_backend.errors import UserCodeError
 from roll_backend.protocol import DataProto
+from roll_backend.session_host import SessionError, SessionHost
 
 logger = logging.getLogger(__name__)
 

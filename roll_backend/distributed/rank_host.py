@@ -4,9 +4,9 @@ worker's methods through it by name. A process is then not tied to one worker cl
 role adds are paid again, not torch's and transformers'.
 
 What a released rank could leave in its process besides its objects is put back as the process started: the
-environment variables (an engine sets its own, which a later engine of another config would inherit). A rank that
-imported user code while it served (a module from outside the installed packages and roll_backend; the worker class's
-own module, imported to build the rank, is the driver's choice of rank code and does not count) is not reused."""
+environment variables (an engine sets its own, which a later engine of another config would inherit). A process that
+imported a user's module (`user_functions.import_user_module`: reward functions, environments, tools and agents, which
+a role's ranks leave to their children) is not reused: the module would stay in it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from roll_backend.distributed.worker import imported_user_modules
+from roll_backend.rewards.user_functions import USER_MODULES
 
 
 class RankHost:
@@ -22,7 +22,6 @@ class RankHost:
 
     def __init__(self, worker_cls: type, *args: Any):
         self._started_env = dict(os.environ)
-        self._modules_at_start = set(sys.modules)  # (the worker class's module is imported by now)
         self.worker = worker_cls(*args)
 
     def __repr__(self) -> str:  # Ray prefixes the rank's log lines with it
@@ -37,7 +36,6 @@ class RankHost:
 
     def reinit_rank(self, worker_cls: type, *args: Any) -> None:
         """Become a rank of a new group (after `release_rank`), of any worker class: as a new actor's constructor."""
-        self._modules_at_start = set(sys.modules)
         self.worker = worker_cls(*args)
         _relabel_logs(repr(self))
 
@@ -45,7 +43,7 @@ class RankHost:
         """Tear the worker's rank down (`Worker.release_rank`) and put the process back as it started; True when the
         process is clean to serve another group."""
         worker, self.worker = self.worker, None
-        if not worker.release_rank() or imported_user_modules(since=self._modules_at_start):
+        if not worker.release_rank() or USER_MODULES:
             return False
         os.environ.clear()
         os.environ.update(self._started_env)

@@ -10,7 +10,6 @@ import functools
 import logging
 import os
 import sys
-import sysconfig
 import time
 from typing import Any
 
@@ -227,25 +226,6 @@ class Worker:
             return broadcast_over_hops(value, hops, required, self.rank_tag) if isinstance(value, DataProto) else value
 
         return tuple(receive(a) for a in args), {k: receive(v) for k, v in kwargs.items()}
-
-
-def imported_user_modules(since: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """Modules of this process, other than those in `since`, that come from neither the installed packages, the
-    standard library nor roll_backend: a user's code (reward functions, environments, tools, a driver's helpers, a
-    job's working_dir)."""
-    installed = tuple(
-        os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    )
-    return sorted(
-        name
-        for name, module in list(sys.modules.items())
-        if name not in since
-        and name != "roll_backend"
-        and not name.startswith("roll_backend.")
-        and isinstance(path := getattr(module, "__file__", None), str)
-        and os.path.isabs(path)  # (torch.ops and the like name no file)
-        and not os.path.realpath(path).startswith(installed)
-    )
 
 
 def _return_freed_memory() -> None:

@@ -1,8 +1,8 @@
 """User reward functions run in a child process of the reward rank, never in the rank's own process.
 
-The child is a session of env_host's SessionHost (a forkserver child, as environments get): it loads the user's
+The child is a session of session_host.SessionHost (a forkserver child, as environments get): it loads the user's
 modules and runs each function under `reward.function_timeout_s` per call as before (user_functions.FunctionScorer).
-What the rank's process could not do itself: a function stuck in native code (a regex, a C library, a deadlock) is
+What the rank's process could not do itself: a function stuck in native code (a C library's loop, a deadlock) is
 killed at the batch's deadline with everything it started, and one that exits or crashes ends its child, not the
 rank; either way the failure names the function, and the next batch gets a fresh child. The rank imports no user
 code, so the rank pool can hand its process to the next group.
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 from ray import cloudpickle  # a driver's callable (`fn=`) travels by value, as Ray sent it to the rank
 
-from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.errors import UserCodeError
 from roll_backend.rewards.user_functions import FunctionScorer, FunctionScores, RewardFunctionSpec, RewardRows
+from roll_backend.session_host import SessionError, SessionHost
 
 _SESSION = "reward functions"
 LOAD_DEADLINE_S = 300.0  # importing a function's module and building its class (which may import torch, a model ...)

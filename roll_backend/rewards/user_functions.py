@@ -140,13 +140,20 @@ def load_function(spec: RewardFunctionSpec) -> Callable:
     return fn
 
 
+# The modules this process imported for a user (import_user_module), even where that failed part-way: a rank process
+# holding one is not reused for another group (rank_host.py), since the module would stay in it.
+USER_MODULES: set[str] = set()
+
+
 def import_user_module(path: str):
     """The module a user's `path` names (reward functions, environments, tools, agents): a .py file (imported under a
     name unique to the file, so two files may share a stem) or an importable module."""
     if not is_file_path(path):
+        USER_MODULES.add(path)
         return importlib.import_module(path)
     resolved = Path(path).resolve()
     module_name = f"roll_backend_user_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    USER_MODULES.add(module_name)
     if module_name in sys.modules:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, resolved)

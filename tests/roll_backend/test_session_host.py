@@ -1,4 +1,4 @@
-"""Tests for roll_backend/agentic/env_host.py: sessions in worker processes, concurrency across workers, and calls that
+"""Tests for roll_backend/session_host.py: sessions in worker processes, concurrency across workers, and calls that
 raise, miss their deadline or kill their worker."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import psutil
 import pytest
 from process_checks import alive
 
-from roll_backend.agentic.env_host import SessionError, SessionHost
 from roll_backend.errors import UserCodeError
+from roll_backend.session_host import SessionError, SessionHost
 
 LABEL = "test env"
 _BARRIERS: dict[int, threading.Barrier] = {}  # in a worker process: one barrier per party count

@@ -1,5 +1,6 @@
-"""Runs user environment (and tool) code in worker processes, each call under a deadline, so that the rollout loop
-never blocks on it and never hangs: every call returns a Future that resolves with the value or a `SessionError`.
+"""Runs user code (environments, tools, agents, reward functions) in worker processes, each call under a deadline,
+so that its caller (the rollout loop, a reward rank) never blocks on it and never hangs: every call returns a Future
+that resolves with the value or a `SessionError`.
 
 Trade-offs:
 - Sessions share workers; `num_workers` trades isolation for memory. A call past its deadline kills its whole worker
