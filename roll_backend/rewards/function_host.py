@@ -78,8 +78,9 @@ class RewardFunctionProcess:
             else:
                 what = f"was not loaded within {LOAD_DEADLINE_S:g}s"
             # Its child is gone (a fresh one takes its place) or the session is spoilt: the next batch opens another.
+            if self._loaded is not None:  # (an open that failed left no session to close)
+                self._host.close(_SESSION)
             self._loaded = None
-            self._host.close(_SESSION)
             return self._lost(self.specs[index], rows, exc, what)
 
     def shutdown(self) -> None:

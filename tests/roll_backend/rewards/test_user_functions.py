@@ -211,3 +211,27 @@ def test_a_reward_class_is_built_once_with_its_kwargs_and_its_failures_name_it()
             return [float(s == "math") for s in data_sources]
 
     assert list(FunctionScorer(RewardFunctionSpec(fn=Batched)).score(rows()).scores) == [1.0, 0.0, 1.0]
+
+
+class _FailsToUnpickle:
+    def __reduce__(self):
+        return (eval, ("1/0",))  # raises where the child unpickles the specs
+
+
+def test_a_child_that_cannot_build_the_scorers_is_a_named_error_and_the_next_batch_tries_again():
+    from roll_backend.rewards.function_host import RewardFunctionProcess
+    from roll_backend.rewards.user_functions import RewardFunctionSpec, RewardRows
+
+    bomb = _FailsToUnpickle()
+
+    def score(data_source, solution_str, ground_truth, extra_info=None, _bomb=bomb):
+        return 1.0
+
+    functions = RewardFunctionProcess((RewardFunctionSpec(fn=score),), "raise", 1.0)
+    rows = RewardRows(prompts=["p"], responses=["r"], answers=["a"], data_sources=["s"], extra_infos=[{}])
+    try:
+        for _ in range(2):  # (the second batch opens a new session, and fails the same way)
+            with pytest.raises(UserCodeError, match=r"reward function score raised ZeroDivisionError"):
+                functions.score(0, rows)
+    finally:
+        functions.shutdown()
