@@ -59,6 +59,7 @@ class PhasePerf:
     def __init__(self, config: PipelineConfig, groups):
         model_roles = {name: getattr(config, name) for name in roles.MODEL_ROLES}
         self.config = config
+        self._measured: dict[tuple, list[float]] = {}  # per-rank peaks by what decides them (see _role_peak)
         self.counters = {
             name: model_flops_of(role, value_head=name in (roles.CRITIC, roles.REWARD_MODEL))
             for name, role in model_roles.items()
@@ -81,7 +82,14 @@ class PhasePerf:
 
         hf_config = AutoConfig.from_pretrained(role.model_path)
         shapes = gemm_shapes(hf_config.hidden_size, hf_config.intermediate_size)
-        per_rank = group.call(Worker.measure_gemm_tflops, compute_dtype(role), shapes, perf.probe_seconds)
+        # CPU ranks share the node's cores: those multiplying the same shapes in the same dtype, as many at once,
+        # measure the same, so a role like one measured before (the reference beside a one-rank rollout) takes its
+        # numbers.
+        # (GPU ranks each measure: roles may sit on different GPU models.)
+        key = (compute_dtype(role), tuple(shapes), role.world_size, role.num_cpus_per_rank)
+        if role.num_gpus_per_rank or key not in self._measured:
+            self._measured[key] = group.call(Worker.measure_gemm_tflops, key[0], shapes, perf.probe_seconds)
+        per_rank = self._measured[key]
         peak = float(sum(per_rank))
         logger.info(
             "%s: measured GEMM peak %.3f TFLOP/s over %d ranks (%s)", name, peak, len(per_rank), compute_dtype(role)
