@@ -7,8 +7,11 @@ scalar value head for critics. Call after Megatron's parallel state is initialis
 
 from __future__ import annotations
 
+import json
 import logging
+import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k, before RoPE
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.PARAMS_DTYPES
-_CHECKED_FIELDS = ("hidden_act", "rope_parameters", "decoder_sparse_step", "mlp_only_layers")
+_CHECKED_FIELDS = ("hidden_act", "rope_parameters", "rope_scaling", "decoder_sparse_step", "mlp_only_layers")
 
 
 def use_transformer_engine(transformer_impl: str, device: str) -> bool:
@@ -87,6 +90,25 @@ class HFArch:
     max_position_embeddings: int
     qk_norm: bool = False
     moe: MoEArch | None = None  # routed experts in every layer (None: dense MLPs)
+
+    @classmethod
+    def from_model_path(cls, model_path: str) -> HFArch:
+        """The architecture of the model in `model_path`. A config.json that transformers' `save_pretrained` wrote
+        (it carries `transformers_version`) holds every attribute its config class defines, so its fields are what
+        AutoConfig would give, and are read as they are: a rank then never imports transformers (~1.7 s of a core
+        per rank on a 2-core machine). Any other file, or one missing a field read here, goes through AutoConfig,
+        which fills in its class's defaults."""
+        fields = json.loads((Path(model_path) / "config.json").read_text())
+        if "transformers_version" in fields:
+            if "num_local_experts" in fields:  # (transformers 5's name for Qwen3-MoE's num_experts)
+                fields.setdefault("num_experts", fields["num_local_experts"])
+            try:
+                return cls.from_hf_config(types.SimpleNamespace(**fields))
+            except AttributeError:
+                pass
+        from transformers import AutoConfig
+
+        return cls.from_hf_config(AutoConfig.from_pretrained(model_path))
 
     @classmethod
     def from_hf_config(cls, hf_config) -> HFArch:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -63,11 +62,10 @@ class MegatronEngine:
         device: str,
         chunks: list,
         arch: HFArch,
-        hf_config: Any,
     ):
         self.config, self.layout, self.device = config, layout, device
         self.chunks = chunks  # what the schedule runs (DDP-wrapped when training)
-        self.arch, self.hf_config = arch, hf_config
+        self.arch = arch
         depths = config.mtp_num_layers
         self.capture = schedule.HeadCapture(chunks, copy=depths > 0)
         self.mtp_loss = MtpLoss(unwrap(chunks[-1]), depths, arch.vocab_size) if depths else None

@@ -25,8 +25,8 @@ class MegatronInferStrategy(MegatronStrategyBase, InferStrategy):
 
     def initialize(self) -> None:
         # One model chunk per virtual pipeline stage (a single one without vpp).
-        chunks, arch, hf_config = build_model_chunks(self.config, self.layout, self.device)
-        self.engine = MegatronEngine(self.config, self.layout, self.device, chunks, arch, hf_config)
+        chunks, arch = build_model_chunks(self.config, self.layout, self.device)
+        self.engine = MegatronEngine(self.config, self.layout, self.device, chunks, arch)
 
     def compute_log_probs(self, batch: DataProto) -> DataProto | None:
         return self.ready("compute_log_probs").forward(batch, value_head=False, what="compute_log_probs")

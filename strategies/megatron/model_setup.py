@@ -70,28 +70,17 @@ class MegatronStrategyBase:
     def arch(self):
         return self.ready("arch").arch
 
-    @property
-    def hf_config(self):
-        return self.ready("hf_config").hf_config
-
-
-def load_hf_config(model_path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path)
-
 
 def build_model_chunks(cfg, layout: ParallelLayout, device: str):
     """This rank's model chunks (one per virtual pipeline stage; one without vpp) of the model in
     `cfg.model_path`, with the HF weights loaded.
 
-    Returns (chunks, arch, hf_config). `cfg` is any MegatronModelConfig (train or forward-only).
+    Returns (chunks, arch). `cfg` is any MegatronModelConfig (train or forward-only).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    hf_config = load_hf_config(cfg.model_path)
-    arch = HFArch.from_hf_config(hf_config)
+    arch = HFArch.from_model_path(cfg.model_path)
     first_stage_layers, last_stage_layers = stage_split(cfg, arch.num_layers, layout)
     options = ModelBuildOptions(
         tp=layout.tp,
@@ -135,7 +124,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, device: str):
         if getattr(cfg, "lora", None) is not None:  # the base frozen, adapters on its projections
             lora.inject(model, cfg.lora, arch, cfg.seed, value_head=cfg.value_head)
         chunks.append(model)
-    return chunks, arch, hf_config
+    return chunks, arch
 
 
 def set_train_mode(chunks, training: bool) -> None:

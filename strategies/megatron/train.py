@@ -3,7 +3,6 @@ LR scheduler, dist_checkpointing checkpoints, and full HF-named weights for expo
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -53,7 +52,7 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
             finalize_model_grads,
         )
 
-        chunks, arch, hf_config = build_model_chunks(self.config, self.layout, self.device)
+        chunks, arch = build_model_chunks(self.config, self.layout, self.device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -74,7 +73,7 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
         )
         no_sync = [model.no_sync for model in wrapped]
         model_config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-        self.engine = MegatronEngine(self.config, self.layout, self.device, wrapped, arch, hf_config)
+        self.engine = MegatronEngine(self.config, self.layout, self.device, wrapped, arch)
         self.router_metrics = None
         if arch.moe is not None:
             from roll_backend.strategies.megatron.moe import RouterMetrics
@@ -390,7 +389,9 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
 
     def _export_config(self):
         """The HF config an export writes: the model's, with the MTP layer count, or as a sequence classifier."""
-        hf_config = copy.deepcopy(self.hf_config)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.config.model_path)
         if self.config.mtp_num_layers:
             setattr(hf_config, mtp.HF_CONFIG_KEY, self.config.mtp_num_layers)
         if self.config.value_head:
