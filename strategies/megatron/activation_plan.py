@@ -70,7 +70,7 @@ class PlanOptions:
         return not (self.transformer_engine or self.flex_attention)
 
 
-SCORES_BUFFER = "attention scores buffer"
+SCORES_BUFFER = "attention scores buffer"  # (Megatron's global buffer, which the allgather dispatcher shares)
 
 
 def _heads(arch: HFArch, tp: int) -> tuple[int, int]:
@@ -90,7 +90,9 @@ def _moe_elements(arch: HFArch, layout: ParallelLayout, options: PlanOptions, to
     expert's SwiGLU over its tokens, the router's float32 scores, the shared expert."""
     moe, h = arch.moe, arch.hidden_size
     routed, computed = tokens * moe.topk, expert_tokens(arch, layout, options, tokens)
-    kept = routed * h + (computed * h if layout.ep > 1 else 0)
+    # the tokens this rank's experts compute, permuted (under EP: as the exchange brought them; what the rank sent is
+    # not kept)
+    kept = computed * h
     kept += computed * 6 * moe.expert_ffn_hidden_size // layout.expert_tp
     # the router's scores (and transposed copies) over this rank's tokens (its part of the sequence under sequence
     # parallelism), the top-k; the experts' combined output (and the shared expert's gated one)
@@ -255,6 +257,11 @@ def activation_terms(
     if options.keeps_scores:  # Megatron's global buffer for the scores' matmul, kept between calls
         nq = arch.num_heads // layout.tp
         terms[SCORES_BUFFER] = micro.rows * nq * (micro.width // layout.cp) * micro.width * options.width
+    if training and options.gathering_dispatcher and layout.ep > 1:
+        # the allgather dispatcher gathers every EP rank's tokens into the same global buffer, which grows to the
+        # larger of the two (a forward's count of it is in its MLP's working set)
+        gathered = layout.ep * tokens * arch.hidden_size * options.width
+        terms[SCORES_BUFFER] = max(terms.get(SCORES_BUFFER, 0), gathered)
     if not training:
         return _forward_terms(arch, layout, micro, options, terms, edge, stage)
     one_layer = layer_bytes(arch, layout, micro, options)
