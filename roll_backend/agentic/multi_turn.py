@@ -64,6 +64,7 @@ class Trajectory:
     turns: ChatTurns | None = None  # agent mode: the chat template with the tools of the agent's requests
     pending: CompletionRequest | None = None  # agent mode: the request on the engine
     call: _Call | None = field(default=None, repr=False)  # the admission it came with
+    closed: concurrent.futures.Future | None = field(default=None, repr=False)  # its session's close (tools released)
 
     def reward(self, mode: str) -> float:
         """The environment's reward (summed over steps, or its last), plus the stateful tools' reward."""
@@ -426,12 +427,13 @@ class _Loop:
         if traj.conv is None:  # the environment failed at reset (or the agent asked nothing): an empty row
             traj.conv = self.rollout.turns.empty()
         if self.server is None:
-            self.rollout.host.close(traj.session)
+            traj.closed = self.rollout.host.close(traj.session)
         call = traj.call
         if call.done:  # its trajectories stay with the call until their rows are built
-            for session in call.agent_sessions:
-                self.rollout.host.close(session)
+            closing = [t.closed for t in call.trajectories if t.closed is not None]
+            closing += [self.rollout.host.close(session) for session in call.agent_sessions]
             call.agent_sessions = []
+            _wait_closed(closing)
             self.forget(call.trajectories)
             if call in self.calls:
                 self.calls.remove(call)
@@ -517,6 +519,17 @@ class _Loop:
             for session in call.agent_sessions:
                 self.rollout.host.close(session)
         self.waiting, self.on_engine, self.ready, self.by_session, self.calls = {}, {}, [], {}, []
+
+
+def _wait_closed(closing: list[concurrent.futures.Future]) -> None:
+    """A call's rows come back once its sessions are closed (stateful tools released, environments closed; verl
+    awaits a tool's release too), so nothing of its trajectories outlives them. A close that fails (the host's
+    deadline for it included) is logged; the rows stand."""
+    for future in closing:
+        try:
+            future.result()
+        except SessionError as exc:
+            logger.warning("closing an ended trajectory's session failed: %s", exc)
 
 
 def new_messages(recorded: list[dict], request: list[dict], turn: int) -> list[dict]:

@@ -4,6 +4,7 @@ that counts down and can fail on chosen seeds, and an agent function that talks 
 from __future__ import annotations
 
 import threading
+import time
 
 
 class CountdownEnv:
@@ -47,8 +48,8 @@ class CounterTool:
     description = "Count a call."
     parameters = {"type": "object", "properties": {"step": {"type": "integer"}}, "required": []}
 
-    def __init__(self, log: str):
-        self.log, self.instances = log, {}
+    def __init__(self, log: str, release_seconds: float = 0.0):
+        self.log, self.instances, self.release_seconds = log, {}, release_seconds
 
     def _write(self, line: str) -> None:
         with open(self.log, "a") as f:
@@ -68,4 +69,5 @@ class CounterTool:
 
     def release(self, instance_id):
         del self.instances[instance_id]
+        time.sleep(self.release_seconds)  # (a slow release: a sandbox torn down, a connection closed)
         self._write(f"release {instance_id}")

@@ -389,7 +389,7 @@ envs:
   short: {{path: agentic_fixtures, name: CountdownEnv, kwargs: {{start: 1}}}}
   long: {{path: agentic_fixtures, name: CountdownEnv, kwargs: {{start: 2}}}}
 env_key: game
-tools: [{{path: agentic_fixtures, name: CounterTool, kwargs: {{log: {log}}}}}]
+tools: [{{path: agentic_fixtures, name: CounterTool, kwargs: {{log: {log}, release_seconds: 0.2}}}}]
 max_turns: 3
 max_tokens_per_turn: 4
 """
@@ -397,7 +397,8 @@ max_tokens_per_turn: 4
 
 def test_rows_choose_their_environment_and_stateful_tool_rewards_join_the_trajectorys(rollout, tmp_path):
     """Two environments from YAML, each row naming its own (ROLL's env tags), and a stateful tool created per
-    trajectory with the row's tools_kwargs (verl's), its reward added to the environment's and released at the end."""
+    trajectory with the row's tools_kwargs (verl's), its reward added to the environment's and released at the end,
+    before the rows come back (a slow release included)."""
     log = tmp_path / "tool.log"
     config = build(AgenticConfig, yaml.safe_load(TWO_ENVS_YAML.format(log=log)))
     bonus = {"tools_kwargs": {"counter": {"create_kwargs": {"bonus": 0.25}}}}
