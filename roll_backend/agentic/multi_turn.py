@@ -85,6 +85,7 @@ class _Call:
     per_turn: int  # at most this many tokens a turn
     trajectories: list[Trajectory] = field(default_factory=list)
     agent_sessions: list[str] = field(default_factory=list)  # agent mode: one session per worker running its share
+    closing: list[concurrent.futures.Future] = field(default_factory=list)  # agent mode: those sessions' closes
     started: float = field(default_factory=time.perf_counter)
     engine_seconds: float = 0.0  # the loop's engine time when the call was admitted
     streaming: bool = False  # a streaming admission: weight updates may come while its turns run
@@ -138,6 +139,7 @@ class AgenticRollout:
         """Prompt rows [B] -> trajectory rows [B*n] (more with new segments), in the rollout batch layout."""
         call = self._admit(batch, n, max_tokens, temperature)
         self._advance(until=lambda: call.done)
+        _wait_closed(call.trajectories, [call])
         failed = [traj.error for traj in call.trajectories if traj.error is not None]
         if failed:  # counted in agentic/env_errors_count; the message says why
             logger.warning(
@@ -176,6 +178,7 @@ class AgenticRollout:
                 call.trajectories = [traj for traj in call.trajectories if traj.row not in done]
         self.stream_calls = [call for call in self.stream_calls if call.trajectories]
         ended = [traj for _, finished in by_call for traj in finished]
+        _wait_closed(ended, [call for call, _ in by_call])
         self.loop.forget(ended)
         # One prompt width for the admissions' rows (without max_prompt_length each call's longest would differ).
         width = max((len(seg.prompt_ids) for traj in ended for seg in traj.conv.segments), default=0)
@@ -430,10 +433,8 @@ class _Loop:
             traj.closed = self.rollout.host.close(traj.session)
         call = traj.call
         if call.done:  # its trajectories stay with the call until their rows are built
-            closing = [t.closed for t in call.trajectories if t.closed is not None]
-            closing += [self.rollout.host.close(session) for session in call.agent_sessions]
+            call.closing += [self.rollout.host.close(session) for session in call.agent_sessions]
             call.agent_sessions = []
-            _wait_closed(closing)
             self.forget(call.trajectories)
             if call in self.calls:
                 self.calls.remove(call)
@@ -521,10 +522,14 @@ class _Loop:
         self.waiting, self.on_engine, self.ready, self.by_session, self.calls = {}, {}, [], {}, []
 
 
-def _wait_closed(closing: list[concurrent.futures.Future]) -> None:
-    """A call's rows come back once its sessions are closed (stateful tools released, environments closed; verl
-    awaits a tool's release too), so nothing of its trajectories outlives them. A close that fails (the host's
-    deadline for it included) is logged; the rows stand."""
+def _wait_closed(ended: list[Trajectory], calls: list[_Call]) -> None:
+    """Ended trajectories' rows come back once their sessions are closed (stateful tools released, environments
+    closed; verl awaits a tool's release too), and a finished call's agent sessions too; waited for where the rows are
+    built, not inside the loop, so a slow release holds up no other trajectory's turns. A close that fails (the
+    host's deadline for it included) is logged; the rows stand."""
+    closing = [traj.closed for traj in ended if traj.closed is not None]
+    for call in calls:
+        closing, call.closing = closing + call.closing, []
     for future in closing:
         try:
             future.result()
