@@ -15,7 +15,7 @@ from _machine import announce
 
 from roll_backend.distributed.collectives import broadcast_dataproto
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup

@@ -33,7 +33,7 @@ def main() -> None:
     from process_checks import wait_until_gone
 
     from roll_backend.distributed.dispatch import DispatchError
-    from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.layout import ParallelLayout
     from roll_backend.distributed.worker import Worker
     from roll_backend.distributed.worker_group import WorkerGroup
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from roll_backend.distributed.dispatch import Dispatch, register
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import WorkerGroup

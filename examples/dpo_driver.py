@@ -17,7 +17,7 @@ import tempfile
 from roll_backend import keys
 from roll_backend.algorithms.preference import dpo_loss, pair_loss_row_weights
 from roll_backend.config.schema import DataConfig, SyntheticDataConfig
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

@@ -16,7 +16,7 @@ import numpy as np
 import ray
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.ray_env import init_local_ray
 from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

@@ -49,24 +49,47 @@ def _load(config_path: str, overrides: list[str], recipe_check: bool = False):
     """The typed, validated config with its prompt data checked: every problem found here, before Ray starts.
     `recipe_check` (validate): a model folder holding only config.json passes, and its prompts go unread (see
     roll_backend.config.model_folders.skipped_checks)."""
+    config = _typed(config_path, overrides, recipe_check)
+    _check_rules(config_path, config, recipe_check)
+    _check_data(config_path, config, recipe_check)
+    return config
+
+
+def _typed(config_path: str, overrides: list[str], recipe_check: bool = False):
+    """The typed config, its cross-field rules not run (`_check_rules` runs them): fast, and imports no torch."""
     from roll_backend.config.loader import load_config
-    from roll_backend.config.model_folders import describes_only
     from roll_backend.config.typed import ConfigError
+
+    try:
+        return load_config(config_path, overrides, recipe_check, cross_field=False)
+    except ConfigError as exc:
+        raise CliError(f"{config_path}: {exc}") from exc
+
+
+def _check_rules(config_path: str, config, recipe_check: bool = False) -> None:
+    """The cross-field rules of a typed config (layouts, batch splits, algorithm names, the memory plan)."""
+    from roll_backend.config.loader import check_config
+    from roll_backend.config.typed import ConfigError
+
+    try:
+        check_config(config, recipe_check)
+    except ConfigError as exc:
+        raise CliError(f"{config_path}: {exc}") from exc
+
+
+def _check_data(config_path: str, config, recipe_check: bool = False) -> None:
+    """The prompt data the config names, read with the run's tokenizer."""
+    from roll_backend.config.model_folders import describes_only
     from roll_backend.pipelines.data.prompt_dataset import DataError, driver_tokenizer
     from roll_backend.pipelines.data.prompts import check_data, load_validation_prompts
 
-    try:
-        config = load_config(config_path, overrides, recipe_check)
-    except ConfigError as exc:
-        raise CliError(f"{config_path}: {exc}") from exc
     if recipe_check and describes_only(config.model_path):
-        return config  # transformers would build an empty tokenizer from config.json alone and refuse every prompt
+        return  # transformers would build an empty tokenizer from config.json alone and refuse every prompt
     try:
         if check_data(config) is not None:
             load_validation_prompts(config, driver_tokenizer(config))
     except DataError as exc:
         raise CliError(f"{config_path}: invalid data: {exc}") from exc
-    return config
 
 
 def _check_resume(config_path: str, config) -> None:
@@ -114,8 +137,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # ---- run ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    config = _load(args.config, args.overrides)
-    _check_resume(args.config, config)
+    # Every config problem is found before Ray starts; Ray's start (~4 s on 2 cores, mostly waiting) then overlaps
+    # the prompt data's check (which imports transformers; a problem there stops Ray again before any rank starts),
+    # the pipeline's imports and the tiny model.
+    config = _typed(args.config, args.overrides)
+    _check_rules(args.config, config)
     from roll_backend.distributed.orphans import kill_children_with_this_process
     from roll_backend.distributed.ray_env import start_local_ray
 
@@ -129,7 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     import ray
 
     try:
-        # While Ray's processes start: the pipeline's imports and the tiny model (what the run builds first anyway).
+        _check_data(args.config, config)
+        _check_resume(args.config, config)
         from roll_backend.pipelines import run_with_restarts
         from roll_backend.pipelines.run import ensure_model
 

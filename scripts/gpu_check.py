@@ -171,7 +171,7 @@ def on_policy_ppo_loss(tensors) -> float:
 
 
 def make_strategy(env: Env, model_dir: str, **overrides):
-    from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.layout import ParallelLayout
     from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
     from roll_backend.strategies.megatron.train import MegatronTrainStrategy
 
@@ -471,7 +471,8 @@ def main() -> int:
     log(f"float32 matmul precision at start: {tf32_state()}")
 
     try:
-        from roll_backend.distributed.parallel import ParallelLayout, destroy_distributed, init_distributed
+        from roll_backend.distributed.layout import ParallelLayout
+        from roll_backend.distributed.parallel import destroy_distributed, init_distributed
 
         store, addr, port = store_for_one_rank()
         coords = init_distributed(0, 1, addr, port, ParallelLayout(), args.device, store=store)

@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from roll_backend.distributed import parallel
-    from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.layout import ParallelLayout
     from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
     from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings
     from roll_backend.strategies.registry import create_strategy

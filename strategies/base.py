@@ -13,12 +13,14 @@ import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from roll_backend.distributed.layout import ParallelLayout
 
-from roll_backend.distributed.parallel import ParallelLayout
-from roll_backend.protocol import DataProto
+if TYPE_CHECKING:  # (annotations only: the config layer reads RunFacts and StrategyConfig before torch is imported)
+    import torch
+
+    from roll_backend.protocol import DataProto
 
 # loss_fn(per_token, micro_batch) -> (loss, metrics). `per_token` holds [B_mb, T_resp] tensors (keys.LOG_PROBS,
 # keys.ENTROPY or keys.VALUES) that carry gradients; micro_batch.meta_info[keys.META_GLOBAL_TOKEN_COUNT] is the
@@ -26,7 +28,7 @@ from roll_backend.protocol import DataProto
 # micro-batches and DP ranks is the step's loss). So must every metric: each is the micro-batch's share of the
 # step's value (algorithms.token_mean_share turns a masked mean into one), and the strategy reports their sums,
 # which do not depend on the micro-batch split or the layout.
-LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
+LossFn = Callable[[dict[str, "torch.Tensor"], "DataProto"], tuple["torch.Tensor", dict[str, "float | torch.Tensor"]]]
 
 
 @dataclass(frozen=True)

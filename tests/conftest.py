@@ -58,7 +58,7 @@ def ray_session():
 @pytest.fixture(scope="module")
 def make_group(ray_session):
     """Build an actor group once per (worker class, world size, layout, ...) and reuse it in the module."""
-    from roll_backend.distributed.parallel import ParallelLayout
+    from roll_backend.distributed.layout import ParallelLayout
     from roll_backend.distributed.worker_group import RankResources, WorkerGroup
 
     groups: dict[tuple, WorkerGroup] = {}

@@ -24,7 +24,7 @@ from roll_backend import roles
 from roll_backend.distributed import parallel
 from roll_backend.distributed.dispatch import Dispatch, method_dispatch, register
 from roll_backend.distributed.faults import perturb_first_tensor, perturb_whole_tensor
-from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.distributed.layout import ParallelLayout, RankCoords
 from roll_backend.distributed.worker import Worker
 from roll_backend.errors import WeightSyncFailed
 

@@ -15,7 +15,7 @@ from roll_backend.config.device_defaults import with_device_defaults
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
 from roll_backend.config.typed import ConfigError, build, suggest, to_dict
 from roll_backend.config.validate import validate
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 
 
 def _strategy_config_class(name: str):
@@ -76,19 +76,31 @@ def resolve_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
         raise ConfigError([f"{path}: {exc}".replace("\n", " ")]) from exc
 
 
-def load_config(path: str | Path, overrides: list[str] = (), recipe_check: bool = False) -> PipelineConfig:
+def load_config(
+    path: str | Path, overrides: list[str] = (), recipe_check: bool = False, cross_field: bool = True
+) -> PipelineConfig:
     """Read, type and validate a run config; raises ConfigError listing every problem at once. `recipe_check`: see
-    validate (a model folder holding only config.json passes)."""
+    validate (a model folder holding only config.json passes). `cross_field=False` returns a well-typed config
+    without running the cross-field rules (a tree with type errors or unknown keys still gets the whole report):
+    `run` starts Ray with it and runs the rules (`check_config`), which import torch, while Ray comes up."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError([f"override {item!r} is not key=value (e.g. actor_train.strategy.tp=2)"])
     data = resolve_yaml(path, overrides)
-    return config_from_dict(data, recipe_check)
+    return config_from_dict(data, recipe_check, cross_field)
 
 
-def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
+def check_config(config: PipelineConfig, recipe_check: bool = False) -> None:
+    """The cross-field rules of a well-typed config (what `load_config(cross_field=False)` left out)."""
+    problems = validate(config, recipe_check)
+    if problems:
+        raise ConfigError(problems)
+
+
+def config_from_dict(data: dict, recipe_check: bool = False, cross_field: bool = True) -> PipelineConfig:
     """Type errors and unknown keys of the whole tree are reported together; the cross-field rules
-    (layouts, batch splits, algorithm names) run once the tree is well-typed."""
+    (layouts, batch splits, algorithm names) run once the tree is well-typed (with `cross_field`, or when the tree
+    has other problems: one report lists them all)."""
     problems: list[str] = []
     data = with_device_defaults(_reference_from_actor_base(dict(data), problems))
     broken_roles = []
@@ -105,7 +117,7 @@ def config_from_dict(data: dict, recipe_check: bool = False) -> PipelineConfig:
     # Unknown keys are dropped and do not stop the tree from building: the cross-field rules still run, so a
     # typo and a bad layout come back in one report. A role that did not build would look absent to them.
     roles_built = all(data.get(role) is not None for role in broken_roles)
-    if config is not None and roles_built:
+    if config is not None and roles_built and (cross_field or problems):
         problems.extend(validate(config, recipe_check))
     if problems:
         raise ConfigError(problems)

@@ -19,7 +19,7 @@ import typing
 from typing import Any
 
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, StrategySection
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 
 DOC_PATH = "docs/configuration.md"
 REGENERATE = "PYTHONPATH=$PWD .venv/bin/python scripts/gen_config_docs.py"

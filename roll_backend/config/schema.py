@@ -13,7 +13,7 @@ from typing import Any
 from roll_backend import roles
 from roll_backend.agentic.config import AgenticConfig
 from roll_backend.config.guard_rules import GuardConfig
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.rewards.user_functions import RewardFunctionSpec
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "vpp", "ep", "etp")
@@ -269,7 +269,7 @@ class EvalConfig:
 class CheckpointConfig:
     """Save every `save_steps` (0: never) under output_dir/checkpoints. `resume`: "auto" picks the newest complete
     checkpoint (its manifest, written last, matches its files), saying which it skipped and why; a folder resumes
-    from that checkpoint, refused before Ray starts when it is incomplete."""
+    from that checkpoint, refused before any rank starts when it is incomplete."""
 
     save_steps: int = 0  # save every this many steps (0: never)
     keep_last: int = 2  # checkpoints kept; older ones are deleted

@@ -22,7 +22,7 @@ from roll_backend.config.schema import (
     PipelineConfig,
     RoleConfig,
 )
-from roll_backend.strategies.vllm.stream_session import PARTIAL_ROLLOUT_MODES
+from roll_backend.strategies.vllm.config import PARTIAL_ROLLOUT_MODES
 
 PIPELINES = RL_PIPELINES + OFFLINE_PIPELINES
 # The roles each offline pipeline starts; the others' blocks must be left out (they would hold resources unused).

@@ -17,7 +17,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.distributed.balance import balanced_order, row_tokens
-from roll_backend.distributed.parallel import RankCoords
+from roll_backend.distributed.layout import RankCoords
 from roll_backend.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 

@@ -17,8 +17,8 @@ from roll_backend.distributed import heap, parallel
 from roll_backend.distributed.collectives import StageColumns, broadcast_over_hops
 from roll_backend.distributed.dispatch import Dispatch, MethodDispatch, register
 from roll_backend.distributed.faults import FAULTS_OFF, FaultTrigger, fault_for_rank
+from roll_backend.distributed.layout import ParallelLayout, RankCoords
 from roll_backend.distributed.orphans import exit_once_on_sigterm, kill_children_with_this_process
-from roll_backend.distributed.parallel import ParallelLayout, RankCoords
 from roll_backend.errors import NotRestartableError, UserCodeError
 from roll_backend.protocol import DataProto
 

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from roll_backend.distributed import rank_pool
 from roll_backend.distributed.deadlines import Deadline, call_deadline, earliest
 from roll_backend.distributed.dispatch import DispatchError, MethodDispatch, method_dispatch
-from roll_backend.distributed.parallel import ParallelLayout, RankCoords
+from roll_backend.distributed.layout import ParallelLayout, RankCoords
 from roll_backend.distributed.placement import (  # noqa: F401  (create_placement_group: part of this module's API)
     RankPlacement,
     create_placement_group,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.strategies.megatron.builder import HFArch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

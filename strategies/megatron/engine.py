@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.perf.memory import PhasePeaks
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron import lora, schedule

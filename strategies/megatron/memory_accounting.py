@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_backend import roles
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.strategies.megatron.activation_plan import (
     DTYPE_BYTES,
     FP32,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.strategies.megatron import convert, lora
 from roll_backend.strategies.megatron.builder import (
     DTYPES,

@@ -3,7 +3,7 @@ Megatron cannot build. No Megatron import (the validator uses them before Ray st
 
 from __future__ import annotations
 
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 
 
 def stage_split_problem(num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None) -> str | None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
 from roll_backend.strategies.megatron import hf_export, lora, mtp, schedule, weights

@@ -14,6 +14,9 @@ from roll_backend.strategies.base import RunFacts
 CPU_MIN_HEAD_DIM = 32
 CPU_KV_BLOCK_SIZE = 32  # vLLM's CPU attention takes KV blocks of a multiple of this many tokens (and 32 at least)
 
+# What the engine does with the requests in flight when new weights land (async.partial_rollout; stream_session.py)
+PARTIAL_ROLLOUT_MODES = ("keep", "recompute", "resubmit")
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

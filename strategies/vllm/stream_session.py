@@ -34,9 +34,8 @@ import torch
 
 from roll_backend import keys
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.vllm.config import SamplingConfig
+from roll_backend.strategies.vllm.config import PARTIAL_ROLLOUT_MODES, SamplingConfig
 
-PARTIAL_ROLLOUT_MODES = ("keep", "recompute", "resubmit")
 RESUBMIT_SEED_STRIDE = 1_000_003  # a resubmitted seeded request draws a fresh stream, not its first tokens' again
 
 

@@ -26,7 +26,7 @@ from probe_workers import ProbeWorker  # noqa: E402
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 from roll_backend.config.loader import load_config  # noqa: E402
-from roll_backend.distributed.parallel import ParallelLayout  # noqa: E402
+from roll_backend.distributed.layout import ParallelLayout  # noqa: E402
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup  # noqa: E402
 from roll_backend.pipelines import run_with_restarts  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_reward_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronInferConfig

@@ -3,13 +3,15 @@ max_steps, the model folder, and pipeline layouts that cannot split the model's 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from cli_checks import assert_refused_before_ray
 from config_fixtures import CONFIG, TINY_HEADS
 
-from roll_backend.config.loader import load_config
+from roll_backend.config.loader import check_config, load_config
 from roll_backend.config.typed import ConfigError
 
 
@@ -34,6 +36,29 @@ def test_unknown_keys_and_layout_problems_come_back_together(base):
         "actor_train.strategy.tp=3 does not divide num_attention_heads=4; choose one of 1, 2, 4",
         "actor_train.strategy.tp=3 does not divide num_key_value_heads=2; choose one of 1, 2",
     ]
+
+
+def test_the_typed_config_leaves_the_rules_to_check_config_and_imports_no_torch(base):
+    """`run` starts Ray once the config is well-typed and its rules hold (the rules import torch: they run first, the
+    data check and Ray's start overlap). Typing alone must stay torch-free, and a tree that has type problems still
+    reports its rule problems with them."""
+    layout = ["actor_train.strategy.tp=3", "actor_train.world_size=3"]
+    config = load_config(CONFIG, base + layout, cross_field=False)  # well-typed: the rules have not run
+    with pytest.raises(ConfigError) as info:
+        check_config(config)
+    assert info.value.problems == problems_of(base + layout)
+    assert len(problems_of(base + layout)) == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG, base + layout + ["max_step=3"], cross_field=False)
+    assert info.value.problems == problems_of(base + layout + ["max_step=3"])
+    assert len(info.value.problems) == 3
+    probe = (
+        "import sys; from roll_backend.config.loader import load_config; "
+        f"load_config({str(CONFIG)!r}, {base!r}, cross_field=False); "
+        "print(sorted(m for m in ('torch', 'transformers', 'tensordict', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("steps", [0, -1])

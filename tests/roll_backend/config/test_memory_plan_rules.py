@@ -13,7 +13,7 @@ import transformers
 from roll_backend.config.loader import load_config
 from roll_backend.config.run_memory import device_phases, memory_problems, role_plans
 from roll_backend.config.typed import ConfigError
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.strategies.megatron.config import LoRASettings
 from roll_backend.strategies.megatron.memory_accounting import arch_of, model_state, stage_params
 

@@ -10,7 +10,7 @@ from probe_workers import ProbeWorker, batch_checksums
 
 from roll_backend import keys
 from roll_backend.distributed.collectives import StageColumns
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.protocol import DataProto
 
 LAYOUTS = {"tp2-pp2": (4, ParallelLayout(tp=2, pp=2)), "pp2": (2, ParallelLayout(pp=2))}

@@ -16,7 +16,7 @@ from probe_workers import EngineProbeWorker, ProbeWorker
 
 from roll_backend import keys
 from roll_backend.distributed.dispatch import Dispatch, DispatchError
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup, create_placement_group, wait_all
 from roll_backend.protocol import DataProto

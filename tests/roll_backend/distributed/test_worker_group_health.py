@@ -16,7 +16,7 @@ from probe_workers import ProbeWorker
 from process_checks import describe, wait_until_gone
 
 from roll_backend.distributed.deadlines import deadline_scope
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import (
     GroupBrokenError,

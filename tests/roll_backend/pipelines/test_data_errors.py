@@ -1,5 +1,6 @@
 """Bad prompt data never trains silently: each broken input is refused with its file, line and key, by the
-dataset itself and by `roll-backend run/validate/submit` before Ray starts."""
+dataset itself, by `roll-backend validate/submit` before Ray starts and by `roll-backend run` before any rank starts
+(it checks the data while Ray starts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_checks import assert_refused_before_ray
+from cli_checks import assert_refused_before_ray, assert_run_refused_before_ranks
 
 from roll_backend.config.schema import DataConfig
 from roll_backend.models.tiny import build_char_tokenizer
@@ -117,11 +118,13 @@ def file_config(tmp_path) -> list[str]:
     ids=["not_json", "null_prompt", "no_prompt_column", "char_alphabet"],
 )
 @pytest.mark.parametrize("command", ["run", "validate"])
-def test_cli_refuses_bad_data_before_ray(tmp_path, file_config, monkeypatch, capsys, command, lines, message):
+def test_cli_refuses_bad_data_before_ranks_start(tmp_path, file_config, monkeypatch, capsys, command, lines, message):
     path = write_lines(tmp_path / "p.jsonl", lines)
-    err = assert_refused_before_ray(
-        monkeypatch, capsys, [command, str(CONFIG), *file_config, f"data.train_path={path}"], message
-    )
+    args = [str(CONFIG), *file_config, f"data.train_path={path}"]
+    if command == "run":
+        err = assert_run_refused_before_ranks(monkeypatch, capsys, args, message)
+    else:
+        err = assert_refused_before_ray(monkeypatch, capsys, [command, *args], message)
     assert "invalid data" in err
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 
 # The reference layout first; every other layout's numbers are compared with its.
 SHARED_LAYOUTS = {

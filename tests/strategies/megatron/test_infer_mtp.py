@@ -10,7 +10,7 @@ import torch
 from megatron_batches import hf_response_log_probs, make_rl_batch_tensors, max_masked_diff
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronInferConfig, MegatronTrainConfig, OptimizerSettings

@@ -22,7 +22,7 @@ from megatron_batches import (
 from reconfigurable_workers import ReconfigurableActor
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronTrainConfig, OptimizerSettings

@@ -12,7 +12,7 @@ from roll_backend import keys
 from roll_backend.algorithms import AGG_MODE_NAMES, agg_loss
 from roll_backend.distributed import balance
 from roll_backend.distributed.dispatch import Dispatch
-from roll_backend.distributed.parallel import RankCoords
+from roll_backend.distributed.layout import RankCoords
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron import micro_batches as mb
 from roll_backend.strategies.megatron.config import MegatronInferConfig, MegatronTrainConfig

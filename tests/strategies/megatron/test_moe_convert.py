@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.models.tiny import TinyModelSpec, _hf_config, tokenizer_for
 from roll_backend.strategies.megatron import moe_convert
 from roll_backend.strategies.megatron.builder import HFArch

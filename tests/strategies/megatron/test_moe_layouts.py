@@ -18,7 +18,7 @@ from multi_model_actor import MultiModelActorWorker
 from router_checks import hf_routes, replay_step, same_routes
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.keys import META_BALANCE_DP
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

@@ -18,7 +18,7 @@ from process_checks import describe, wait_until_gone
 
 from roll_backend import keys
 from roll_backend.distributed import rank_pool
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import GroupBrokenError, RankDiedError, WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

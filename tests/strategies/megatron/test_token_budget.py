@@ -14,7 +14,7 @@ from megatron_batches import hf_response_log_probs, max_masked_diff, rl_batch_of
 
 from roll_backend import keys
 from roll_backend.distributed.balance import IMBALANCE_AFTER, IMBALANCE_BEFORE
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.keys import META_BALANCE_DP, META_MAX_TOKENS_PER_MICROBATCH, META_SEQUENCE_PACKING
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto

@@ -18,7 +18,7 @@ import torch
 
 from roll_backend import keys
 from roll_backend.distributed import rank_pool
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model

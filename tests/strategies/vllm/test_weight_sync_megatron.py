@@ -32,7 +32,7 @@ from test_weight_sync import (  # shared helpers of the transformers-trained var
 )
 
 from roll_backend import keys
-from roll_backend.distributed.parallel import ParallelLayout
+from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.keys import META_VALIDATE
 from roll_backend.pipelines.groups import RoleGroups
 from roll_backend.pipelines.loops import phases
