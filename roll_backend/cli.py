@@ -142,11 +142,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the pipeline's imports and the tiny model.
     config = _typed(args.config, args.overrides)
     _check_rules(args.config, config)
+    _check_resume(args.config, config)
     from roll_backend.distributed.orphans import kill_children_with_this_process
     from roll_backend.distributed.ray_env import start_local_ray
 
     kill_children_with_this_process(own_group=False)  # a SIGKILLed driver takes Ray's processes with it
 
+    # (called in a process that already runs Ray, such as a driver script's, the run joins it and leaves it up)
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     address = os.environ.get("RAY_ADDRESS")  # set by Ray inside a job: join that cluster
     if address:
         ray_started = start_local_ray(address=address)
@@ -156,7 +159,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         _check_data(args.config, config)
-        _check_resume(args.config, config)
         from roll_backend.pipelines import run_with_restarts
         from roll_backend.pipelines.run import ensure_model
 
@@ -165,7 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics = run_with_restarts(config)
     finally:
         concurrent.futures.wait([ray_started])  # (a failure above must not race the start it would shut down)
-        ray.shutdown()
+        if not ray_was_up:
+            ray.shutdown()
     last = metrics[-1] if metrics else {}
     reward = last.get("reward/mean")
     summary = f"{config.exp_name}: {len(metrics)} steps"

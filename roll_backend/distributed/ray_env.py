@@ -100,11 +100,15 @@ def start_local_ray(**kwargs) -> concurrent.futures.Future:
     """`init_local_ray(**kwargs)` on a thread of its own: Ray's node processes take ~4 s to come up on a 2-core
     machine, mostly waiting, while the caller goes on with its own start-up (imports, building a model); call the
     future's `result()` before the first Ray call. Call from the main thread: it sets the SIGTERM handler ray.init
-    sets only there (SIGTERM becomes SystemExit, so the driver's `finally` still shuts Ray down)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
-    logging.getLogger("ray._private.worker").addFilter(_NotOnMainThreadNotice())
+    sets only there (SIGTERM becomes SystemExit, so the driver's `finally` still shuts Ray down; before Ray is up,
+    the process ends at once, as without a handler: a start that hangs, say on a head that went away, must not hold
+    the exit, and the node processes it started die with the process)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(
+            signal.SIGTERM, lambda signum, frame: sys.exit(signum) if future.done() else os._exit(128 + signum)
+        )
+    logging.getLogger("ray._private.worker").addFilter(_NotOnMainThreadNotice())
 
     def start() -> None:
         try:

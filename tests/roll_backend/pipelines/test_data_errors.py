@@ -118,7 +118,10 @@ def file_config(tmp_path) -> list[str]:
     ids=["not_json", "null_prompt", "no_prompt_column", "char_alphabet"],
 )
 @pytest.mark.parametrize("command", ["run", "validate"])
-def test_cli_refuses_bad_data_before_ranks_start(tmp_path, file_config, monkeypatch, capsys, command, lines, message):
+def test_cli_refuses_bad_data_before_ranks_start(
+    ray_session, tmp_path, file_config, monkeypatch, capsys, command, lines, message
+):
+    """(With the test session's Ray up: `run` called in a process that runs Ray leaves it up.)"""
     path = write_lines(tmp_path / "p.jsonl", lines)
     args = [str(CONFIG), *file_config, f"data.train_path={path}"]
     if command == "run":
