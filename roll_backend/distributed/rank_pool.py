@@ -21,13 +21,15 @@ import os
 from collections import defaultdict
 from typing import Any
 
+import psutil
 import ray
 
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLL_BACKEND_RANK_POOL"
 RELEASE_TIMEOUT_S = 30.0  # a rank that takes longer to tear down is stopped instead
-MAX_IDLE = 8  # idle processes kept (each holds its imports: ~0.3-0.7 GiB of host memory)
+MAX_IDLE = 16  # idle processes kept at most (each holds its imports: ~0.3-0.7 GiB of host memory) ...
+MIN_AVAILABLE = 0.35  # ... and only while this share of the host's memory is available (what runs next needs it)
 ALIVE_TIMEOUT_S = 10.0  # an idle process that does not answer within this is stopped, not reused
 
 
@@ -59,7 +61,7 @@ class RankPool:
     def give_back(self, key: tuple, handles: list, worker_cls: type) -> None:
         """Tear down each rank (`RankHost.release_rank`) and keep the processes that came back clean; stop the
         others."""
-        room = max(MAX_IDLE - sum(map(len, self._idle.values())), 0)
+        room = max(MAX_IDLE - sum(map(len, self._idle.values())), 0) if _memory_to_spare() else 0
         answered, silent = _ask(handles[:room], "release_rank", RELEASE_TIMEOUT_S)
         self._idle[key] += [(handle, worker_cls.__qualname__) for handle, clean in answered if clean]
         unclean = silent + [handle for handle, clean in answered if not clean]
@@ -71,7 +73,8 @@ class RankPool:
     def summary(self) -> str:
         return (
             f"rank pool: {self.reused} of {self.asked} pooled ranks took an idle process; stopped at release: "
-            f"{self.unclean} not clean, {self.overflow} with the pool full ({MAX_IDLE} idle at most)"
+            f"{self.unclean} not clean, {self.overflow} with the pool full ({MAX_IDLE} idle at most, while "
+            f"{MIN_AVAILABLE:.0%} of the host's memory is available)"
         )
 
     def clear(self) -> None:
@@ -93,6 +96,13 @@ def _ask(handles: list, method: str, timeout_s: float) -> tuple[list, list]:
         except ray.exceptions.RayError:
             answered.append((refs[ref], False))
     return answered, [refs[ref] for ref in silent]
+
+
+def _memory_to_spare() -> bool:
+    """The host has memory for more idle processes: at least MIN_AVAILABLE of it available now (the pool's processes
+    and the run's other ranks on this node share it)."""
+    memory = psutil.virtual_memory()
+    return memory.available >= MIN_AVAILABLE * memory.total
 
 
 def _kill(handle) -> None:
