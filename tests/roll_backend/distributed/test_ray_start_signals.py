@@ -18,8 +18,8 @@ ray_env.init_local_ray = lambda **kwargs: None if sys.argv[1] == "up" else threa
 ray_started = ray_env.start_local_ray(num_cpus=1)
 if sys.argv[1] == "up":
     ray_started.result()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # (inside the try: a SIGTERM right after it is in the driver's run)
     threading.Event().wait()  # the driver's own start-up, or its run
 finally:
     print("finally ran", flush=True)
