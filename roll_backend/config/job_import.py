@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from roll_backend.config.foreign_keys import FRAMEWORKS, rule_for
+from roll_backend.config.schema import LAYOUT_KEYS
 
 ROLES = ("actor_train", "actor_infer", "reference")
 _GPU_ROLE = {"num_gpus_per_rank": 1}
@@ -446,13 +447,12 @@ class _Job:
 
     def _hosted_layouts(self) -> None:
         """Roles hosted by the hybrid engine share actor_train's processes and so its parallel layout."""
-        layout = ("tp", "pp", "cp", "vpp", "ep", "etp")  # (ParallelLayout's sizes; importing it brings torch)
         actor = self.tree["actor_train"]["strategy"]
         for role in ("reference", "critic"):
             block = self.tree.get(role)
             if not block or not block.get("hybrid"):
                 continue
-            for size in layout:
+            for size in LAYOUT_KEYS:
                 theirs, ours = block["strategy"].get(size), actor.get(size)
                 if theirs is not None and theirs != ours:
                     self.report.converted.append(
