@@ -218,10 +218,13 @@ class TrainStrategy(InferStrategy):
         config; tokenizer) that transformers and vLLM load; a value-head model as *ForSequenceClassification."""
 
     @abc.abstractmethod
-    def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_hf_weights(
+        self, bucket_bytes: int, measure_memory: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors in buckets of at most `bucket_bytes` (a bigger tensor gets its own bucket). A bucket
         is the consumer's until it asks for the next one (its list may then be emptied): use or copy its tensors
-        before."""
+        before. What making the buckets allocates on the device counts as the weight_sync phase in measured_memory
+        (on a CPU rank only with `measure_memory`; the consumer's own work between buckets is not counted there)."""
 
     @abc.abstractmethod
     def parameter_counts(self) -> dict[str, int]:

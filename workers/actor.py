@@ -151,24 +151,27 @@ class ActorWorker(TrainedWorker):
         return metrics  # reduced over DP already; the group call returns one dict per DP rank
 
     @register(Dispatch.ONE_TO_ALL)
-    def publish_hf_weights(self, bucket_bytes: int) -> list:
+    def publish_hf_weights(self, bucket_bytes: int, measure_memory: bool = False) -> list:
         """Full HF-named weights for the rollout engine: every rank joins the gather, rank 0 puts each bucket
-        in the object store and returns the refs ([] on other ranks). The driver only passes refs along."""
+        in the object store and returns the refs ([] on other ranks). The driver only passes refs along.
+        `measure_memory`: the gathers count as the weight_sync phase on a CPU rank too (measured_memory)."""
         import ray
 
         refs = []
-        for bucket in self.strategy.iter_hf_weights(bucket_bytes):
+        for bucket in self.strategy.iter_hf_weights(bucket_bytes, measure_memory):
             if self.rank == 0:
                 refs.append(ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket]))
         return refs
 
     @register(Dispatch.ONE_TO_ALL)
-    def publish_weight_deltas(self, bucket_bytes: int, version: int | None, engine_version: int | None) -> list:
+    def publish_weight_deltas(
+        self, bucket_bytes: int, version: int | None, engine_version: int | None, measure_memory: bool = False
+    ) -> list:
         """A minimal sync to `version` for engines holding `engine_version` (roll_backend/protocol/weight_delta.py):
         every rank joins the gather, rank 0 sends per tensor nothing, its changed elements or the whole tensor
         (whichever is fewer bytes) against its copy of what it last sent, whole tensors when that copy is not the
         engines' version, and returns the buckets' refs ([] on other ranks). Rank 0 keeps a host copy of the
-        weights."""
+        weights. `measure_memory` as in publish_hf_weights."""
         import ray
 
         from roll_backend.protocol.weight_delta import SentWeights
@@ -178,7 +181,7 @@ class ActorWorker(TrainedWorker):
             if getattr(self, "sent_weights", None) is None:
                 self.sent_weights = SentWeights()
             base = self.sent_weights.begin(engine_version)
-        for bucket in self.strategy.iter_hf_weights(bucket_bytes):
+        for bucket in self.strategy.iter_hf_weights(bucket_bytes, measure_memory):
             if self.rank == 0:
                 refs.append(ray.put(self.sent_weights.encode(bucket, base, version)))
         if self.rank == 0:

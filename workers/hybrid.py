@@ -169,6 +169,7 @@ class HybridWorker(Worker):
         }
         self.handover: DeviceHandover | None = None
         self.memory: dict[str, dict[str, float]] = {}  # phase -> its memory figures, since the last report
+        self.measuring_sync = False  # the sync in progress counts its gathers (sync_engine_weights)
 
     def init_distributed(self, master_addr: str, master_port: int) -> RankCoords:
         coords = super().init_distributed(master_addr, master_port)
@@ -232,12 +233,19 @@ class HybridWorker(Worker):
 
     # ---- weights, trainer -> engine, in the process ----------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL, deadline=roles.WEIGHT_SYNC_DEADLINE)
-    def sync_engine_weights(self, version: int | None = None, whole: bool = False) -> dict[str, float]:
+    def sync_engine_weights(
+        self, version: int | None = None, whole: bool = False, measure_memory: bool = False
+    ) -> dict[str, float]:
         """The trainer's weights (or LoRA adapters) into this rank's engine, bucket by bucket, with no copy through
         the object store: the trainer gathers full HF tensors over its TP/PP groups, the engine takes its TP shard
         of each; with the engine's host copy (HybridConfig.engine_copy) only the tensors that changed, all or
-        nothing, unless `whole`. Returns {"tensors", "bytes"} (and a minimal sync's other counts)."""
-        loaded = self.handover.sync(version, whole)
+        nothing, unless `whole`. Returns {"tensors", "bytes"} (and a minimal sync's other counts). `measure_memory`:
+        the trainer's gathers count as its weight_sync phase on a CPU rank too (measured_memory)."""
+        self.measuring_sync = measure_memory
+        try:
+            loaded = self.handover.sync(version, whole)
+        finally:
+            self.measuring_sync = False
         self.memory[roles.WEIGHT_SYNC] = self._memory_now()
         return loaded
 
@@ -300,7 +308,8 @@ class HybridWorker(Worker):
         trainer's call context (what runs between them, in the engine's)."""
         trainer_context = self.facets[roles.ACTOR_TRAIN].call_context
         with trainer_context():
-            buckets = iter(self.facets[roles.ACTOR_TRAIN].strategy.iter_hf_weights(self.config.bucket_bytes))
+            trainer = self.facets[roles.ACTOR_TRAIN].strategy
+            buckets = iter(trainer.iter_hf_weights(self.config.bucket_bytes, self.measuring_sync))
         while True:
             with trainer_context():
                 bucket = next(buckets, None)

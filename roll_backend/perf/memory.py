@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -96,6 +96,25 @@ class PhasePeaks:
                 self.peak_tensors[phase] = counter.peak_tensors
         else:
             yield
+
+    def measure_iteration(self, phase: str, items: Iterable, enabled: bool = True, shape: Any = None) -> Iterator:
+        """`items`, each one made inside `phase`'s count and handed out of it: on a CPU the caller's work between
+        items is not counted (a weight sync's consumer: its copies are host memory on a GPU); on a GPU the allocator's
+        peak over the whole iteration."""
+        if self.device.startswith("cuda") or not enabled:
+            with self.measure(phase, enabled, shape):
+                yield from items
+            return
+        counter, items, done = LiveTensorBytes(trace=int(os.environ.get(TRACE_ENV, "0") or 0)), iter(items), object()
+        while True:
+            with counter:
+                item = next(items, done)
+            if item is done:
+                break
+            yield item
+            del item  # (what the caller let go of is not kept while the next one is made)
+        if self._record(phase, counter.peak, shape) and counter.trace:
+            self.peak_tensors[phase] = counter.peak_tensors
 
     def _record(self, phase: str, nbytes: int, shape: Any) -> bool:
         """Keep the call's peak when it is the phase's largest so far; whether it was."""

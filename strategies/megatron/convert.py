@@ -303,14 +303,16 @@ def iter_stage_hf_tensors(
     for mapping in export_mappings(model, arch, include_mtp, include_value_head):
         # (with LoRA adapters, the base weight merged with their update; the base itself is left as it is)
         shard = lora.merged_shard(model, mapping.megatron_name, params[mapping.megatron_name].detach())
+        gather = all_gather_etp if mapping.expert else all_gather_tp
+        full = hf_from_shards(mapping.kind, [shard] if mapping.kind == "replicated" else gather(shard), arch)
+        del shard  # (a merged base and the gathered shards go before the tensors are handed on: sync_plan.py)
         if mapping.expert:
-            full = hf_from_shards(mapping.kind, all_gather_etp(shard), arch)
             yield from moe_convert.gather_expert_tensors(
                 mapping.hf_names, full, arch.moe.num_experts // ep_size, all_gather_ep
             )
-            continue
-        shards = [shard] if mapping.kind == "replicated" else all_gather_tp(shard)
-        yield from zip(mapping.hf_names, hf_from_shards(mapping.kind, shards, arch))
+        else:
+            yield from zip(mapping.hf_names, full)
+        del full  # (what the consumer let go of goes now, not after the next parameter is made)
 
 
 def stage_hf_metadata(

@@ -227,7 +227,8 @@ def plan_stage(
     if trains:
         phases["train"] = activation_terms(arch, layout, micro, options, layers, stage, micro_batches, True)
     if sync is not None and sync.weight_sync_bucket:
-        phases[roles.WEIGHT_SYNC] = weight_sync_terms(arch, cfg.params_dtype, sync, device)
+        all_layers = layers_per_stage(arch.num_layers, layout, first, last)
+        phases[roles.WEIGHT_SYNC] = weight_sync_terms(cfg, arch, layout, all_layers, stage, sync, device)
     return state, phases
 
 
@@ -241,18 +242,21 @@ def largest_hf_tensor(arch: HFArch) -> int:
     return max(widths) * h
 
 
-def weight_sync_terms(arch: HFArch, params_dtype: str, run, device: str) -> dict[str, int]:
-    """A rank's transient bytes while it sends its weights to the rollout (iter_hf_weights): one bucket of full
-    Hugging Face tensors gathered over TP / EP (a tensor bigger than the bucket is a bucket of its own; at most the
-    whole model; left out: the next tensor, gathered before a full bucket goes, and each gather's shards), and with
-    the minimal sync on a GPU the comparison on the device of the largest tensor with the copy the engine holds
+def weight_sync_terms(
+    cfg, arch: HFArch, layout: ParallelLayout, layers: list[int], stage: int, run, device: str
+) -> dict[str, int]:
+    """A rank's transient bytes while it sends its weights to the rollout (iter_hf_weights): a bucket of full
+    Hugging Face tensors and what making the next one takes (sync_plan.py; `layers`: decoder layers per stage), and
+    with the minimal sync on a GPU the comparison on the device of the largest tensor with the copy the engine holds
     (brought up from host memory) and a one-byte mask per element."""
-    width = DTYPE_BYTES[params_dtype]
-    largest = largest_hf_tensor(arch)
-    whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total
-    terms = {"weight-sync bucket": min(max(run.weight_sync_bucket, largest * width), whole * width)}
+    from roll_backend.strategies.megatron.sync_plan import sync_peak, sync_sequence
+
+    lora = getattr(cfg, "lora", None)
+    targets = frozenset(lora.target_modules) if lora is not None else frozenset()
+    sequence = sync_sequence(arch, layout, layers, stage, cfg.params_dtype, targets)
+    terms = {"weight-sync bucket": sync_peak(sequence, run.weight_sync_bucket)}
     if run.weight_sync_delta and device == "cuda":
-        terms["weight-sync comparison"] = largest * (width + 1)
+        terms["weight-sync comparison"] = largest_hf_tensor(arch) * (DTYPE_BYTES[cfg.params_dtype] + 1)
     return terms
 
 
@@ -372,6 +376,14 @@ def planned_at(cfg, run, measured) -> dict[str, int]:
     arch = arch_of(run.model_config)
     out = {}
     for phase, shape in measured["micro_batches"].items():
+        if phase == roles.WEIGHT_SYNC:  # at the bucket size the sync ran with
+            from roll_backend.strategies.megatron.stage_splits import stage_split
+
+            at = dataclasses.replace(run, weight_sync_bucket=shape["bucket_bytes"])
+            layers = layers_per_stage(arch.num_layers, run.layout, *stage_split(cfg, arch.num_layers, run.layout))
+            terms = weight_sync_terms(cfg, arch, run.layout, layers, measured["pp_rank"], at, run.device)
+            out[phase] = sum(terms.values())
+            continue
         state, terms = planned_at_micro_batches(
             cfg, arch, run.layout, run.world_size, run.device, measured["pp_rank"], shape, phase
         )

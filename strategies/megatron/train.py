@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.base import LossFn, TrainStrategy
@@ -307,15 +307,17 @@ class MegatronTrainStrategy(MegatronStrategyBase, TrainStrategy):
 
     # ---- weights out ----------------------------------------------------------------------------------------
     def iter_hf_weights(
-        self, bucket_bytes: int = 512 << 20, include_mtp: bool = False
+        self, bucket_bytes: int = 512 << 20, measure_memory: bool = False, include_mtp: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full HF-named tensors, yielded on every rank (all ranks must iterate: it communicates).
 
         Tensors stay on the training device; a tied output layer is left to the embedding. MTP layers
         (`model.mtp_layers.*`) come only with `include_mtp`: the rollout engine serves the main model alone.
         """
-        self._check_ready("iter_hf_weights")
-        yield from weights.bucketed(weights.iter_full_hf_tensors(self.model, self.arch, include_mtp), bucket_bytes)
+        engine = self.ready("iter_hf_weights")
+        buckets = weights.bucketed(weights.iter_full_hf_tensors(self.model, self.arch, include_mtp), bucket_bytes)
+        shape = {"bucket_bytes": bucket_bytes}
+        yield from engine.memory.measure_iteration(roles.WEIGHT_SYNC, buckets, measure_memory, shape)
 
     def export_hf(
         self, out_dir: str, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES

@@ -100,7 +100,7 @@ class OneStepOffPolicyLoop:
             )  # engine between batches
             trainer_waited += time.perf_counter() - start
         if len(trained):
-            metrics |= sync_rollout_weights(run, trained, timer)
+            metrics |= sync_rollout_weights(run, trained, timer, step)
         if math.isfinite(generation_seconds):  # (not known for a batch restored from a checkpoint)
             timer.seconds[roles.GENERATE] = generation_seconds  # overlapped with training: not part of this step's wall
         metrics |= {

@@ -307,6 +307,7 @@ def sync_weights(
     version: int | None = None,
     in_flight: str | None = None,
     delta: bool = False,
+    measure_memory: bool = False,
 ) -> dict[str, float]:
     """Trainer weights (the trainer's `version`) -> rollout engine, then a probe: both score the same sequences; the
     gap must stay small. `in_flight`: what the engine does with streaming requests in flight (keep, recompute or
@@ -314,17 +315,18 @@ def sync_weights(
     changed since the engine's version, switched to all at once (weight_sync_delta). A failed probe undoes a minimal
     sync (the hybrid engine's in-process one too) or an adapter load (the engine serves its version again, and the error
     says so); a full sync is not undone (no copy of the old weights is kept): the run stops, to resume from a
-    checkpoint."""
+    checkpoint. `measure_memory`: the trainer's ranks count the sync's gathers on a CPU too (memory_report)."""
     started = time.perf_counter()
     if groups.hybrid is not None:  # in each rank's process, adapters or weights as the run syncs them
-        loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version)
+        loaded = groups.hybrid.call(HybridWorker.sync_engine_weights, version=version, measure_memory=measure_memory)
     elif groups.adapter_sync:
         refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_adapter) if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_adapter, refs, version=version, in_flight=in_flight)
     elif delta:
-        loaded = _sync_deltas(groups, bucket_bytes, version, in_flight)
+        loaded = _sync_deltas(groups, bucket_bytes, version, in_flight, measure_memory)
     else:
-        refs = next(refs for refs in groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes) if refs)
+        published = groups.actor_train.call(ActorWorker.publish_hf_weights, bucket_bytes, measure_memory)
+        refs = next(refs for refs in published if refs)
         loaded = groups.actor_infer.call(RolloutWorker.load_weight_buckets, refs, version=version, in_flight=in_flight)
     metrics = {
         "weight_sync/tensors": float(loaded[0]["tensors"]),
@@ -384,15 +386,16 @@ def _undo_sync(groups: RoleGroups) -> str:
     return f"; the engine serves version {version} again"
 
 
-def _sync_deltas(groups: RoleGroups, bucket_bytes: int, version: int | None, in_flight: str | None) -> list[dict]:
+def _sync_deltas(
+    groups: RoleGroups, bucket_bytes: int, version: int | None, in_flight: str | None, measure_memory: bool
+) -> list[dict]:
     """A minimal sync: relative to the version every engine holds (whole tensors when they differ or hold none)."""
     held = set(groups.actor_infer.call(RolloutWorker.weights_version))
     engine_version = held.pop() if len(held) == 1 else None
-    refs = next(
-        refs
-        for refs in groups.actor_train.call(ActorWorker.publish_weight_deltas, bucket_bytes, version, engine_version)
-        if refs
+    published = groups.actor_train.call(
+        ActorWorker.publish_weight_deltas, bucket_bytes, version, engine_version, measure_memory
     )
+    refs = next(refs for refs in published if refs)
     return groups.actor_infer.call(RolloutWorker.load_weight_deltas, refs, version=version, in_flight=in_flight)
 
 

@@ -32,7 +32,7 @@ def rl_step(run: PipelineRun, step: int) -> dict[str, float]:
     metrics, trained = train_on_batch(run, batch, step, timer, timer.seconds[roles.GENERATE])
     metrics |= refill_metrics
     if len(trained):
-        metrics |= sync_rollout_weights(run, trained, timer)
+        metrics |= sync_rollout_weights(run, trained, timer, step)
     metrics |= phases.hybrid_memory(run.groups)
     return metrics | step_perf(run, generated, trained, timer) | timer.metrics()
 
@@ -122,11 +122,13 @@ def train_on_batch(run: PipelineRun, batch, step: int, timer: PhaseTimer, second
 
 
 def sync_rollout_weights(
-    run: PipelineRun, trained, timer: PhaseTimer, in_flight: str | None = None
+    run: PipelineRun, trained, timer: PhaseTimer, step: int, in_flight: str | None = None
 ) -> dict[str, float]:
-    """Trainer -> rollout engine, probed on the first rows of the batch just trained on; `in_flight`: streaming
-    requests on the engine are kept, recomputed or resubmitted."""
+    """Trainer -> rollout engine after step `step`, probed on the first rows of the batch just trained on;
+    `in_flight`: streaming requests on the engine are kept, recomputed or resubmitted. The first step's sync counts
+    its memory (memory_report)."""
     config = run.config
+    measuring = step == run.first_step
     with timer.phase(roles.WEIGHT_SYNC):
         metrics = phases.sync_weights(
             run.groups,
@@ -136,8 +138,11 @@ def sync_rollout_weights(
             version=run.policy_version,
             in_flight=in_flight,
             delta=config.weight_sync_delta,
+            measure_memory=measuring,
         )
     run.rollout_version = run.policy_version
+    if measuring:
+        metrics |= memory_report(run, only=roles.WEIGHT_SYNC)
     return metrics
 
 

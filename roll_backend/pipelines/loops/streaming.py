@@ -95,7 +95,7 @@ class StreamingLoop:
         if self.cfg.max_staleness == 0:
             self._wait_until_engines_idle()  # the synchronous order: no generation during the sync
         if len(trained):
-            metrics |= sync_rollout_weights(run, trained, timer, in_flight=self.cfg.partial_rollout)
+            metrics |= sync_rollout_weights(run, trained, timer, step, in_flight=self.cfg.partial_rollout)
         with self.cond:
             self.engine_version = run.rollout_version
             self.cond.notify_all()

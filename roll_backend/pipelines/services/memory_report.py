@@ -15,9 +15,9 @@ logger = logging.getLogger(__name__)
 MEASURED_ROLES = (roles.ACTOR_TRAIN, roles.REFERENCE, roles.CRITIC, roles.REWARD_MODEL, roles.TEACHER)
 
 
-def memory_report(run) -> dict[str, float]:
-    """Log each measured role's phases, measured vs planned, and return them as `memory/<role>_<phase>/...`
-    metrics (GiB, the largest over the role's ranks)."""
+def memory_report(run, only: str | None = None) -> dict[str, float]:
+    """Log each measured role's phases (`only` that one; the model state and every phase otherwise), measured vs
+    planned, and return them as `memory/<role>_<phase>/...` metrics (GiB, the largest over the role's ranks)."""
     from roll_backend.workers.strategy_host import StrategyWorker
 
     config, metrics = run.config, {}
@@ -31,11 +31,14 @@ def memory_report(run) -> dict[str, float]:
         for report in group.call(StrategyWorker.measured_memory):
             at = planner.planned_at(role.strategy.config, facts, report)
             figures = {"model_state": sum(report["model_state"].values()), **report["phases"]}
+            if only is not None:
+                figures = {what: value for what, value in figures.items() if what == only}
             for what, value in figures.items():
                 if value >= measured.get(what, -1):
                     measured[what], planned[what] = value, at.get(what, 0)
             for what, shape in report.get("micro_batches", {}).items():
-                if (shape or {}).get("expert_load"):  # a MoE rank: what its experts computed (moe.ExpertLoad)
+                # a MoE rank: what its experts computed (moe.ExpertLoad)
+                if only is None and (shape or {}).get("expert_load"):
                     loads[what] = max(loads.get(what, 0.0), shape["expert_load"]["busiest"])
         for what, load in loads.items():
             metrics[f"memory/{name}_{what}/expert_load"] = load
@@ -56,13 +59,14 @@ def memory_report(run) -> dict[str, float]:
                 config_plan = max(sum(rank.state.values()) for rank in ranks)
             else:
                 config_plan = max(sum(rank.phases.get(what, {}).values()) for rank in ranks)
+            ran = "the bucket size that ran" if what == roles.WEIGHT_SYNC else "the micro-batches that ran"
             logger.info(
-                "memory at step 1, %s %s: measured %s, planned %s at the micro-batches that ran (%+.0f%%), %s at "
-                "the config's largest",
+                "memory at step 1, %s %s: measured %s, planned %s at %s (%+.0f%%), %s at the config's largest",
                 name,
                 what,
                 size(value),
                 size(planned[what]),
+                ran,
                 100 * (planned[what] / value - 1) if value else 0.0,
                 size(config_plan),
             )

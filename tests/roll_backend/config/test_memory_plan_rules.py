@@ -121,33 +121,39 @@ def test_the_weight_sync_phase_holds_a_bucket_of_whole_tensors_and_the_hybrid_en
     trainer, engine = plans["actor_train"][0], plans["actor_infer"][0]
     arch = arch_of(hybrid_model_fields(hybrid))
     embedding = arch.vocab_size * arch.hidden_size * 2  # bf16: the largest tensor, a bucket of its own
-    assert hybrid.weight_sync_bucket_bytes < embedding
-    assert trainer.phases["weight_sync"] == {"weight-sync bucket": embedding}  # in-process: no comparison
+    assert hybrid.weight_sync_bucket_bytes < embedding and arch.vocab_size % 2 == 0  # (TP2 pads no row)
+    # Gathering the output layer at TP2: its two shards and the full tensor, after at most a bucket of others.
+    gather = trainer.phases["weight_sync"]["weight-sync bucket"]
+    assert 2 * embedding < gather <= 2 * embedding + hybrid.weight_sync_bucket_bytes
+    assert list(trainer.phases["weight_sync"]) == ["weight-sync bucket"]  # in-process: no comparison
     # The hybrid sync: the trainer's parameters (its grads and Adam state on the host) beside the engine's weights.
     sync = next(p for p in device_phases(hybrid, plans) if (p.role, p.phase) == ("actor_train", "weight_sync"))
     assert sorted(sync.terms) == sorted(
         [
             ("actor_train", "params", trainer.state["params"]),
-            ("actor_train", "weight-sync bucket", embedding),
+            ("actor_train", "weight-sync bucket", gather),
             ("actor_infer", "weights, awake for the sync", engine.state["weights"]),
         ]
     )
     # A separate engine on GPUs: the minimal sync compares the largest tensor on the device (with a one-byte mask);
-    # a bucket bigger than the model is the model; an offline run sends nothing.
+    # a bucket bigger than the model holds every tensor made (all but the norms, which are the parameters themselves)
+    # when the last one, the output layer, is gathered beside them; an offline run sends nothing.
     split = load_config(
         "configs/gpu/qwen2.5-7b_grpo_8gpu.yaml",
         ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", f"weight_sync_bucket_bytes={1 << 40}"],
         True,
     )
+    assert split.actor_train.strategy.layout.tp == 2 and not arch.tie_word_embeddings
     terms = role_plans(split)["actor_train"][0].phases["weight_sync"]
     whole = stage_params(arch, ParallelLayout(), arch.num_layers, 0, False, 0, None).total * 2
-    assert terms == {"weight-sync bucket": whole, "weight-sync comparison": embedding // 2 * 3}
+    norms = (2 * arch.num_layers + 1) * arch.hidden_size * 2
+    assert terms == {"weight-sync bucket": whole - norms + embedding, "weight-sync comparison": embedding // 2 * 3}
     no_delta = load_config(
         "configs/gpu/qwen2.5-7b_grpo_8gpu.yaml",
         ["model_path=configs/gpu/models/Qwen2.5-7B-Instruct", "weight_sync_delta=false"],
         True,
     )
-    assert role_plans(no_delta)["actor_train"][0].phases["weight_sync"] == {"weight-sync bucket": embedding}
+    assert role_plans(no_delta)["actor_train"][0].phases["weight_sync"] == {"weight-sync bucket": gather}
     # The host copies the sync keeps (host memory, outside the device plan: notes with their size): trainer rank 0
     # and every rollout rank for the minimal sync, every hybrid rank for the hybrid's, none without weight_sync_delta.
     copy = f"keeps a copy of the model's weights for the weight sync, {whole / 2**30:.2f} GiB"

@@ -7,14 +7,24 @@ train and forward phases allocate (counted tensor by tensor on these CPU ranks: 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from reconfigurable_workers import ReconfigurableActor
 from test_layout_properties import ACTOR, CRITIC, _config, _example_batch, _layout_problem, _name, _role_batch, examples
 
-from roll_backend import keys
+from roll_backend import keys, roles
 from roll_backend.protocol import DataProto
-from roll_backend.strategies.megatron.memory_accounting import measured_routing, planned_at_micro_batches
+from roll_backend.strategies.megatron.activation_plan import FP32
+from roll_backend.strategies.megatron.memory_accounting import (
+    largest_hf_tensor,
+    layers_per_stage,
+    measured_routing,
+    planned_at_micro_batches,
+    weight_sync_terms,
+)
+from roll_backend.strategies.megatron.stage_splits import stage_split
 
 STATE_TOLERANCE = 0.05
 PHASE_TOLERANCE = 0.15
@@ -35,31 +45,56 @@ RUNS = [
     ("ep2", {keys.META_MAX_TOKENS_PER_MICROBATCH: 24, keys.META_SEQUENCE_PACKING: True}),
 ]
 RUNS_PER_EXAMPLE = 3
+# A weight sync's bucket size, rotated over the runs: the whole model in one bucket (the default's 512 MiB on these
+# models), one smaller than the largest tensor (every tensor alone, the biggest bucket overflowing it), and one between
+# (buckets that fill and go).
+SYNC_BUCKETS = [
+    lambda arch: 512 << 20,
+    lambda arch: arch.hidden_size * FP32,
+    lambda arch: 4 * largest_hf_tensor(arch) * FP32,
+]
 
 
-def _measured(group, config, role, batch: DataProto, meta: dict) -> list[dict]:
-    """Each rank's measured memory after one forward and one train step that measured."""
+def _measured(group, config, role, batch: DataProto, meta: dict, sync_bucket: int | None) -> list[dict]:
+    """Each rank's measured memory after one forward and one train step that measured, and for the actor a weight
+    sync's gathers in buckets of `sync_bucket` bytes (as the pipeline publishes them for the rollout engine)."""
     measured = DataProto.from_dict(
         tensors=dict(batch.batch.items()), meta_info={**batch.meta_info, **meta, keys.META_MEASURE_MEMORY: True}
     )
     group.call(ReconfigurableActor.init_model_with, config)
     group.call(role.forward, measured)
     group.call(role.train, measured)
+    if role is ACTOR:
+        group.call(ReconfigurableActor.publish_hf_weights, sync_bucket, True)
     return group.call(ReconfigurableActor.measured_memory)
+
+
+def _planned(strategy, arch, layout, world: int, stage: int, shape: dict, phase: str) -> tuple[dict, dict]:
+    """(model state, the phase's terms) planned at what the phase ran: its micro-batches, a sync's bucket size."""
+    if phase != roles.WEIGHT_SYNC:
+        return planned_at_micro_batches(strategy, arch, layout, world, "cpu", stage, shape, phase)
+    layers = layers_per_stage(arch.num_layers, layout, *stage_split(strategy, arch.num_layers, layout))
+    at = types.SimpleNamespace(weight_sync_bucket=shape["bucket_bytes"], weight_sync_delta=False)
+    return {}, weight_sync_terms(strategy, arch, layout, layers, stage, at, "cpu")
 
 
 def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout, world: int, arch) -> list[str]:
     lines = []
     stage = report["pp_rank"]
+    state = None
     for phase, measured in report["phases"].items():
-        state, terms = planned_at_micro_batches(
-            strategy, arch, layout, world, "cpu", stage, micro_batches[phase], phase
-        )
-        shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in micro_batches[phase]["micro_batches"])
+        planned_state, terms = _planned(strategy, arch, layout, world, stage, micro_batches[phase], phase)
+        state = state or planned_state
+        shape = micro_batches[phase]
+        if phase == roles.WEIGHT_SYNC:
+            shapes = f"buckets of {shape['bucket_bytes']} bytes"
+        else:
+            shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in shape["micro_batches"])
         planned = sum(terms.values())
         error = planned / measured - 1
         fail = "FAIL " if abs(planned - measured) > PHASE_TOLERANCE * measured + RNG_STATE_CHECK else ""
-        load = "".join(f" {name} {value:.2f}" for name, value in measured_routing(micro_batches[phase], phase).items())
+        routing = measured_routing(shape, phase) if phase != roles.WEIGHT_SYNC else {}
+        load = "".join(f" {name} {value:.2f}" for name, value in routing.items())
         lines.append(
             f"{fail}{where} pp{stage} {phase} {shapes}{load}: measured {measured} planned {planned} {error:+.1%}"
         )
@@ -90,7 +125,7 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
         config = _config(model_dir, example, role)
         reference.call(ReconfigurableActor.init_model_with, config)
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
-        for name, meta in [("tp1", {}), *runs]:
+        for run, (name, meta) in enumerate([("tp1", {}), *runs]):
             group = layout_actors[name]
             if _layout_problem(model_dir, group.layout) is not None:
                 report.append(f"{'actor' if role is ACTOR else 'critic'} not at {name}")
@@ -98,7 +133,8 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
             if meta.get(keys.META_SEQUENCE_PACKING) and example.mtp and role is ACTOR:
                 continue  # refused: MTP labels would cross packed sequences
             batching = "".join(f" {k}={v}" for k, v in meta.items())
-            for rank, measured in enumerate(_measured(group, config, role, batch, meta)):
+            sync_bucket = SYNC_BUCKETS[(index + run) % len(SYNC_BUCKETS)](arch)
+            for rank, measured in enumerate(_measured(group, config, role, batch, meta, sync_bucket)):
                 where = f"{'actor' if role is ACTOR else 'critic'} {name}{batching} rank {rank}"
                 report += _check_rank(
                     where, measured, measured["micro_batches"], config.strategy, group.layout, group.world_size, arch
@@ -143,3 +179,27 @@ def test_a_traced_count_names_the_storages_alive_at_its_peak():
         (2400, "aten.arange.default", (300,), "float64"),
         (80, "aten.cat.default", (20,), "float32"),
     ]
+
+
+def test_an_iteration_counts_what_making_its_items_allocates_not_the_consumer_s_work():
+    """PhasePeaks.measure_iteration (a weight sync's buckets): each item is made inside the count and handed out of
+    it, so the consumer's copies between items are not counted, while its letting go of an item is."""
+    from roll_backend.perf.memory import PhasePeaks
+
+    def buckets():
+        for size in (100, 300, 200):
+            yield [torch.empty(size, dtype=torch.float32)]  # 400, 1200, 800 bytes
+            # (the consumer dropped the bucket before asking for the next)
+
+    peaks, copies = PhasePeaks("cpu"), []
+    for bucket in peaks.measure_iteration("weight_sync", buckets(), shape={"bucket_bytes": 1}):
+        copies.append(torch.cat([bucket[0], bucket[0]]))  # the consumer's own (host) copy: not counted
+        del bucket
+    assert peaks.peaks == {"weight_sync": 1200} and peaks.shapes == {"weight_sync": {"bucket_bytes": 1}}
+    held = []
+    for bucket in peaks.measure_iteration("weight_sync", buckets()):
+        held.append(bucket)  # a consumer keeping every bucket: the items' storages stay counted
+    assert peaks.peaks["weight_sync"] == 400 + 1200 + 800
+    unmeasured = PhasePeaks("cpu")
+    assert len(list(unmeasured.measure_iteration("weight_sync", buckets(), enabled=False))) == 3
+    assert unmeasured.peaks == {}
