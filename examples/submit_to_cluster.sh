@@ -75,7 +75,7 @@ stop_private_head() {
     # A job's entrypoint runs in a session of its own: stop the jobs through the Jobs API first, or they would
     # outlive the head.
     "$VENV_BIN/python" - "$ADDRESS" <<'EOF' || true
-import os, signal, sys, time
+import os, shlex, signal, sys, time
 from ray.job_submission import JobSubmissionClient
 client = JobSubmissionClient(sys.argv[1])
 running = [job.submission_id for job in client.list_jobs() if not job.status.is_terminal()]
@@ -88,18 +88,24 @@ while running and time.monotonic() < deadline:
     time.sleep(0.5)
 # A stopped job is marked so once its entrypoint was signalled, maybe before that process is gone (a loaded machine
 # tears a large process down slowly): wait for each driver process too, and kill one still running after 30 s.
-# (only the jobs stopped here: an earlier job's pid may belong to another process by now)
-drivers = {
-    int(job.driver_info.pid)
-    for job in client.list_jobs()
-    if job.submission_id in stopped and job.driver_info is not None
-}
+# (only the jobs stopped here: an earlier job's pid may belong to another process by now) A driver that had not
+# connected to Ray yet has no driver_info: its process is found by the job's entrypoint, its command line.
+jobs = [job for job in client.list_jobs() if job.submission_id in stopped]
+drivers = {int(job.driver_info.pid) for job in jobs if job.driver_info is not None}
+entrypoints = [shlex.split(job.entrypoint) for job in jobs]
 def running_pid(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
+def command_line(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+drivers |= {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and command_line(pid) in entrypoints}
 deadline = time.monotonic() + 30
 while (drivers := {pid for pid in drivers if running_pid(pid)}) and time.monotonic() < deadline:
     time.sleep(0.2)
