@@ -227,8 +227,7 @@ def plan_stage(
     if trains:
         phases["train"] = activation_terms(arch, layout, micro, options, layers, stage, micro_batches, True)
     if sync is not None and sync.weight_sync_bucket:
-        all_layers = layers_per_stage(arch.num_layers, layout, first, last)
-        phases[roles.WEIGHT_SYNC] = weight_sync_terms(cfg, arch, layout, all_layers, stage, sync, device)
+        phases[roles.WEIGHT_SYNC] = weight_sync_terms(cfg, arch, layout, stage, sync, device)
     return state, phases
 
 
@@ -242,15 +241,15 @@ def largest_hf_tensor(arch: HFArch) -> int:
     return max(widths) * h
 
 
-def weight_sync_terms(
-    cfg, arch: HFArch, layout: ParallelLayout, layers: list[int], stage: int, run, device: str
-) -> dict[str, int]:
-    """A rank's transient bytes while it sends its weights to the rollout (iter_hf_weights): a bucket of full
-    Hugging Face tensors and what making the next one takes (sync_plan.py; `layers`: decoder layers per stage), and
+def weight_sync_terms(cfg, arch: HFArch, layout: ParallelLayout, stage: int, run, device: str) -> dict[str, int]:
+    """Pipeline rank `stage`'s transient bytes while it sends its weights to the rollout (iter_hf_weights): a bucket
+    of full Hugging Face tensors and what making the next one takes (sync_plan.py), and
     with the minimal sync on a GPU the comparison on the device of the largest tensor with the copy the engine holds
     (brought up from host memory) and a one-byte mask per element."""
+    from roll_backend.strategies.megatron.stage_splits import stage_split
     from roll_backend.strategies.megatron.sync_plan import sync_peak, sync_sequence
 
+    layers = layers_per_stage(arch.num_layers, layout, *stage_split(cfg, arch.num_layers, layout))
     lora = getattr(cfg, "lora", None)
     targets = frozenset(lora.target_modules) if lora is not None else frozenset()
     sequence = sync_sequence(arch, layout, layers, stage, cfg.params_dtype, targets)
@@ -377,11 +376,8 @@ def planned_at(cfg, run, measured) -> dict[str, int]:
     out = {}
     for phase, shape in measured["micro_batches"].items():
         if phase == roles.WEIGHT_SYNC:  # at the bucket size the sync ran with
-            from roll_backend.strategies.megatron.stage_splits import stage_split
-
             at = dataclasses.replace(run, weight_sync_bucket=shape["bucket_bytes"])
-            layers = layers_per_stage(arch.num_layers, run.layout, *stage_split(cfg, arch.num_layers, run.layout))
-            terms = weight_sync_terms(cfg, arch, run.layout, layers, measured["pp_rank"], at, run.device)
+            terms = weight_sync_terms(cfg, arch, run.layout, measured["pp_rank"], at, run.device)
             out[phase] = sum(terms.values())
             continue
         state, terms = planned_at_micro_batches(

@@ -19,12 +19,10 @@ from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.activation_plan import FP32
 from roll_backend.strategies.megatron.memory_accounting import (
     largest_hf_tensor,
-    layers_per_stage,
     measured_routing,
     planned_at_micro_batches,
     weight_sync_terms,
 )
-from roll_backend.strategies.megatron.stage_splits import stage_split
 
 STATE_TOLERANCE = 0.05
 PHASE_TOLERANCE = 0.15
@@ -73,9 +71,8 @@ def _planned(strategy, arch, layout, world: int, stage: int, shape: dict, phase:
     """(model state, the phase's terms) planned at what the phase ran: its micro-batches, a sync's bucket size."""
     if phase != roles.WEIGHT_SYNC:
         return planned_at_micro_batches(strategy, arch, layout, world, "cpu", stage, shape, phase)
-    layers = layers_per_stage(arch.num_layers, layout, *stage_split(strategy, arch.num_layers, layout))
     at = types.SimpleNamespace(weight_sync_bucket=shape["bucket_bytes"], weight_sync_delta=False)
-    return {}, weight_sync_terms(strategy, arch, layout, layers, stage, at, "cpu")
+    return {}, weight_sync_terms(strategy, arch, layout, stage, at, "cpu")
 
 
 def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout, world: int, arch) -> list[str]:
