@@ -168,6 +168,11 @@ class RolloutWorker(Worker):
         return self._strategy().weights_version
 
     @register(Dispatch.ONE_TO_ALL)
+    def measured_memory(self) -> dict:
+        """What this rank's engine holds: its weights and KV cache (VllmRolloutStrategy.measured_memory)."""
+        return {**self._strategy().measured_memory(), "pp_rank": 0}
+
+    @register(Dispatch.ONE_TO_ALL)
     def weights_digest(self) -> str:
         """A digest of the engine's weights on this rank (equal digests: bit-for-bit equal weights)."""
         return self._strategy().weights_digest()

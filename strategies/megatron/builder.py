@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from roll_backend.models.hf_decoder import QK_NORM_MODEL_TYPES, has_qkv_bias
 from roll_backend.strategies.megatron import moe as moe_lib
 from roll_backend.strategies.megatron import mtp
 from roll_backend.strategies.megatron.config import (
@@ -29,7 +30,6 @@ from roll_backend.strategies.megatron.moe import MoEArch
 
 logger = logging.getLogger(__name__)
 
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k, before RoPE
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.PARAMS_DTYPES
 _CHECKED_FIELDS = ("hidden_act", "rope_parameters", "rope_scaling", "decoder_sparse_step", "mlp_only_layers")
 
@@ -123,8 +123,10 @@ class HFArch:
         rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        declared_bias = getattr(hf_config, "qkv_bias", getattr(hf_config, "attention_bias", False))
-        qkv_bias = True if model_type == "qwen2" else bool(declared_bias)
+        bias_flags = {
+            name: getattr(hf_config, name) for name in ("qkv_bias", "attention_bias") if hasattr(hf_config, name)
+        }
+        qkv_bias = has_qkv_bias(model_type, bias_flags)
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,

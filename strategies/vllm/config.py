@@ -112,6 +112,11 @@ class VllmRolloutConfig:
     sampling: SamplingConfig = SamplingConfig()
     validation: SamplingConfig = SamplingConfig(n=1, temperature=0.0)
 
+    def engine_environment(self) -> dict[str, str]:
+        """The environment variables vLLM reads at engine start, derived from this config (the CPU KV cache's size is
+        an engine argument)."""
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.engine_in_process else "1"}
+
     def for_run(self, run: RunFacts) -> VllmRolloutConfig:
         """This config sampling the run's samples per prompt, each response up to the run's response length."""
         sampling = dataclasses.replace(self.sampling, n=run.samples_per_prompt, max_tokens=run.response_length)

@@ -12,9 +12,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from roll_backend.models.hf_decoder import QK_NORM_MODEL_TYPES, has_qkv_bias
+
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default concurrency (on a CPU: per TP rank of the engine)
+VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this before splitting it
+# vLLM's CPU MoE kernel (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts): hidden and per-rank expert
+# intermediate sizes in multiples of this; it zero-pads the intermediate size up to one (where the hidden size is one)
+CPU_MOE_ALIGNMENT = 32
+ATTENTION_SCALES = 4  # float32 scalars each attention layer keeps (k, v, q and softmax scales of quantized KV)
 CPU_KV_CACHE_CAP = GIB  # a CPU engine's default KV cache at most (what VLLM_CPU_KVCACHE_SPACE=1 gave every engine)
 HINTS = {
     "weights": "tp shards them; dtype: bfloat16 halves them",
@@ -36,11 +43,12 @@ def _fields(fields: Mapping[str, Any]) -> dict[str, int]:
         "experts": fields.get("num_experts") or fields.get("num_local_experts") or 0,
         "expert_ffn": fields.get("moe_intermediate_size") or 0,
         "shared_ffn": fields.get("shared_expert_intermediate_size") or 0,
+        "positions": fields.get("max_position_embeddings") or 0,
     }
 
 
-def weight_elements(fields: Mapping[str, Any], tp: int) -> int:
-    """Parameters one TP rank of the engine holds (projections and the vocabulary split by TP)."""
+def hf_weight_elements(fields: Mapping[str, Any]) -> int:
+    """Parameters of the model's checkpoint (what a weight sync sends), biases and norms aside."""
     m = _fields(fields)
     h, d = m["h"], m["d"]
     attention = h * (m["nq"] + 2 * m["nkv"]) * d + m["nq"] * d * h
@@ -49,7 +57,34 @@ def weight_elements(fields: Mapping[str, Any], tp: int) -> int:
     else:
         mlp = 3 * h * m["ffn"]
     heads = 1 if fields.get("tie_word_embeddings") else 2
-    return m["layers"] * (attention + mlp) // tp + heads * m["vocab"] * h // tp + (2 * m["layers"] + 1) * h
+    return m["layers"] * (attention + mlp) + heads * m["vocab"] * h + (2 * m["layers"] + 1) * h
+
+
+def engine_weight_bytes(fields: Mapping[str, Any], tp: int, width: int, device: str = "cuda") -> int:
+    """What one TP rank of the engine holds, as vLLM builds the model: the vocabulary padded to a multiple of 64 and
+    split by TP, key-value heads replicated where TP exceeds them, q/k/v biases (Qwen2) and per-head q/k norms
+    (Qwen3), a MoE layer's replicated router (and a shared expert's gate), each attention layer's four float32
+    quantization scales, and the rotary embedding's cos/sin cache (one for all layers, max_position_embeddings long).
+    On a CPU, vLLM's grouped-GEMM MoE kernel pads each expert's intermediate size (per TP rank) to its alignment."""
+    m = _fields(fields)
+    h, d, layers = m["h"], m["d"], m["layers"]
+    model_type = fields.get("model_type", "")
+    qkv = (m["nq"] // tp + 2 * max(1, m["nkv"] // tp)) * d
+    attention = h * qkv + m["nq"] // tp * d * h + (qkv if has_qkv_bias(model_type, fields) else 0)
+    attention += 2 * d if model_type in QK_NORM_MODEL_TYPES else 0
+    if m["experts"]:
+        expert_ffn = m["expert_ffn"] // tp
+        if device == "cpu" and h % CPU_MOE_ALIGNMENT == 0:
+            expert_ffn = -(-expert_ffn // CPU_MOE_ALIGNMENT) * CPU_MOE_ALIGNMENT
+        mlp = m["experts"] * (3 * h * expert_ffn + h)
+        mlp += 3 * h * m["shared_ffn"] // tp + h if m["shared_ffn"] else 0
+    else:
+        mlp = 3 * h * m["ffn"] // tp
+    vocab = -(-m["vocab"] // VOCAB_PADDING) * VOCAB_PADDING // tp
+    heads = 1 if fields.get("tie_word_embeddings") else 2
+    rotary = int(d * fields.get("partial_rotary_factor", 1.0))
+    elements = layers * (attention + mlp + 2 * h) + h + heads * vocab * h + m["positions"] * rotary
+    return elements * width + layers * ATTENTION_SCALES * 4
 
 
 def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
@@ -77,14 +112,14 @@ def plan(cfg, run) -> list:
     if not fields or "hidden_size" not in fields:
         return []
     tp, width = run.layout.tp, DTYPE_BYTES.get(cfg.dtype, 2)
-    weights = weight_elements(fields, tp) * width
+    weights = engine_weight_bytes(fields, tp, width, run.device)
     per_token = kv_bytes_per_token(fields, tp, width)
     m = _fields(fields)
     batched = cfg.max_num_batched_tokens or max(cfg.max_model_len, 2048)
     activations = batched * (4 * m["h"] + (m["nq"] + 2 * m["nkv"]) * m["d"] // tp + 3 * m["ffn"] // tp) * width
     activations += DEFAULT_MAX_NUM_SEQS * m["vocab"] // tp * 4  # the sampler's float32 logits
     # (HF tensors as the trainer sends them; the engine's dtype as a stand-in for theirs)
-    copy_note = host_weight_copy_note(run, weight_elements(fields, 1) * width)
+    copy_note = host_weight_copy_note(run, hf_weight_elements(fields) * width)
     notes = [copy_note] if copy_note else []
     # Asleep (the hybrid engine on a GPU) it keeps nothing on the device: level 1 moves the weights to host memory
     # and frees the cache, level 2 discards both. vLLM on CPU has no sleep mode.
@@ -130,5 +165,12 @@ def problems(cfg, run, planned: list) -> list[str]:
 
 
 def planned_at(cfg, run, measured) -> dict[str, int]:
-    """(The engine measures nothing of its own: vLLM logs its KV cache.)"""
-    return {}
+    """The plan of what the engine reports holding (VllmRolloutStrategy.measured_memory): its weights, and its KV cache
+    where the plan knows its size (not a GPU's whose memory is undeclared); the same at any batch."""
+    planned = plan(cfg, run)
+    if not planned:
+        return {}
+    figures = {"model_state": sum(planned[0].state.values())}
+    if "kv_cache" in planned[0].phases["generate"]:
+        figures["kv_cache"] = planned[0].phases["generate"]["kv_cache"]
+    return figures

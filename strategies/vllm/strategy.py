@@ -37,12 +37,6 @@ logger = logging.getLogger(__name__)
 # setting for the call.
 
 
-def engine_environment(config: VllmRolloutConfig) -> dict[str, str]:
-    """The environment variables vLLM reads at engine start, derived from the config (the CPU KV cache's size is an
-    engine argument: `_engine_kwargs`)."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.engine_in_process else "1"}
-
-
 @functools.cache
 def _say_once(message: str) -> None:
     logger.info(message)
@@ -75,7 +69,7 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     def initialize(self) -> None:
         """Start the engine; called once the rank has joined its process group (vLLM builds groups on it)."""
-        os.environ.update(engine_environment(self.config))
+        os.environ.update(self.config.engine_environment())
         # (vLLM's legacy whole-GiB variable would override the cache size the config sets below)
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from transformers import AutoTokenizer
@@ -516,6 +510,11 @@ class VllmRolloutStrategy(RolloutStrategy):
 
     def weights_digest(self) -> str:
         return self.engine.collective_rpc("weights_digest")[0]
+
+    def measured_memory(self) -> dict:
+        """The engine's weights (model state) and KV cache (held through every generate call) as this rank's worker
+        holds them (VllmWeightSyncExtension.engine_memory); the activations of a generate call are not measured."""
+        return self.engine.collective_rpc("engine_memory")[0]
 
     def _weights_loaded(self, version: int | None, in_flight: str | None) -> None:
         """After a load: streaming requests in flight kept, recomputed or resubmitted; else the prefix cache reset

@@ -69,6 +69,15 @@ def _packed_cpu_weight(module) -> torch.Tensor | None:
     return linear(torch.eye(width, dtype=dtype), module.weight, None)
 
 
+def _distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the storages under `tensors`, each storage once (views and tied weights share one)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 class VllmWeightSyncExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); reached through `LLM.collective_rpc`."""
 
@@ -99,6 +108,21 @@ class VllmWeightSyncExtension:
                 digest.update(f"{name}.packed".encode())
                 digest.update(tensor_bits(weight).numpy().tobytes())
         return digest.hexdigest()
+
+    def engine_memory(self) -> dict:
+        """What this worker's engine holds, counted tensor by tensor, as a measured-memory report: its weights as the
+        model state (every parameter and buffer storage once; a CPU linear layer's weight, which vLLM moved into a
+        packed kernel handle, at the size of the matrix it holds) and its KV cache (the cache's storages, which vLLM
+        may share between layers)."""
+        model = self.model_runner.get_model()
+        weights = _distinct_storage_bytes([*model.parameters(), *model.buffers()])
+        for module in model.modules():
+            if getattr(module, "cpu_linear", None) is not None and module.weight.numel() == 0:
+                rows = getattr(module, "output_size_per_partition", None) or module.output_size  # (replicated)
+                columns = getattr(module, "input_size_per_partition", None) or module.input_size
+                weights += rows * columns * module.weight.element_size()
+        kv_cache = _distinct_storage_bytes(self.model_runner.kv_caches)
+        return {"model_state": {"weights": weights}, "phases": {"kv_cache": kv_cache}, "micro_batches": {}}
 
     def start_route_capture(self) -> tuple[int, int]:
         """Capture every MoE layer's routes from now on (strategies/vllm/routes.py); (layers, top_k)."""

@@ -12,12 +12,20 @@ from roll_backend.config.run_memory import role_plans, size
 from roll_backend.strategies.registry import memory_planner
 
 logger = logging.getLogger(__name__)
-MEASURED_ROLES = (roles.ACTOR_TRAIN, roles.REFERENCE, roles.CRITIC, roles.REWARD_MODEL, roles.TEACHER)
+MEASURED_ROLES = (
+    roles.ACTOR_TRAIN,
+    roles.REFERENCE,
+    roles.CRITIC,
+    roles.REWARD_MODEL,
+    roles.TEACHER,
+    roles.ACTOR_INFER,
+)
 
 
 def memory_report(run, only: str | None = None) -> dict[str, float]:
     """Log each measured role's phases (`only` that one; the model state and every phase otherwise), measured vs
     planned, and return them as `memory/<role>_<phase>/...` metrics (GiB, the largest over the role's ranks)."""
+    from roll_backend.workers.rollout import RolloutWorker
     from roll_backend.workers.strategy_host import StrategyWorker
 
     config, metrics = run.config, {}
@@ -28,7 +36,8 @@ def memory_report(run, only: str | None = None) -> dict[str, float]:
             continue
         facts, planner = run_facts(config, name, role), memory_planner(role.strategy.name)
         measured, planned, loads = {}, {}, {}
-        for report in group.call(StrategyWorker.measured_memory):
+        worker = RolloutWorker if name == roles.ACTOR_INFER else StrategyWorker
+        for report in group.call(worker.measured_memory):
             at = planner.planned_at(role.strategy.config, facts, report)
             figures = {"model_state": sum(report["model_state"].values()), **report["phases"]}
             if only is not None:
@@ -54,12 +63,11 @@ def memory_report(run, only: str | None = None) -> dict[str, float]:
             prefix = f"memory/{name}_{what}"
             metrics[f"{prefix}/measured_gib"] = value / 2**30
             metrics[f"{prefix}/planned_gib"] = planned[what] / 2**30
-            ranks = plans[name]
-            if what == "model_state":
-                config_plan = max(sum(rank.state.values()) for rank in ranks)
+            config_plan = _config_plan(plans[name], what)
+            if name == roles.ACTOR_INFER:
+                ran = "the engine's settings"  # (an engine holds its weights and KV cache whatever the batch)
             else:
-                config_plan = max(sum(rank.phases.get(what, {}).values()) for rank in ranks)
-            ran = "the bucket size that ran" if what == roles.WEIGHT_SYNC else "the micro-batches that ran"
+                ran = "the bucket size that ran" if what == roles.WEIGHT_SYNC else "the micro-batches that ran"
             logger.info(
                 "memory at step 1, %s %s: measured %s, planned %s at %s (%+.0f%%), %s at the config's largest",
                 name,
@@ -71,3 +79,16 @@ def memory_report(run, only: str | None = None) -> dict[str, float]:
                 size(config_plan),
             )
     return metrics
+
+
+def _config_plan(ranks, what: str) -> int:
+    """The plan of the config's largest batch for `what`: the model state, a phase, or one term of a phase (a rollout
+    engine's KV cache, held through its generate phase)."""
+    if what == "model_state":
+        return max(sum(rank.state.values()) for rank in ranks)
+    return max(
+        sum(rank.phases[what].values())
+        if what in rank.phases
+        else max((terms.get(what, 0) for terms in rank.phases.values()), default=0)
+        for rank in ranks
+    )

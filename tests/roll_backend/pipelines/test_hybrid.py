@@ -108,17 +108,19 @@ def test_hybrid_sync_probe_and_memory_by_phase(hybrid_demo):
         assert allocated[roles.TRAIN] > 2 * allocated[roles.REFERENCE_LOG_PROBS] > 0, allocated
         assert all(row[f"memory/{phase}/host_gib"] > 0 for phase in phases)
         assert row["memory/handover_gib"] > 0  # (the moves ran: on CPU within host memory)
-    # The first step measured its Megatron phases and set them beside the plan at the micro-batches that ran (#51):
-    # the model state exactly, the forward phases within the plan's 15%. The recipe shares prompts, which the plan
-    # counts as the packed rows that ran, not as the prompt-shared attention (its mask, the responses' aliases): the
-    # train phase is checked at 25% here (measured 15% above the plan), at 15% without sharing in
-    # tests/strategies/megatron/test_memory_plan.py.
+    # The first step measured its Megatron phases and the engine's weights and KV cache and set them beside the plan
+    # at the micro-batches that ran (#51): the model states exactly, the forward phases within the plan's 15%. The
+    # recipe shares prompts, which the plan counts as the packed rows that ran, not as the prompt-shared attention (its
+    # mask, the responses' aliases): the train phase is checked at 25% here (measured 15% above the plan), at 15%
+    # without sharing in tests/strategies/megatron/test_memory_plan.py.
     first, later = hybrid_demo[0], hybrid_demo[1]
-    tolerances = {"model_state": 0.05, "forward": 0.15, "train": 0.25, roles.WEIGHT_SYNC: 0.15}
+    tolerances = {"model_state": 0.05, "forward": 0.15, "train": 0.25, roles.WEIGHT_SYNC: 0.15, "kv_cache": 0.0}
     for role, what in [("actor_train", "model_state"), ("actor_train", "train"), ("actor_train", "forward")] + [
         ("actor_train", roles.WEIGHT_SYNC),  # the trainer's gathers for the engine in its own process
         ("reference", "model_state"),
         ("reference", "forward"),
+        ("actor_infer", "model_state"),  # the engine in the same processes: its weights and KV cache
+        ("actor_infer", "kv_cache"),
     ]:
         measured, planned = (first[f"memory/{role}_{what}/{kind}_gib"] for kind in ("measured", "planned"))
         tolerance = tolerances[what]

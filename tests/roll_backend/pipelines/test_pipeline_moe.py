@@ -67,5 +67,9 @@ def test_grpo_with_a_qwen3_moe_actor_at_ep2_replaying_r2(ray_session, tmp_path):
     for phase in ("train", roles.WEIGHT_SYNC):  # (the sync: its gathers in the 1 KB buckets the engine asked for)
         planned, measured = (first[f"memory/actor_train_{phase}/{kind}_gib"] for kind in ("planned", "measured"))
         assert abs(planned / measured - 1) <= 0.15, (phase, planned, measured)
+    # The engine's MoE layers as vLLM's CPU kernel holds them (experts padded, routers replicated): as planned.
+    for what in ("model_state", "kv_cache"):
+        planned, measured = (first[f"memory/actor_infer_{what}/{kind}_gib"] for kind in ("planned", "measured"))
+        assert planned == measured > 0, (what, planned, measured)
     assert first["actor/moe/log_probs_route_agreement"] == 1.0  # the rollout's routes, the same weights in float32
     assert off_policy["actor/moe/log_probs_route_agreement"] < 1.0  # sampled one update behind

@@ -239,12 +239,10 @@ def test_sampling_config_validation_and_overrides():
 
 
 def test_engine_environment_comes_from_config():
-    from roll_backend.strategies.vllm.strategy import engine_environment
-
     in_process = VllmRolloutConfig(model_path="m", cpu_kvcache_space_gib=2)
-    assert engine_environment(in_process) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # (the cache: an engine argument)
+    assert in_process.engine_environment() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # (the cache: an engine argument)
     own_processes = VllmRolloutConfig(model_path="m", engine_in_process=False)
-    assert engine_environment(own_processes) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert own_processes.engine_environment() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def test_response_text_is_the_decoded_response_with_or_without_stop_strings(rollout, sampled, tokenizer):
