@@ -83,14 +83,15 @@ def _expert(sizes: list[int], layout: ParallelLayout, width: int, lora: bool) ->
 def _layer(arch: HFArch, layout: ParallelLayout, width: int, lora_targets: frozenset[str]) -> Iterator[Made]:
     h, tp = arch.hidden_size, layout.tp
     attention_lora = bool(lora_targets & {"q_proj", "k_proj", "v_proj"})
+    # (in the order Megatron's layer lists its parameters, which the export follows: the output projection first)
     yield _replicated(h, width)  # input norm
+    yield _fused([h * arch.num_heads * arch.head_dim], tp, width, "o_proj" in lora_targets)
     yield _qkv(arch, h, tp, width, attention_lora)
     if arch.qkv_bias:
         yield _qkv(arch, 1, tp, width, False)
     if arch.qk_norm:
         yield _replicated(arch.head_dim, width)
         yield _replicated(arch.head_dim, width)
-    yield _fused([h * arch.num_heads * arch.head_dim], tp, width, "o_proj" in lora_targets)
     yield _replicated(h, width)  # pre-MLP norm
     up_lora, down_lora = bool(lora_targets & {"gate_proj", "up_proj"}), "down_proj" in lora_targets
     moe = arch.moe
@@ -103,9 +104,9 @@ def _layer(arch: HFArch, layout: ParallelLayout, width: int, lora_targets: froze
         yield _expert([moe.expert_ffn_hidden_size * h] * 2, layout, width, up_lora)
         yield _expert([moe.expert_ffn_hidden_size * h], layout, width, down_lora)
     if moe.shared_expert_ffn_hidden_size:
+        yield _replicated(h, width)  # the shared expert's gate
         yield _fused([moe.shared_expert_ffn_hidden_size * h] * 2, tp, width, up_lora)
         yield _fused([moe.shared_expert_ffn_hidden_size * h], tp, width, down_lora)
-        yield _replicated(h, width)  # the shared expert's gate
 
 
 def _stage(
@@ -144,7 +145,7 @@ def sync_sequence(
 
 def sync_peak(sequence: list[Made], bucket_bytes: int) -> int:
     """The most bytes alive at once while `sequence` goes out in buckets of `bucket_bytes` (weights.bucketed: a bucket
-    goes when the next tensor would overflow it, a bigger tensor alone, and its storage is freed then)."""
+    goes when it is full or the next tensor would overflow it, a bigger tensor alone, and its storage is freed then)."""
     peak = live = size = 0
     for made in sequence:
         peak = max(peak, live + made.peak())
@@ -156,4 +157,7 @@ def sync_peak(sequence: list[Made], bucket_bytes: int) -> int:
                 live = size = 0
             size, live, added = size + nbytes, live + new, added + new
             peak = max(peak, live + carried + made.held)
+            if size >= bucket_bytes:  # full: it goes before the next tensor is made
+                carried, added = carried + added, 0
+                live = size = 0
     return peak

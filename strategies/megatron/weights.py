@@ -84,14 +84,16 @@ def iter_full_hf_tensors(
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=source, group=pp_group)
             yield name, tensor
+            del tensor  # (else it stays alive while this stage's next parameter is gathered)
 
 
 def bucketed(
     named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone). A bucket's
-    list is emptied once the next one is asked for: a consumer's loop variable would otherwise keep the previous
-    bucket's tensors (full gathered weights, on the device) alive while the next bucket is gathered."""
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor is a bucket alone). A full
+    bucket goes out at once, not when the next tensor arrives (by then the next parameter has been gathered beside it),
+    and its list is emptied once the next one is asked for: a consumer's loop variable would otherwise keep the
+    previous bucket's tensors (full gathered weights, on the device) alive while the next bucket is gathered."""
     bucket, size = [], 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -101,6 +103,11 @@ def bucketed(
             size = 0
         bucket.append((name, tensor))
         size += nbytes
+        del tensor  # (the loop variable would hold it while the next parameter is made)
+        if size >= bucket_bytes:
+            yield bucket
+            bucket.clear()
+            size = 0
     if bucket:
         yield bucket
         bucket.clear()

@@ -24,13 +24,14 @@ def _gathered(sizes: list[int], made: list, alive_at_gather: list):
 
 
 def test_buckets_group_up_to_the_size_and_the_previous_bucket_is_gone_while_the_next_is_gathered():
-    sizes = [3, 3, 5, 1, 1, 9, 2]  # elements; float32: 4 bytes each
+    sizes = [3, 3, 5, 1, 2, 9, 2]  # elements; float32: 4 bytes each
     made, alive_at_gather, seen = [], [], []
     for bucket in bucketed(_gathered(sizes, made, alive_at_gather), bucket_bytes=8 * 4):
         seen.append([name for name, _ in bucket])  # (the usual consumer: its loop variable keeps the list)
     assert seen == [["t0", "t1"], ["t2", "t3", "t4"], ["t5"], ["t6"]]  # a tensor over the size goes alone
     # Alive at each gather: the bucket being filled and, at a bucket's first tensor, the tensor that ended the
-    # bucket before (gathered to learn that it was full); never a bucket the consumer already had.
-    assert alive_at_gather == [0, 1, 2, 1, 2, 3, 1]
+    # bucket before (gathered to learn that it would overflow); never a bucket the consumer already had, nor a full
+    # one (t2-t4 fill theirs exactly, t5 is over the size alone: both go before the next gather).
+    assert alive_at_gather == [0, 1, 2, 1, 2, 0, 0]
     gc.collect()
     assert all(ref() is None for ref in made)  # nothing kept once the consumer is done
