@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -15,6 +16,20 @@ from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, t
 
 # vLLM resolves this dotted qualname (module.Class; a "module:Class" form fails in vLLM 0.32).
 WORKER_EXTENSION = "roll_backend.strategies.vllm.weight_sync.VllmWeightSyncExtension"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _RotaryCacheIsNotAWeight(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its in-place reload logs at every weight sync: a
+    rotary layer holds a cos/sin cache it computed and no checkpoint weight, and the reload puts the cache back as it
+    was. Every other layer's message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == "%s: Failed to load weights" and layer.endswith("RotaryEmbedding"))
+
+
+logging.getLogger(RELOAD_LOGGER).addFilter(_RotaryCacheIsNotAWeight())  # (imported in every vLLM worker: its extension)
 
 
 def _refresh_tied_output_layer(model) -> None:

@@ -266,3 +266,22 @@ def agree(engine: torch.Tensor, reference: torch.Tensor) -> bool:
 
 def stream_prompt_lengths(tokenizer) -> list[int]:
     return stream_prompts(tokenizer).batch[keys.ATTENTION_MASK].sum(-1).tolist()
+
+
+def test_a_sync_does_not_warn_that_the_rotary_cache_failed_to_load():
+    """vLLM's reload logs "<layer>: Failed to load weights" for a layer it could load nothing into: a rotary layer's
+    cos/sin cache is no checkpoint weight (dropped); any other layer's is a real failure (kept)."""
+    import logging
+
+    from roll_backend.strategies.vllm.weight_sync import RELOAD_LOGGER
+
+    def record(layer: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            RELOAD_LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None
+        )
+
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    assert not reload_logger.filter(record("RotaryEmbedding"))
+    assert not reload_logger.filter(record("YaRNScalingRotaryEmbedding"))
+    assert reload_logger.filter(record("QKVParallelLinear"))
+    assert reload_logger.filter(logging.LogRecord(RELOAD_LOGGER, logging.INFO, __file__, 1, "reloading", (), None))
