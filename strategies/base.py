@@ -70,13 +70,21 @@ class RunFacts:
     expert_load: float = 1.0
 
 
+def size(nbytes: int) -> str:
+    """Bytes in GiB, or MiB / KiB below one GiB (tiny CPU models)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
 def host_weight_copy_note(run: RunFacts, nbytes: int) -> str | None:
     """A memory plan's note on the weight sync's host copy (`run.host_weight_copy`) of `nbytes`; None without one."""
     if not run.host_weight_copy:
         return None
     return (
         f"host memory: {run.host_weight_copy} keeps a copy of the model's weights for the weight sync, "
-        f"{nbytes / 2**30:.2f} GiB (weight_sync_delta: false keeps none)"
+        f"{size(nbytes)} (weight_sync_delta: false keeps none)"
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from roll_backend import roles
 from roll_backend.config.run_facts import hybrid_roles, run_facts
 from roll_backend.config.schema import PipelineConfig
-from roll_backend.strategies.base import RankMemory
+from roll_backend.strategies.base import RankMemory, size
 from roll_backend.strategies.registry import memory_planner
 
 GIB = 1 << 30
@@ -132,14 +132,6 @@ def memory_problems(config: PipelineConfig) -> list[str]:
             + (f"; to shrink them: {'; '.join(sorted(hints))}" if hints else "")
         )
     return problems
-
-
-def size(nbytes: int) -> str:
-    """Bytes in GiB, or MiB / KiB below one GiB (tiny CPU models)."""
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes / 1024:.1f} KiB"
 
 
 def _rank_lines(rank: RankMemory) -> list[str]:

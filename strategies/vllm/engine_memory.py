@@ -47,44 +47,49 @@ def _fields(fields: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def hf_weight_elements(fields: Mapping[str, Any]) -> int:
-    """Parameters of the model's checkpoint (what a weight sync sends), biases and norms aside."""
+def _layer_elements(fields: Mapping[str, Any], tp: int, expert_ffn: int) -> int:
+    """One decoder layer's parameters on a TP rank of vLLM's model: key-value heads replicated where TP exceeds them,
+    q/k/v biases (Qwen2), per-head q/k norms (Qwen3), routed experts of `expert_ffn` each with their replicated
+    router (and a shared expert with its gate), two norms."""
     m = _fields(fields)
     h, d = m["h"], m["d"]
-    attention = h * (m["nq"] + 2 * m["nkv"]) * d + m["nq"] * d * h
-    if m["experts"]:
-        mlp = m["experts"] * 3 * h * m["expert_ffn"] + 3 * h * m["shared_ffn"]
-    else:
-        mlp = 3 * h * m["ffn"]
-    heads = 1 if fields.get("tie_word_embeddings") else 2
-    return m["layers"] * (attention + mlp) + heads * m["vocab"] * h + (2 * m["layers"] + 1) * h
-
-
-def engine_weight_bytes(fields: Mapping[str, Any], tp: int, width: int, device: str = "cuda") -> int:
-    """What one TP rank of the engine holds, as vLLM builds the model: the vocabulary padded to a multiple of 64 and
-    split by TP, key-value heads replicated where TP exceeds them, q/k/v biases (Qwen2) and per-head q/k norms
-    (Qwen3), a MoE layer's replicated router (and a shared expert's gate), each attention layer's four float32
-    quantization scales, and the rotary embedding's cos/sin cache (one for all layers, max_position_embeddings long).
-    On a CPU, vLLM's grouped-GEMM MoE kernel pads each expert's intermediate size (per TP rank) to its alignment."""
-    m = _fields(fields)
-    h, d, layers = m["h"], m["d"], m["layers"]
     model_type = fields.get("model_type", "")
     qkv = (m["nq"] // tp + 2 * max(1, m["nkv"] // tp)) * d
     attention = h * qkv + m["nq"] // tp * d * h + (qkv if has_qkv_bias(model_type, fields) else 0)
     attention += 2 * d if model_type in QK_NORM_MODEL_TYPES else 0
     if m["experts"]:
-        expert_ffn = m["expert_ffn"] // tp
-        if device == "cpu" and h % CPU_MOE_ALIGNMENT == 0:
-            expert_ffn = -(-expert_ffn // CPU_MOE_ALIGNMENT) * CPU_MOE_ALIGNMENT
         mlp = m["experts"] * (3 * h * expert_ffn + h)
         mlp += 3 * h * m["shared_ffn"] // tp + h if m["shared_ffn"] else 0
     else:
         mlp = 3 * h * m["ffn"] // tp
+    return attention + mlp + 2 * h
+
+
+def _heads(fields: Mapping[str, Any]) -> int:
+    return 1 if fields.get("tie_word_embeddings") else 2  # the embedding, and an untied output layer
+
+
+def hf_weight_elements(fields: Mapping[str, Any]) -> int:
+    """Parameters of the model's checkpoint (what a weight sync sends): the engine's at TP1 without what vLLM adds
+    (vocabulary padding, the rotary cache, attention scales)."""
+    m = _fields(fields)
+    return m["layers"] * _layer_elements(fields, 1, m["expert_ffn"]) + m["h"] + _heads(fields) * m["vocab"] * m["h"]
+
+
+def engine_weight_bytes(fields: Mapping[str, Any], tp: int, width: int, device: str = "cuda") -> int:
+    """What one TP rank of the engine holds, as vLLM builds the model: its decoder layers (`_layer_elements`), the
+    vocabulary padded to a multiple of 64 and split by TP, each attention layer's four float32 quantization scales,
+    and the rotary embedding's cos/sin cache (one for all layers, max_position_embeddings long). On a CPU, vLLM's
+    grouped-GEMM MoE kernel pads each expert's intermediate size (per TP rank) to its alignment."""
+    m = _fields(fields)
+    expert_ffn = m["expert_ffn"] // tp
+    if device == "cpu" and m["h"] % CPU_MOE_ALIGNMENT == 0:
+        expert_ffn = -(-expert_ffn // CPU_MOE_ALIGNMENT) * CPU_MOE_ALIGNMENT
     vocab = -(-m["vocab"] // VOCAB_PADDING) * VOCAB_PADDING // tp
-    heads = 1 if fields.get("tie_word_embeddings") else 2
-    rotary = int(d * fields.get("partial_rotary_factor", 1.0))
-    elements = layers * (attention + mlp + 2 * h) + h + heads * vocab * h + m["positions"] * rotary
-    return elements * width + layers * ATTENTION_SCALES * 4
+    rotary = int(m["d"] * fields.get("partial_rotary_factor", 1.0))
+    elements = m["layers"] * _layer_elements(fields, tp, expert_ffn) + m["h"] + _heads(fields) * vocab * m["h"]
+    elements += m["positions"] * rotary
+    return elements * width + m["layers"] * ATTENTION_SCALES * 4
 
 
 def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
