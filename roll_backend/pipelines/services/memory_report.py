@@ -8,7 +8,8 @@ import logging
 
 from roll_backend import roles
 from roll_backend.config.run_facts import run_facts
-from roll_backend.config.run_memory import role_plans, size
+from roll_backend.config.run_memory import role_plans
+from roll_backend.strategies.base import size
 from roll_backend.strategies.registry import memory_planner
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,6 @@ MEASURED_ROLES = (
 def memory_report(run, only: str | None = None) -> dict[str, float]:
     """Log each measured role's phases (`only` that one; the model state and every phase otherwise), measured vs
     planned, and return them as `memory/<role>_<phase>/...` metrics (GiB, the largest over the role's ranks)."""
-    from roll_backend.workers.rollout import RolloutWorker
-    from roll_backend.workers.strategy_host import StrategyWorker
-
     config, metrics = run.config, {}
     plans = role_plans(config)
     for name in MEASURED_ROLES:
@@ -36,8 +34,7 @@ def memory_report(run, only: str | None = None) -> dict[str, float]:
             continue
         facts, planner = run_facts(config, name, role), memory_planner(role.strategy.name)
         measured, planned, loads = {}, {}, {}
-        worker = RolloutWorker if name == roles.ACTOR_INFER else StrategyWorker
-        for report in group.call(worker.measured_memory):
+        for report in group.call(group.worker_cls.measured_memory):  # (StrategyWorker's, RolloutWorker's)
             at = planner.planned_at(role.strategy.config, facts, report)
             figures = {"model_state": sum(report["model_state"].values()), **report["phases"]}
             if only is not None:
