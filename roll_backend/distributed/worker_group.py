@@ -331,25 +331,41 @@ class WorkerGroup:
                     rank_failure_line(self.role, method_name, where, exc),
                     restartable=not isinstance(exc, NotRestartableError),
                 )
-                if pending and not self._others_finish(pending, deadline):
+                if not pending:
+                    raise failure from exc
+                settled, still_pending = self._settle(pending, deadline)
+                # A peer that died is the cause of a rank's collective error (connection reset): name the death.
+                for ref in settled:
+                    if (died := self._died(method_name, ref, rank_of[ref])) is not None:
+                        self._break(died, cause=died.__cause__)
+                if still_pending:
                     self._break(failure, cause=exc)
                 raise failure from exc
-            except ray.exceptions.RayActorError as exc:
-                self._break(
-                    RankDiedError(
-                        f"{self.role}.{method_name}: the actor of {self._ranks([rank_of[ready[0]]])} died "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-                    ),
-                    cause=exc,
-                )
+            except ray.exceptions.RayActorError:
+                died = self._died(method_name, ready[0], rank_of[ready[0]])
+                self._break(died, cause=died.__cause__)
         return ray.get(refs)
 
-    def _others_finish(self, pending: list, deadline: Deadline | None) -> bool:
-        """After one rank raised: do the others of the call finish (return or raise) within `settle_s`?
-        If not, they are likely waiting for the failed rank in a collective."""
+    def _died(self, method_name: str, ref, rank: int) -> RankDiedError | None:
+        """The rank's death as a RankDiedError when `ref` (settled) failed because its actor went away, else None."""
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            died = RankDiedError(
+                f"{self.role}.{method_name}: the actor of {self._ranks([rank])} died ({type(exc).__name__}: {reason})"
+            )
+            died.__cause__ = exc
+            return died
+        except ray.exceptions.RayError:
+            return None
+        return None
+
+    def _settle(self, pending: list, deadline: Deadline | None) -> tuple[list, list]:
+        """After one rank raised: the others of the call that finish (return, raise or die) within `settle_s`, and
+        those that do not (likely waiting for the failed rank in a collective)."""
         settle_s = self.settle_s if deadline is None else min(self.settle_s, deadline.remaining())
-        _, still_pending = ray.wait(pending, num_returns=len(pending), timeout=settle_s)
-        return not still_pending
+        return ray.wait(pending, num_returns=len(pending), timeout=settle_s)
 
     def _break(self, failure: DispatchError, cause: BaseException | None = None):
         """Mark the group broken, stop its ranks, raise `failure`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -144,6 +145,14 @@ class ProbeWorker(Worker):
         """The victim raises; the others then wait for it in a barrier that never completes."""
         if self.rank == victim_rank:
             raise ValueError(f"deliberate failure before a collective on rank {victim_rank}")
+        dist.barrier()
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def die_in_collective(self, victim_rank: int) -> None:
+        """The victim's process is killed while the others wait for it in a barrier, which then fails on them with
+        a connection error (usually before Ray has noticed the death)."""
+        if self.rank == victim_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
         dist.barrier()
 
     @register(Dispatch.ONE_TO_ALL)

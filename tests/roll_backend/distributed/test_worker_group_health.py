@@ -21,6 +21,7 @@ from roll_backend.distributed.worker import Worker
 from roll_backend.distributed.worker_group import (
     GroupBrokenError,
     GroupTimeoutError,
+    RankDiedError,
     RankRaisedError,
     WorkerGroup,
     wait_all,
@@ -75,6 +76,20 @@ def test_rank_raising_before_a_collective_frees_the_ranks_waiting_for_it(ray_ses
     assert_ranks_stopped(workers, pids)  # rank 1 was stuck in the barrier; without the kill gloo holds it 600 s
     with pytest.raises(GroupBrokenError, match="deliberate failure before a collective"):
         group.call(ProbeWorker.whoami, "again")
+    group.shutdown()
+
+
+def test_a_rank_killed_in_a_collective_is_named_not_the_peer_whose_collective_failed(ray_session):
+    # Rank 1's barrier fails with a connection error as rank 0's process goes, usually before Ray reports the
+    # death: the call's error is the death of rank 0 (the cause), whichever of the two the driver sees first.
+    group = WorkerGroup(ProbeWorker, "victim", 2, TP2, settle_s=30.0)
+    workers, pids = list(group.workers), group.call(Worker.pid)
+    with pytest.raises(
+        RankDiedError, match=r"victim.die_in_collective: the actor of \[rank 0/2, dp=0 tp=0 pp=0 cp=0\] died"
+    ):
+        group.call(ProbeWorker.die_in_collective, victim_rank=0).get(timeout_s=300)
+    assert isinstance(group.broken, RankDiedError)
+    assert_ranks_stopped(workers, pids)
     group.shutdown()
 
 
