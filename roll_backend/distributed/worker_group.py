@@ -289,13 +289,13 @@ class WorkerGroup:
                 self.broken,
             )
 
+    def _where(self, rank: int) -> str:
+        """A rank with its parallel coordinates when known: `rank 1/4, dp=0 tp=1 pp=0 cp=0`."""
+        coords = getattr(self, "coords", None) or []  # unset while init_distributed itself runs
+        return coords[rank].describe() if rank < len(coords) else f"rank {rank}/{self.world_size}"
+
     def _ranks(self, ranks: Sequence[int]) -> str:
-        """Ranks with their parallel coordinates when known: `[rank 1/4, dp=0 tp=1 pp=0 cp=0]`."""
-
-        def one(rank: int) -> str:
-            return f"[{self.coords[rank].describe() if rank < len(self.coords) else f'rank {rank}/{self.world_size}'}]"
-
-        return " ".join(one(rank) for rank in ranks)
+        return " ".join(f"[{self._where(rank)}]" for rank in ranks)
 
     def _gather(self, method_name: str, refs: list, deadline: Deadline | None = None) -> list:
         """Results of every rank. A dead rank, a missed deadline or a rank's exception fails the call at once
@@ -325,10 +325,8 @@ class WorkerGroup:
                     rank,
                     strip_ansi(str(exc)),
                 )
-                coords = getattr(self, "coords", None)  # unset while init_distributed itself runs
-                where = coords[rank].describe() if coords else f"rank {rank}/{len(refs)}"
                 failure = RankRaisedError(
-                    rank_failure_line(self.role, method_name, where, exc),
+                    rank_failure_line(self.role, method_name, self._where(rank), exc),
                     restartable=not isinstance(exc, NotRestartableError),
                 )
                 if not pending:
