@@ -163,10 +163,46 @@ def test_every_recipe_has_a_memory_plan(recipe, tmp_path, capsys):
     assert "not planned" not in out and "DOES NOT FIT" not in out, out
     if recipe in GPU:
         assert tree["device_memory_gib"] and "fits" in out
-        stated = re.findall(r"([0-9.]+ [GMK]iB) \(plan\)", recipe.read_text())  # "... 40.94 GiB (plan) ..."
+        stated = stated_figures(recipe.read_text())
         assert stated, f"{recipe_id(recipe)} states no figure of its plan"
-        for figure in stated:
-            assert figure in out, f"{recipe_id(recipe)} states {figure} (plan); the plan says:\n{out}"
+        sections, device_totals = plan_sections(out)
+        for role, figure in stated:
+            # a role's figure is one of that role's terms, or the total of its devices or of its phase on a device
+            totals = [line for line in device_totals.splitlines() if f"{role}'s devices" in line or f" {role} " in line]
+            assert figure in sections[role] or any(figure in line for line in totals), (
+                f"{recipe_id(recipe)} states {figure} (plan) for {role}; the plan says:\n{out}"
+            )
+
+
+MODEL_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward_model", "teacher")
+_ROLE_LINE = re.compile(rf"^#\s+(?:GPUs [0-9-]+\s+)?({'|'.join(MODEL_ROLES)}):")
+
+
+def stated_figures(recipe_text: str) -> list[tuple[str, str]]:
+    """(role, "40.94 GiB") for each "... 40.94 GiB (plan) ..." of a recipe's comments, under the role whose placement
+    line ("#   actor_train: ...") it follows."""
+    stated, role = [], None
+    for line in recipe_text.splitlines():
+        if not line.startswith("#"):
+            continue
+        if match := _ROLE_LINE.match(line):
+            role = match.group(1)
+        for figure in re.findall(r"([0-9.]+ [GMK]iB) \(plan\)", line):
+            assert role is not None, f"{figure} (plan) stated before any role's placement line: {line}"
+            stated.append((role, figure))
+    return stated
+
+
+def plan_sections(out: str) -> tuple[dict[str, str], str]:
+    """`roll-backend plan`'s output split into each role's lines and the per-device lines after them."""
+    body, _, device_totals = out.partition("\nper device, by phase")
+    sections = dict.fromkeys(MODEL_ROLES, "")
+    role = None
+    for line in body.splitlines():
+        role = next((name for name in MODEL_ROLES if line.startswith(f"{name} (")), role)
+        if role is not None:
+            sections[role] += line + "\n"
+    return sections, device_totals
 
 
 @pytest.mark.parametrize("recipe", GPU, ids=recipe_id)
