@@ -209,10 +209,15 @@ def layer_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape
         ffn_tokens = expert_tokens(arch, layout, options, tokens)
     weight = 0 if options.lora else ffn * h  # fc2's; fc1's is twice as large
     fc2 = weight + ffn_tokens * ffn + tokens * h  # its weight gradient, its input's and output's gradients
-    # fc1's, by when the MLP has given back what it kept for its backward but fc1's input
-    fc1 = (
-        2 * weight + 2 * ffn_tokens * ffn + 3 * tokens * h - (SWIGLU_KEPT if arch.moe is None else 6) * ffn_tokens * ffn
-    )
+    # fc1's, by when the MLP has given back what it kept for its backward but fc1's input: its output's gradient
+    # (2 x ffn) with its weight gradient and its input's. With dense LoRA adapters (a frozen base) the moment is
+    # earlier, before any hidden-wide gradient: fc1's output gradient, its scaled copy for the adapters and the
+    # adapters' gradient of that width, beside the SwiGLU's two input gradients (8 x ffn; the live set at the peak
+    # of a one-layer stage at ffn = 5 x hidden, and the same count measured at 2 x)
+    lora_dense = options.lora and arch.moe is None
+    output_grads, hidden_wide = (8, 0) if lora_dense else (2, 3)
+    kept = SWIGLU_KEPT if arch.moe is None else 6
+    fc1 = 2 * weight + output_grads * ffn_tokens * ffn + hidden_wide * tokens * h - kept * ffn_tokens * ffn
     # a MoE layer's experts' outputs, concatenated over the routed tokens, beside them (the dispatcher's [routed, h])
     dispatched = ffn_tokens * h if arch.moe is not None else 0
     return (max(fc2, fc1, 0) + dispatched) * width

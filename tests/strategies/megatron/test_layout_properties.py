@@ -13,13 +13,14 @@ TP2 x PP2 with sequence parallelism (the GPU default; a MoE model takes it at TP
   same log-probs, and the same next step (the optimizer state moved too).
 The first two examples are the case the issue found (vocabulary 1001, which TP2 pads, 4 layers, MTP; untied and
 tied); the others are drawn from a seeded generator over vocabulary size (divisible by TP or not), tied or untied
-embeddings, layer counts that split evenly or not, GQA ratio, qkv bias (qwen2) or q/k norms (qwen3), dense or
-MoE (qwen2_moe with a shared expert, qwen3_moe; without the load-balancing loss, a per-micro-batch objective that
-the split moves by Megatron's design), MTP on or off, full training or LoRA (every other drawn example: adapters on
-every projection, MTP layers' and experts' included; a MoE model's at TP2 under sequence parallelism), and batches
-of left-padded prompts and right-padded responses with odd widths and nearly empty rows, some of them multi-turn (an
-observation inside the response: attended, out of the loss). A failing example is named with its whole shape;
-ROLL_BACKEND_PROPERTY_SEED / ROLL_BACKEND_PROPERTY_EXAMPLES draw others.
+embeddings, the MLP's width (2, 3 or 5 times the hidden size), layer counts that split evenly or not, GQA ratio, qkv
+bias (qwen2) or q/k norms (qwen3), dense or MoE (qwen2_moe with a shared expert, qwen3_moe; without the
+load-balancing loss, a per-micro-batch objective that the split moves by Megatron's design), MTP on or off, full
+training or LoRA (every other drawn example: adapters on every projection, MTP layers' and experts' included; a MoE
+model's at TP2 under sequence parallelism), and batches of left-padded prompts and right-padded responses with odd
+widths and nearly empty rows, some of them multi-turn (an observation inside the response: attended, out of the
+loss). A failing example is named with its whole shape; ROLL_BACKEND_PROPERTY_SEED / ROLL_BACKEND_PROPERTY_EXAMPLES
+draw others.
 
 Tolerances are derived from float32 rounding, not picked: a value computed two ways in float32 may differ by a few
 units in the last place of the largest magnitude it went through (`float32_bound`). The step adds the rounding
@@ -82,11 +83,12 @@ class Example:
     # examples run without it and test_moe_load_balancing_loss_is_layout_independent adds it.
     aux_loss_coef: float = 0.0
     lora: bool = False  # LoRA adapters on every projection (MTP layers' and experts' too) instead of full training
+    ffn_ratio: int = 2  # the dense MLP's width over the hidden size (Qwen2.5 models: 5.3 at 7B, 5.4 at 0.5B)
 
     def spec(self) -> TinyModelSpec:
         return TinyModelSpec(
             hidden_size=64,
-            intermediate_size=128,
+            intermediate_size=64 * self.ffn_ratio,
             num_hidden_layers=self.layers,
             num_attention_heads=4,
             num_key_value_heads=self.kv_heads,
@@ -119,6 +121,7 @@ def examples() -> list[Example]:
                 response_width=rng.randrange(2, 8),
                 seed=rng.randrange(1000),
                 lora=index % 2 == 0,
+                ffn_ratio=rng.choice([2, 3, 5]),
             )
         )
     # The config refuses MTP on MoE models (strategies/megatron/config.py: mtp_problem).
@@ -227,7 +230,8 @@ def _name(example: Example) -> str:
     tied = "tied" if example.tied else "untied"
     lora = "-lora" if example.lora else ""
     return (
-        f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-mtp{example.mtp}{lora}"
+        f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-ffn{example.ffn_ratio}x"
+        f"-mtp{example.mtp}{lora}"
     )
 
 
