@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from roll_backend import keys
-from roll_backend.distributed.collectives import StageColumns
+from roll_backend.distributed.collectives import StageColumns, broadcast_dataproto
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
@@ -100,6 +100,21 @@ class ProbeWorker(Worker):
         """Returns one row per input row, from the collect rank; every rank records its checksums."""
         self.last_checksums = batch_checksums(batch)
         return DataProto.from_dict(tensors={"ids": batch.batch["ids"]}, meta_info={"metrics": {"rows": [len(batch)]}})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def broadcast_counting(self, batch: DataProto, bucket_bytes: int) -> dict:
+        """`batch` broadcast from rank 0 over the whole group in buckets of `bucket_bytes` (the other ranks pass
+        nothing): the tensors this rank received, its non-tensor columns and meta_info, and the collectives it took."""
+        from unittest import mock
+
+        with mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as counted:
+            got = broadcast_dataproto(batch if self.rank == 0 else None, None, 0, bucket_bytes=bucket_bytes)
+        return {
+            "tensors": dict(got.batch.items()),
+            "non_tensor": {k: v.tolist() for k, v in got.non_tensor_batch.items()},
+            "meta": got.meta_info,
+            "collectives": counted.call_count,
+        }
 
     @register(Dispatch.ONE_TO_ALL)
     def recorded_checksums(self) -> dict:
