@@ -112,17 +112,31 @@ def broadcast_dataproto(
         schema = pickle.loads(first[:schema_length].cpu().numpy().tobytes())
         plan = _bucket_plan(schema_length, _column_bytes(schema), bucket_bytes)
     check_columns(set(schema["tensors"]) | set(schema["non_tensor_batch"]), required, rank_tag)
-    received = columns if is_src else {}
+    if is_src:
+        _send_later_buckets(plan, columns, group, src, device)
+    received = columns if is_src else _receive_buckets(plan, first, schema["tensors"], group, src, device)
+    # Every rank (the source too) returns tensors on its own device, in the same layout.
+    tensors = TensorDict(received, batch_size=[schema["batch_size"]], device=None) if received else None
+    return DataProto(
+        batch=tensors, non_tensor_batch=dict(schema["non_tensor_batch"]), meta_info=dict(schema["meta_info"])
+    )
+
+
+def _send_later_buckets(plan: list, columns: dict, group, src: int, device) -> None:
+    for bucket in plan[1:]:
+        if len(bucket) == 1:  # a column alone: sent as it is
+            dist.broadcast(_as_bytes(columns[bucket[0][0]]), src=src, group=group)
+        else:
+            buffer = torch.empty(_bucket_length(bucket), dtype=torch.uint8, device=device)
+            dist.broadcast(_pack(buffer, bucket, columns), src=src, group=group)
+
+
+def _receive_buckets(plan: list, first: torch.Tensor, shapes: dict, group, src: int, device) -> dict:
+    """The columns of every bucket, the first (already received) included; `shapes`: {column: (dtype, shape)}."""
+    received = {}
     for index, bucket in enumerate(plan):
-        if is_src:
-            if index and len(bucket) == 1:  # a column alone: sent as it is
-                dist.broadcast(_as_bytes(columns[bucket[0][0]]), src=src, group=group)
-            elif index:
-                buffer = torch.empty(_bucket_length(bucket), dtype=torch.uint8, device=device)
-                dist.broadcast(_pack(buffer, bucket, columns), src=src, group=group)
-            continue
         if index and len(bucket) == 1:  # received straight into the column's own tensor
-            dtype, shape = schema["tensors"][bucket[0][0]]
+            dtype, shape = shapes[bucket[0][0]]
             column = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(_as_bytes(column), src=src, group=group)
             received[bucket[0][0]] = column
@@ -131,13 +145,9 @@ def broadcast_dataproto(
         if index:
             dist.broadcast(buffer, src=src, group=group)
         for key, offset, nbytes in bucket:  # copied out: a view would keep (and pickle) the whole bucket
-            dtype, shape = schema["tensors"][key]
+            dtype, shape = shapes[key]
             received[key] = buffer[offset : offset + nbytes].view(dtype).reshape(shape).clone()
-    # Every rank (the source too) returns tensors on its own device, in the same layout.
-    tensors = TensorDict(received, batch_size=[schema["batch_size"]], device=None) if received else None
-    return DataProto(
-        batch=tensors, non_tensor_batch=dict(schema["non_tensor_batch"]), meta_info=dict(schema["meta_info"])
-    )
+    return received
 
 
 def _column_bytes(schema: dict) -> list[tuple[str, int]]:
