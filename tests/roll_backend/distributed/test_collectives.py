@@ -80,7 +80,7 @@ def test_missing_declared_column_fails_on_every_rank_and_the_group_stays_usable(
 
 def odd_columns(rows: int = 5) -> DataProto:
     """Columns of every dtype a batch carries (bool, int16 routes, bfloat16 and float64 among them) at widths whose byte
-    sizes are not multiples of one another, an empty one, and one of 600 bytes."""
+    sizes are not multiples of one another, an empty one, a non-contiguous one, and one of 600 bytes."""
     generator = torch.Generator().manual_seed(3)
     return DataProto.from_dict(
         tensors={
@@ -92,6 +92,7 @@ def odd_columns(rows: int = 5) -> DataProto:
             "ids": torch.arange(rows),
             "wide": torch.randn(rows, 30, generator=generator),
             "bytes": torch.randint(0, 255, (rows, 1), generator=generator, dtype=torch.uint8),
+            "transposed": torch.randn(4, rows, generator=generator).t(),  # not contiguous on the sender
         },
         non_tensors={keys.UID: np.array([f"u{i}" for i in range(rows)], dtype=object)},
         meta_info={"step": 3},
