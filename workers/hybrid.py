@@ -181,11 +181,12 @@ class HybridWorker(Worker):
         return coords
 
     def release_role(self) -> bool:
-        """Every facet's own tear-down, the engine's first (its process groups are the trainer's world)."""
+        """Every facet's own tear-down, the engine's first (its process groups are the trainer's world); not
+        reusable where a facet's strategy failed to start (start_strategy)."""
         self.handover = None
         facets = sorted(self.facets.values(), key=lambda facet: facet.role != roles.ACTOR_INFER)
         released = [facet.release_role() for facet in facets]
-        return all(released)
+        return all(released) and all(facet.poolable for facet in facets)
 
     @register(Dispatch.ONE_TO_ALL)
     def facet_coords(self) -> dict[str, RankCoords]:

@@ -62,7 +62,7 @@ class RolloutWorker(Worker):
         if self.coords is not None and self.coords.dp and hasattr(strategy_config, "seed"):
             # DP ranks sample different streams; the ranks of one TP group must share a seed.
             strategy_config = dataclasses.replace(strategy_config, seed=strategy_config.seed + self.coords.dp)
-        self.strategy = start_strategy(self.config.strategy_name, strategy_config, self.layout, self.device)
+        self.strategy = start_strategy(self, self.config.strategy_name, strategy_config)
         self.set_agentic(self.config.agentic)
 
     @register(Dispatch.ONE_TO_ALL)

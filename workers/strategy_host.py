@@ -10,10 +10,16 @@ from roll_backend.distributed.worker import Worker
 from roll_backend.strategies.registry import create_strategy, strategy_class
 
 
-def start_strategy(name: str, config: Any, layout, device: str):
-    """Build strategy `name` with its typed `config` on this rank and load its model or engine."""
-    strategy = create_strategy(name, config, layout=layout, device=device)
-    strategy.initialize()
+def start_strategy(worker: Worker, name: str, config: Any):
+    """Build strategy `name` with its typed `config` on `worker`'s rank and load its model or engine. A start that
+    fails keeps the process out of the rank pool: what a half-started engine set up in the process (vLLM's parallel
+    groups) is out of its tear-down's reach."""
+    strategy = create_strategy(name, config, layout=worker.layout, device=worker.device)
+    try:
+        strategy.initialize()
+    except BaseException:
+        worker.poolable = False
+        raise
     return strategy
 
 
@@ -38,7 +44,7 @@ class StrategyWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self.check_config()
-        self.strategy = start_strategy(self.config.strategy_name, self.config.strategy, self.layout, self.device)
+        self.strategy = start_strategy(self, self.config.strategy_name, self.config.strategy)
 
     @register(Dispatch.ONE_TO_ALL)
     def measured_memory(self) -> dict:

@@ -5,7 +5,7 @@ at TP1 used in between (a stale engine, KV cache or process group would change t
 nothing behind: the objects each process keeps frozen from the garbage collector (its imports:
 roll_backend/distributed/heap.py) are as many after the third engine as after the first (an engine frozen with them
 would add its own). The same processes then serve a Megatron reference's ranks (another worker class: every rank's
-actor is a RankHost) with a fresh rank's numbers."""
+actor is a RankHost) with a fresh rank's numbers. A process whose engine failed to start is not reused."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from roll_backend import keys
 from roll_backend.distributed import rank_pool
 from roll_backend.distributed.layout import ParallelLayout
 from roll_backend.distributed.worker import Worker
-from roll_backend.distributed.worker_group import WorkerGroup
+from roll_backend.distributed.worker_group import RankRaisedError, WorkerGroup
 from roll_backend.models.tiny import TinyModelSpec, build_tiny_model
 from roll_backend.protocol import DataProto
 from roll_backend.strategies.megatron.config import MegatronInferConfig
@@ -40,17 +40,19 @@ def empty_pool(ray_session):
     rank_pool.enable_rank_pool()
 
 
-def _engine_group(model_path: str, world_size: int, tp: int) -> WorkerGroup:
+def _engine_group(model_path: str, world_size: int, tp: int, start: bool = True, **settings) -> WorkerGroup:
     config = RolloutWorkerConfig(
         strategy=VllmRolloutConfig(
             model_path=model_path,
             max_model_len=256,
             max_prompt_length=32,
             sampling=SamplingConfig(n=1, temperature=0.0, max_tokens=8),
+            **settings,
         )
     )
     group = WorkerGroup(RolloutWorker, "rollout", world_size, ParallelLayout(tp=tp), worker_config=config)
-    group.call(RolloutWorker.init_model)
+    if start:
+        group.call(RolloutWorker.init_model)
     return group
 
 
@@ -109,6 +111,15 @@ def test_an_engine_in_a_reused_process_samples_as_in_a_fresh_one(empty_pool, tmp
     gap = (reference.call(ReferenceWorker.compute_log_probs, sampled).batch[keys.LOG_PROBS] - log_probs).abs()
     assert gap[sampled.batch[keys.RESPONSE_MASK].bool()].max() < 1e-4
     reference.shutdown()
+
+    # An engine that fails to start (no room for its KV cache: vLLM refuses it after it
+    # set up its parallel groups) does not give its process back: the next group there would find vLLM's groups.
+    pool, unclean = rank_pool.current_pool(), rank_pool.current_pool().unclean
+    failed = _engine_group(first, 1, 1, start=False, cpu_kvcache_space_gib=1e-6)
+    with pytest.raises(RankRaisedError, match="cache"):
+        failed.call(RolloutWorker.init_model)
+    failed.shutdown()  # (a rank that raised leaves its group healthy: its processes go back to the pool, if clean)
+    assert pool.unclean == unclean + 1  # stopped at its release, not kept idle
 
 
 def _reference_group(model_path: str, tp: int) -> WorkerGroup:
