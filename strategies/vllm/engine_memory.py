@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from roll_backend.models.hf_decoder import QK_NORM_MODEL_TYPES, has_qkv_bias
+from roll_backend.strategies.vllm.config import CPU_KV_BLOCK_SIZE
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
@@ -26,7 +27,7 @@ CPU_KV_CACHE_CAP = GIB  # a CPU engine's default KV cache at most (what VLLM_CPU
 HINTS = {
     "weights": "tp shards them; dtype: bfloat16 halves them",
     "kv_cache": "gpu_memory_utilization (or cpu_kvcache_space_gib on CPU); max_model_len; tp shards it",
-    "engine activations": "max_num_batched_tokens",
+    "activations": "max_num_batched_tokens; max_num_seqs (the sampler's logits over the vocabulary)",
 }
 
 
@@ -98,15 +99,86 @@ def kv_bytes_per_token(fields: Mapping[str, Any], tp: int, width: int) -> int:
     return 2 * m["layers"] * max(1, m["nkv"] // tp) * m["d"] * width
 
 
+def engine_batch(cfg, run) -> tuple[int, int]:
+    """(tokens, sequences) of the engine's largest step: `max_num_batched_tokens` and `max_num_seqs`, else vLLM's
+    defaults for an offline engine (vllm/engine/arg_utils.py, get_batch_defaults): on a CPU 4096 tokens and 256
+    sequences per TP rank; on a GPU of 70 GiB or more 16384 and 1024 (vLLM gives an A100 8192: the plan errs high
+    there), else 8192 and 256; an undeclared GPU as a large one. A default token budget takes at least one
+    max_model_len prompt without chunked prefill and at most max_num_seqs of them."""
+    if run.device == "cpu":
+        tokens, seqs = 4096 * run.layout.tp, DEFAULT_MAX_NUM_SEQS * run.layout.tp
+    elif run.device_memory is None or run.device_memory >= 70 * GIB:
+        tokens, seqs = 16384, 1024
+    else:
+        tokens, seqs = 8192, DEFAULT_MAX_NUM_SEQS
+    seqs = cfg.max_num_seqs or seqs
+    if cfg.max_num_batched_tokens is not None:
+        return cfg.max_num_batched_tokens, seqs
+    if cfg.enable_chunked_prefill is False:
+        tokens = max(tokens, cfg.max_model_len)
+    return min(tokens, seqs * cfg.max_model_len), seqs
+
+
+def generate_activation_bytes(
+    fields: Mapping[str, Any], tp: int, width: int, tokens: int, seqs: int, device: str = "cuda"
+) -> int:
+    """The peak of vLLM's profile run on one TP rank (what it reserves for activations beside the KV cache): a
+    forward of `tokens` tokens (its largest moment, `_layer_moments`), then the sampler over `seqs` sequences (at
+    most one a token) beside the forward's output: the whole (padded) vocabulary's logits per sequence, a float32
+    copy, its sort (values and int64 indices), softmax and two masks."""
+    m = _fields(fields)
+    seqs = min(seqs, tokens)
+    vocab = m["vocab"]
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    logits = seqs * (padded * width + vocab * (4 + 8 + 4 + 2 + (4 if width < 4 else 0)) + 2 * m["h"] * width)
+    return max(tokens * max(_layer_moments(fields, tp, width, device)), tokens * m["h"] * width + logits)
+
+
+def _layer_moments(fields: Mapping[str, Any], tp: int, width: int, device: str) -> list[int]:
+    """Bytes a token holds at each moment of a decoder layer that can be the forward's peak, counted from the tensors
+    alive in it (traced on CPU: tests/strategies/vllm/test_engine_memory.py). Attention: the fused qkv output, the
+    queries and keys its q/k norms return, the attention output, and the residual stream's tensors (the norm's
+    output, o_proj's, the residual; past the first layer also the previous fused add's two). The MLP: gate-up,
+    activation and product (four intermediate widths) beside the stream's. A MoE block: its shared expert as an MLP
+    beside the router's logits; then the routed experts beside the shared expert's output: their output and, on a
+    CPU, the kernel's hidden-wide workspace, on a GPU the fused kernel's caches (top-k copies of three expert
+    widths and the hidden one). On a CPU a 16-bit model's norms (vLLM's native norm computes in float32:
+    two float32 copies of its input beside those of the model's width; a GPU's fused kernel makes none)."""
+    m = _fields(fields)
+    h, q, kv = m["h"], m["nq"] // tp * m["d"], max(1, m["nkv"] // tp) * m["d"]
+    norms = fields.get("model_type", "") in QK_NORM_MODEL_TYPES
+    stream = 2 if m["layers"] > 1 else 0  # (the first layer's input is the embedding alone)
+    moments = [(2 * kv + 2 * q + (q + kv if norms else 0) + (3 + stream) * h) * width]
+    if device == "cpu" and width < 4:
+        moments.append((5 + stream) * h * width + 2 * h * 4)
+        if norms:
+            moments.append((q + 2 * kv + (2 + stream) * h) * width + q * (2 * width + 8))
+    mlp_stream = (3 + stream // 2) * h
+    if m["experts"]:
+        topk, shared = fields.get("num_experts_per_tok") or 1, m["shared_ffn"] // tp
+        kernel = topk * (3 * m["expert_ffn"] // tp + h) if device != "cpu" else h  # caches, or the CPU's workspace
+        routing = m["experts"] * 4 + topk * 8  # float32 router logits, the chosen experts and their weights
+        moments.append((mlp_stream + (h if shared else 0) + h + kernel) * width + routing)
+        if shared:
+            moments.append((4 * shared + mlp_stream) * width + m["experts"] * 4)
+    else:
+        moments.append((4 * m["ffn"] // tp + mlp_stream) * width)
+    return moments
+
+
 def cpu_kv_cache_bytes(cfg, fields: Mapping[str, Any], tp: int) -> int:
-    """The KV cache one engine rank allocates on a CPU: `cpu_kvcache_space_gib`, or (None) room for vLLM's default
-    concurrency of full-length sequences, at most CPU_KV_CACHE_CAP."""
+    """The KV cache one engine rank allocates on a CPU: `cpu_kvcache_space_gib`, or (None) room for `max_num_seqs`
+    (vLLM's default concurrency when unset) full-length sequences in whole blocks, and the block vLLM keeps back (its
+    null block), at most CPU_KV_CACHE_CAP."""
     if cfg.cpu_kvcache_space_gib is not None:
         return int(cfg.cpu_kvcache_space_gib * GIB)
     if not fields or "hidden_size" not in fields or "num_attention_heads" not in fields:
         return CPU_KV_CACHE_CAP  # (a config this plan cannot read, e.g. a vision model's nested text config)
     per_token = kv_bytes_per_token(fields, tp, DTYPE_BYTES.get(cfg.dtype, 2))
-    return min(CPU_KV_CACHE_CAP, DEFAULT_MAX_NUM_SEQS * tp * cfg.max_model_len * per_token)
+    block = cfg.block_size or CPU_KV_BLOCK_SIZE
+    seqs = cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS * tp
+    blocks = seqs * -(-cfg.max_model_len // block) + 1  # (and vLLM's null block)
+    return min(CPU_KV_CACHE_CAP, blocks * block * per_token)
 
 
 def plan(cfg, run) -> list:
@@ -119,10 +191,7 @@ def plan(cfg, run) -> list:
     tp, width = run.layout.tp, DTYPE_BYTES.get(cfg.dtype, 2)
     weights = engine_weight_bytes(fields, tp, width, run.device)
     per_token = kv_bytes_per_token(fields, tp, width)
-    m = _fields(fields)
-    batched = cfg.max_num_batched_tokens or max(cfg.max_model_len, 2048)
-    activations = batched * (4 * m["h"] + (m["nq"] + 2 * m["nkv"]) * m["d"] // tp + 3 * m["ffn"] // tp) * width
-    activations += DEFAULT_MAX_NUM_SEQS * m["vocab"] // tp * 4  # the sampler's float32 logits
+    activations = generate_activation_bytes(fields, tp, width, *engine_batch(cfg, run), run.device)
     # (HF tensors as the trainer sends them; the engine's dtype as a stand-in for theirs)
     copy_note = host_weight_copy_note(run, hf_weight_elements(fields) * width)
     notes = [copy_note] if copy_note else []
@@ -130,7 +199,7 @@ def plan(cfg, run) -> list:
     # and frees the cache, level 2 discards both. vLLM on CPU has no sleep mode.
     offloaded = frozenset({"weights"}) if run.hybrid and run.device == "cuda" and cfg.sleep_level >= 1 else frozenset()
     if run.device == "cuda" and run.device_memory is None:
-        phases = {"generate": {"engine activations": activations}}
+        phases = {"generate": {"activations": activations}}
         notes.append("the KV cache takes gpu_memory_utilization of a device whose size is not declared")
         return [RankMemory("every rank", {"weights": weights}, phases, offloaded, hints=HINTS, notes=tuple(notes))]
     if run.device == "cuda":
@@ -142,7 +211,7 @@ def plan(cfg, run) -> list:
         )
     else:
         reserved, cache = None, cpu_kv_cache_bytes(cfg, fields, tp)
-    phases = {"generate": {"engine activations": activations, "kv_cache": cache}}
+    phases = {"generate": {"activations": activations, "kv_cache": cache}}
     memory = RankMemory(
         "every rank", {"weights": weights}, phases, offloaded, reserved=reserved, hints=HINTS, notes=tuple(notes)
     )
@@ -170,12 +239,12 @@ def problems(cfg, run, planned: list) -> list[str]:
 
 
 def planned_at(cfg, run, measured) -> dict[str, int]:
-    """The plan of what the engine reports holding (VllmRolloutStrategy.measured_memory): its weights, and its KV cache
-    where the plan knows its size (not a GPU's whose memory is undeclared); the same at any batch."""
+    """The plan of what the engine reports holding (VllmRolloutStrategy.measured_memory): its weights, its KV cache
+    where the plan knows its size (not a GPU's whose memory is undeclared) and the activations of its largest step;
+    the same at any batch."""
     planned = plan(cfg, run)
     if not planned:
         return {}
     figures = {"model_state": sum(planned[0].state.values())}
-    if "kv_cache" in planned[0].phases["generate"]:
-        figures["kv_cache"] = planned[0].phases["generate"]["kv_cache"]
+    figures.update(planned[0].phases["generate"])  # the KV cache (where the plan knows it) and the activations
     return figures

@@ -120,14 +120,13 @@ class VllmRolloutStrategy(RolloutStrategy):
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
         )
-        if config.max_num_batched_tokens is not None:
-            engine_kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+        for name in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"):  # (unset: vLLM's default)
+            if getattr(config, name) is not None:
+                engine_kwargs[name] = getattr(config, name)
         if config.max_lora_rank is not None:  # one adapter at a time: each sync replaces the last
             engine_kwargs |= dict(
                 enable_lora=True, max_loras=1, max_lora_rank=adapters.served_rank(config.max_lora_rank)
             )
-        if config.enable_chunked_prefill is not None:
-            engine_kwargs["enable_chunked_prefill"] = config.enable_chunked_prefill
         block_size = CPU_KV_BLOCK_SIZE if config.block_size is None and self.device == "cpu" else config.block_size
         if block_size is not None:
             engine_kwargs["block_size"] = block_size
@@ -512,8 +511,8 @@ class VllmRolloutStrategy(RolloutStrategy):
         return self.engine.collective_rpc("weights_digest")[0]
 
     def measured_memory(self) -> dict:
-        """The engine's weights (model state) and KV cache (held through every generate call) as this rank's worker
-        holds them (VllmWeightSyncExtension.engine_memory); the activations of a generate call are not measured."""
+        """The engine's weights (model state), KV cache (held through every generate call) and the activations of its
+        largest step as this rank's worker holds them (VllmWeightSyncExtension.engine_memory)."""
         return self.engine.collective_rpc("engine_memory")[0]
 
     def _weights_loaded(self, version: int | None, in_flight: str | None) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from roll_backend.errors import WeightSyncFailed
+from roll_backend.perf.memory import LiveTensorBytes
 from roll_backend.protocol.weight_delta import HeldWeights, WeightDeltaBucket, tensor_bits
 
 # vLLM resolves this dotted qualname (module.Class; a "module:Class" form fails in vLLM 0.32).
@@ -136,8 +137,35 @@ class VllmWeightSyncExtension:
                 rows = getattr(module, "output_size_per_partition", None) or module.output_size  # (replicated)
                 columns = getattr(module, "input_size_per_partition", None) or module.input_size
                 weights += rows * columns * module.weight.element_size()
-        kv_cache = _distinct_storage_bytes(self.model_runner.kv_caches)
-        return {"model_state": {"weights": weights}, "phases": {"kv_cache": kv_cache}, "micro_batches": {}}
+        phases = {"kv_cache": _distinct_storage_bytes(self.model_runner.kv_caches)}
+        activations = self.generate_activation_peak()
+        if activations is not None:
+            phases["activations"] = activations
+        return {"model_state": {"weights": weights}, "phases": phases, "micro_batches": {}}
+
+    def generate_activation_peak(self) -> int | None:
+        """The activations of the engine's largest step, vLLM's profile run (max_num_batched_tokens forwarded, then
+        the sampler over max_num_seqs): on a GPU vLLM's own measurement at start (peak_activation_memory); on a CPU
+        the same run with its tensors counted (perf/memory.py), once per engine, the global generator's state kept
+        (the dummy sampler draws from it; the dummy run writes no KV cache: its slots are -1). None where the run
+        would disturb the engine or the count: adapters served (vLLM's dummy run swaps its LoRA slots) or a compiled
+        model."""
+        from vllm.config import CompilationMode
+
+        if self.device.type != "cpu":
+            return getattr(self, "peak_activation_memory", None)
+        peak = getattr(self, "_generate_activation_peak", None)
+        runner = self.model_runner
+        if peak is not None or runner.lora_config is not None or self.compilation_config.mode != CompilationMode.NONE:
+            return peak
+        counter, generator_state = LiveTensorBytes(), torch.get_rng_state()
+        try:
+            with torch.inference_mode(), counter:
+                runner.profile_run()
+        finally:
+            torch.set_rng_state(generator_state)
+        self._generate_activation_peak = counter.peak
+        return counter.peak
 
     def start_route_capture(self) -> tuple[int, int]:
         """Capture every MoE layer's routes from now on (strategies/vllm/routes.py); (layers, top_k)."""

@@ -209,6 +209,23 @@ def test_cp_and_pp_are_refused_by_vllm(base, setting, shown):
     )
 
 
+@pytest.mark.parametrize("seqs, tokens", [(0, "null"), (65, 64), (-1, 512)])
+def test_an_engine_step_runs_one_to_max_num_batched_tokens_sequences(base, seqs, tokens):
+    [problem] = problems_of(
+        base + [f"actor_infer.strategy.max_num_seqs={seqs}", f"actor_infer.strategy.max_num_batched_tokens={tokens}"]
+    )
+    assert problem == (
+        f"actor_infer.strategy.max_num_seqs={seqs}: an engine step runs 1 to max_num_batched_tokens "
+        f"({None if tokens == 'null' else tokens}) "
+        "sequences; set it within that (or null for vLLM's default)"
+    )
+    bound = 1 if tokens == "null" else tokens  # each bound itself loads
+    load_config(
+        CONFIG,
+        base + [f"actor_infer.strategy.max_num_seqs={bound}", f"actor_infer.strategy.max_num_batched_tokens={tokens}"],
+    )
+
+
 # ---- batch sizes --------------------------------------------------------------------------------------
 BATCH_16 = ["rollout_batch_size=4", "num_return_sequences_in_group=4"]  # 16 responses per step
 

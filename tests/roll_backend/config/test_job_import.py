@@ -260,6 +260,7 @@ python3 -m verl.trainer.main_ppo \\
     actor_rollout_ref.actor.fsdp_config.optimizer_offload=True \\
     actor_rollout_ref.rollout.name=vllm \\
     actor_rollout_ref.rollout.n=4 \\
+    actor_rollout_ref.rollout.max_num_seqs=64 \\
     actor_rollout_ref.ref.fsdp_config.param_offload=True \\
     trainer.n_gpus_per_node=8 \\
     trainer.nnodes=1 $@
@@ -289,6 +290,7 @@ def test_verl_s_fsdp_example_script_with_its_shell_variables_converts_to_a_confi
     train = config.actor_train.strategy.config
     assert train.use_sequence_packing and train.max_tokens_per_microbatch == 8 * (512 + 1024)
     assert train.offload_params and train.offload_optimizer and config.reference.strategy.config.offload_params
+    assert config.actor_infer.strategy.config.max_num_seqs == 64
     assert "data.val_files = $UNSET_IN_THIS_SCRIPT/test.parquet: a shell variable" in report
     assert "-> actor_train.strategy.max_tokens_per_microbatch = 12288 (verl removes the padding" in report
 

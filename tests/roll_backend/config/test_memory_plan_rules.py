@@ -194,8 +194,9 @@ def test_experts_under_ep_are_planned_at_the_declared_load_and_a_load_below_bala
 
 @pytest.mark.parametrize("engine_tp", [1, 2])
 def test_a_cpu_engine_s_kv_cache_holds_its_concurrency_of_full_sequences_unless_set(engine_tp):
-    """Unset, a CPU engine's cache is vLLM's default concurrency (256 sequences per TP rank) of max_model_len tokens:
-    the demo's tiny model needs 16 MiB where every engine used to zero 1 GiB at its start. Set, it is the GiB given
+    """Unset, a CPU engine's cache is vLLM's default concurrency (256 sequences per TP rank, or max_num_seqs) of
+    max_model_len tokens in whole blocks, and the block vLLM keeps back: the demo's tiny model needs 16 MiB where
+    every engine used to zero 1 GiB at its start. Set, it is the GiB given
     (fractions allowed); a large model's default stops at 1 GiB; 0 is refused. The engine allocates what the plan says
     (tests/strategies/vllm/test_rollout.py)."""
     tp = [f"actor_infer.world_size={engine_tp}", f"actor_infer.strategy.tp={engine_tp}"]
@@ -205,7 +206,10 @@ def test_a_cpu_engine_s_kv_cache_holds_its_concurrency_of_full_sequences_unless_
     per_token = 2 * spec["num_hidden_layers"] * (spec["num_key_value_heads"] // engine_tp)
     per_token *= spec["hidden_size"] // spec["num_attention_heads"] * 4
     planned = role_plans(config)["actor_infer"][0].phases["generate"]["kv_cache"]
-    assert planned == 256 * engine_tp * engine.max_model_len * per_token
+    blocks = -(-engine.max_model_len // 32)  # a sequence's blocks of 32 tokens (vLLM's CPU attention), and one more
+    assert planned == (256 * engine_tp * blocks + 1) * 32 * per_token  # that vLLM keeps back (its null block)
+    few = load_config("configs/grpo_tiny_cpu.yaml", [*tp, "actor_infer.strategy.max_num_seqs=3"], True)
+    assert role_plans(few)["actor_infer"][0].phases["generate"]["kv_cache"] == (3 * blocks + 1) * 32 * per_token
     set_config = load_config(
         "configs/grpo_tiny_cpu.yaml", [*tp, "actor_infer.strategy.cpu_kvcache_space_gib=0.25"], True
     )

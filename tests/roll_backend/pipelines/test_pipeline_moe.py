@@ -71,5 +71,8 @@ def test_grpo_with_a_qwen3_moe_actor_at_ep2_replaying_r2(ray_session, tmp_path):
     for what in ("model_state", "kv_cache"):
         planned, measured = (first[f"memory/actor_infer_{what}/{kind}_gib"] for kind in ("planned", "measured"))
         assert planned == measured > 0, (what, planned, measured)
+    # and the activations of its largest step (vLLM's profile run, counted on the rank) within the plan's 15%
+    planned, measured = (first[f"memory/actor_infer_activations/{kind}_gib"] for kind in ("planned", "measured"))
+    assert abs(planned / measured - 1) <= 0.15, (planned, measured)
     assert first["actor/moe/log_probs_route_agreement"] == 1.0  # the rollout's routes, the same weights in float32
     assert off_policy["actor/moe/log_probs_route_agreement"] < 1.0  # sampled one update behind
