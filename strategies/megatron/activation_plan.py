@@ -129,7 +129,9 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
     else:
         attention += tokens * (q + 2 * kv) + tokens * (q + kv)  # the fused QKV output; query and key after RoPE
     if arch.qk_norm:
-        attention += tokens * (q + kv) + tokens * (nq + nkv)  # the normed query and key, their rsqrt
+        # the normed query and key (their weights' gradient needs them; a frozen base's norms have none, but under CP
+        # the gathered key is kept), their rsqrt
+        attention += (0 if options.lora and cp == 1 else tokens * (q + kv)) + tokens * (nq + nkv)
         if nq > nkv:
             attention += tokens * (q + 2 * kv) + tokens * q  # the QKV output the norms read, the grouped query
     scores = micro.rows * nq * seq * micro.width * FP32 if options.keeps_scores else 0  # the float32 softmax

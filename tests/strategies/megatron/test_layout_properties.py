@@ -13,7 +13,8 @@ TP2 x PP2 with sequence parallelism (the GPU default; a MoE model takes it at TP
   same log-probs, and the same next step (the optimizer state moved too).
 The first two examples are the case the issue found (vocabulary 1001, which TP2 pads, 4 layers, MTP; untied and
 tied); the others are drawn from a seeded generator over vocabulary size (divisible by TP or not), tied or untied
-embeddings, the MLP's width (2, 3 or 5 times the hidden size), layer counts that split evenly or not, GQA ratio, qkv
+embeddings, the MLP's width (2, 3 or 5 times the hidden size), a Qwen3 model's head width (hidden / heads, or twice
+that as Qwen3's own models have), layer counts that split evenly or not, GQA ratio, qkv
 bias (qwen2) or q/k norms (qwen3), dense or MoE (qwen2_moe with a shared expert, qwen3_moe; without the
 load-balancing loss, a per-micro-batch objective that the split moves by Megatron's design), MTP on or off, full
 training or LoRA (every other drawn example: adapters on every projection, MTP layers' and experts' included; a MoE
@@ -84,6 +85,9 @@ class Example:
     aux_loss_coef: float = 0.0
     lora: bool = False  # LoRA adapters on every projection (MTP layers' and experts' too) instead of full training
     ffn_ratio: int = 2  # the dense MLP's width over the hidden size (Qwen2.5 models: 5.3 at 7B, 5.4 at 0.5B)
+    # A head's width where it is not hidden / heads: Qwen3 models' heads are wider than that (Qwen3-30B-A3B: 32 heads
+    # of 128 over a hidden size of 2048), so attention's projections are not square.
+    head_dim: int | None = None
 
     def spec(self) -> TinyModelSpec:
         return TinyModelSpec(
@@ -92,6 +96,7 @@ class Example:
             num_hidden_layers=self.layers,
             num_attention_heads=4,
             num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
             model_vocab_size=self.vocab_size,
             tie_word_embeddings=self.tied,
             family=self.family,
@@ -107,6 +112,7 @@ class Example:
 def examples() -> list[Example]:
     issue_case = Example("qwen2", 1001, False, 4, 2, 1, 6, 7, 5, 0)
     drawn, rng = [], random.Random(SEED)
+    head_dims = random.Random(f"{SEED}-head_dim")  # (its own generator: the other fields are drawn as before)
     for index in range(RANDOM_EXAMPLES):
         drawn.append(
             Example(
@@ -123,6 +129,9 @@ def examples() -> list[Example]:
                 lora=index % 2 == 0,
                 ffn_ratio=rng.choice([2, 3, 5]),
             )
+        )
+        drawn[-1] = dataclasses.replace(
+            drawn[-1], head_dim=head_dims.choice([None, 32]) if drawn[-1].family.startswith("qwen3") else None
         )
     # The config refuses MTP on MoE models (strategies/megatron/config.py: mtp_problem).
     drawn = [dataclasses.replace(e, mtp=0) if e.moe else e for e in drawn]
@@ -231,7 +240,7 @@ def _name(example: Example) -> str:
     lora = "-lora" if example.lora else ""
     return (
         f"{example.family}-v{example.vocab_size}-{tied}-L{example.layers}-kv{example.kv_heads}-ffn{example.ffn_ratio}x"
-        f"-mtp{example.mtp}{lora}"
+        f"-mtp{example.mtp}{lora}{f'-d{example.head_dim}' if example.head_dim else ''}"
     )
 
 
