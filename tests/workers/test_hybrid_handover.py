@@ -118,3 +118,40 @@ def test_a_sync_the_engine_undid_leaves_it_generating_from_its_version():
     log.clear()
     device.for_engine()
     assert not [entry for entry in log if entry[0] == "trainer"]
+
+
+class Facet:
+    """A facet's stand-in for the rank pool's question: released in turn, poolable unless its start failed."""
+
+    def __init__(self, log: list, role: str, poolable: bool = True):
+        self.log, self.role, self.poolable = log, role, poolable
+
+    def release_role(self):
+        self.log.append(self.role)
+        return True
+
+
+@pytest.mark.parametrize("failed", [None, "actor_infer", "reference"])
+def test_a_hybrid_rank_goes_back_to_the_pool_only_when_every_facet_started(failed, monkeypatch):
+    from roll_backend.workers import strategy_host
+    from roll_backend.workers.hybrid import HybridWorker
+
+    log = []
+    facets = {role: Facet(log, role) for role in ("actor_train", "reference", "actor_infer")}
+    if failed is not None:  # a facet's start that raised marks it (start_strategy), as a half-started engine's does
+
+        class FailingStrategy:
+            def initialize(self):
+                raise RuntimeError("no room for the KV cache")
+
+        monkeypatch.setattr(strategy_host, "create_strategy", lambda *args, **kwargs: FailingStrategy())
+        facet = facets[failed]
+        facet.layout = facet.device = None
+        with pytest.raises(RuntimeError, match="KV cache"):
+            strategy_host.start_strategy(facet, "vllm", None)
+        assert facet.poolable is False
+    rank = HybridWorker.__new__(HybridWorker)  # (no rank process: the release's decision only)
+    rank.facets, rank.handover = facets, object()
+    assert rank.release_role() is (failed is None)
+    assert log[0] == "actor_infer" and sorted(log) == sorted(facets)  # every facet torn down, the engine first
+    assert rank.handover is None

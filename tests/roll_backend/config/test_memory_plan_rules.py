@@ -220,3 +220,36 @@ def test_a_cpu_engine_s_kv_cache_holds_its_concurrency_of_full_sequences_unless_
     assert role_plans(large_config)["actor_infer"][0].phases["generate"]["kv_cache"] == 1 << 30
     with pytest.raises(ConfigError, match=r"cpu_kvcache_space_gib=0.0: set a size above 0 or null"):
         load_config("configs/grpo_tiny_cpu.yaml", [*tp, "actor_infer.strategy.cpu_kvcache_space_gib=0"], True)
+
+
+@pytest.mark.parametrize(
+    "device, memory_gib, tp, expected",
+    [  # vLLM's offline defaults (vllm/engine/arg_utils.py, get_batch_defaults, LLM_CLASS): (tokens, sequences)
+        ("cpu", None, 1, (4096, 256)),
+        ("cpu", None, 2, (8192, 512)),  # per TP rank of the engine
+        ("cuda", 40, 1, (8192, 256)),  # below 70 GiB
+        ("cuda", 69.9, 2, (8192, 256)),
+        ("cuda", 80, 1, (16384, 1024)),  # H100 / H200 class
+        ("cuda", 192, 4, (16384, 1024)),  # B200 class
+        ("cuda", None, 1, (16384, 1024)),  # undeclared: planned as a large GPU (the plan errs high)
+    ],
+)
+def test_an_engine_s_default_batch_is_vllm_s_for_its_device(device, memory_gib, tp, expected):
+    """What the engine's activations are planned for (engine_memory.engine_batch): vLLM's defaults for the device,
+    a token budget of at least one max_model_len prompt without chunked prefill and at most max_num_seqs of them, and
+    whatever is set taken as set."""
+    from types import SimpleNamespace
+
+    from roll_backend.strategies.vllm.engine_memory import engine_batch
+
+    memory = int(memory_gib * 2**30) if memory_gib else None
+    run = SimpleNamespace(device=device, device_memory=memory, layout=ParallelLayout(tp=tp))
+    engine = dict(max_num_seqs=None, max_num_batched_tokens=None, enable_chunked_prefill=None, max_model_len=20000)
+    assert engine_batch(SimpleNamespace(**engine), run) == expected
+    tokens, seqs = expected
+    unchunked = SimpleNamespace(**{**engine, "enable_chunked_prefill": False, "max_model_len": 2 * tokens})
+    assert engine_batch(unchunked, run) == (2 * tokens, seqs)  # one whole prompt a step
+    short = SimpleNamespace(**{**engine, "max_num_seqs": 3, "max_model_len": 100})
+    assert engine_batch(short, run) == (300, 3)  # never more than max_num_seqs full sequences
+    given = SimpleNamespace(**{**engine, "max_num_seqs": 7, "max_num_batched_tokens": 999})
+    assert engine_batch(given, run) == (999, 7)
