@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from roll_backend import roles
 from roll_backend.config.device_defaults import with_device_defaults
 from roll_backend.config.schema import LAYOUT_KEYS, PipelineConfig, RoleConfig, StrategySection
-from roll_backend.config.typed import ConfigError, build, suggest, to_dict
+from roll_backend.config.typed import ConfigError, build, to_dict, unknown_key_hint
 from roll_backend.config.validate import validate
 from roll_backend.distributed.layout import ParallelLayout
 
@@ -39,7 +39,7 @@ def build_strategy(path: str, section: Any, model_path: str, problems: list[str]
         return None
     known = {f.name for f in dataclasses.fields(cls)} | set(LAYOUT_KEYS)
     for key in [k for k in settings if k not in known]:
-        hint = suggest(str(key), sorted(known), getattr(cls, "KEY_EQUIVALENTS", None))
+        hint = unknown_key_hint(cls, str(key), sorted(known), f"{path}.", getattr(cls, "KEY_EQUIVALENTS", None))
         problems.append(f"{path}.{key}: unknown key for strategy {name!r}; {hint}")
         settings.pop(key)
     layout_settings = {k: settings.pop(k) for k in LAYOUT_KEYS if k in settings}

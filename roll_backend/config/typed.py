@@ -27,6 +27,41 @@ def suggest(key: str, known: list[str], equivalents: dict[str, str] | None = Non
     return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
 
 
+def unknown_key_hint(
+    cls: type, key: str, known: list[str], prefix: str, equivalents: dict[str, str] | None = None
+) -> str:
+    """The hint for key `key` that `cls` (at `prefix`) does not have: where it belongs when a section below has it,
+    else `suggest`'s."""
+    homes = [] if equivalents and key in equivalents else nested_homes(cls, key)
+    if homes:  # (the first three: a common name such as `seed` has many)
+        return f"it belongs in a section below: write {' or '.join(prefix + home for home in homes[:3])}"
+    return suggest(key, known, equivalents)
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    """The dataclass a field holds (itself, or the dataclass of an Optional / union), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((arg for arg in typing.get_args(tp) if dataclasses.is_dataclass(arg)), None)
+    return None
+
+
+def nested_homes(cls: type, key: str, depth: int = 2) -> list[str]:
+    """Paths below `cls` (at most `depth` sections down) whose last part is a field named `key`: where a key given
+    one level too high belongs (`strategy.lr` -> `optimizer.lr`)."""
+    homes = []
+    for name, tp in typing.get_type_hints(cls).items():
+        inner = _dataclass_in(tp)
+        if inner is None:
+            continue
+        if key in {f.name for f in dataclasses.fields(inner) if f.init}:
+            homes.append(f"{name}.{key}")
+        elif depth > 1:
+            homes.extend(f"{name}.{home}" for home in nested_homes(inner, key, depth - 1))
+    return homes
+
+
 def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -101,7 +136,7 @@ def build(cls: type, data: dict, path: str = "", problems: list[str] | None = No
     prefix = f"{path}." if path else ""
     for key in data:
         if key not in fields:
-            hint = equivalent_hint(f"{prefix}{key}") or suggest(str(key), list(fields))
+            hint = equivalent_hint(f"{prefix}{key}") or unknown_key_hint(cls, str(key), list(fields), prefix)
             problems.append(f"{prefix}{key}: unknown key; {hint}")
     kwargs = {}
     before = len(problems)

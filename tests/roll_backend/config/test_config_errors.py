@@ -44,6 +44,24 @@ def test_unknown_strategy_key_suggests_the_close_one(base):
     assert problem == "actor_train.strategy.tpp: unknown key for strategy 'megatron_train'; did you mean 'tp'?"
 
 
+def test_a_key_given_one_section_too_high_is_pointed_to_its_section(base):
+    """verl and ROLL users write `lr` or `temperature` beside the strategy's other keys; the hint names the path where
+    the key lives rather than the nearest spelling (`lr` is not a typo of `lora`)."""
+    [lr] = problems_of(base + ["actor_train.strategy.lr=1e-5"])
+    assert lr.endswith(
+        "unknown key for strategy 'megatron_train'; it belongs in a section below: write "
+        "actor_train.strategy.optimizer.lr"
+    )
+    [temperature] = problems_of(base + ["actor_infer.strategy.temperature=0.7"])
+    assert temperature.endswith(
+        "write actor_infer.strategy.sampling.temperature or actor_infer.strategy.validation.temperature"
+    )
+    assert problems_of(base + ["max_turns=3"]) == [
+        "max_turns: unknown key; it belongs in a section below: write agentic.max_turns"
+    ]
+    assert problems_of(base + ["algorithm.clip_ratio=0.2"])[0].endswith("did you mean 'clip_ratio_low'?")
+
+
 def test_wrong_type_names_expected_type_and_value(base):
     assert problems_of(base + ["max_steps=abc"]) == ["max_steps: expected int, got str 'abc'"]
     assert problems_of(base + ["seed=1.5"]) == ["seed: expected int, got float 1.5"]
