@@ -120,14 +120,14 @@ def memory_problems(config: PipelineConfig) -> list[str]:
     for phase in worst.values():
         if phase.total <= limit:
             continue
-        largest = ", ".join(f"{role} {term} {size / GIB:.1f} GiB" for role, term, size in phase.terms[:3])
+        largest = ", ".join(f"{role} {term} {size(n)}" for role, term, n in phase.terms[:3])
         hints = {
             f"{role}.strategy: {plans[role][0].hints[term]}"
             for role, term, _ in phase.terms[:3]
             if term in plans[role][0].hints
         }
         problems.append(
-            f"memory: {phase.role} {phase.phase} needs {phase.total / GIB:.1f} GiB on each device of {phase.devices}, "
+            f"memory: {phase.role} {phase.phase} needs {size(phase.total)} on each device of {phase.devices}, "
             f"over device_memory_gib={config.device_memory_gib:g}; largest: {largest}"
             + (f"; to shrink them: {'; '.join(sorted(hints))}" if hints else "")
         )

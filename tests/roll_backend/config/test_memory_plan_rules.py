@@ -6,6 +6,8 @@ real ranks in tests/strategies/megatron/test_memory_plan.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -114,6 +116,15 @@ def test_an_engine_whose_kv_cache_holds_no_sequence_is_refused_with_the_fraction
     assert "actor_infer.strategy: the KV cache left in gpu_memory_utilization=0.09 of 80 GiB" in message
     assert "raise gpu_memory_utilization to at least 0.1" in message
     assert memory_problems(hybrid) == []  # (no device memory declared: reported, not checked)
+
+
+def test_a_refusal_gives_small_terms_in_units_that_show_them():
+    """A tiny model over a tiny device: the refusal's sizes read in MiB or KiB, not "0.0 GiB"."""
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/grpo_tiny_cpu.yaml", ["device_memory_gib=0.001"], True)
+    refusals = [p for p in info.value.problems if p.startswith("memory: actor_infer generate needs")]
+    assert refusals and "0.0 GiB" not in str(info.value), str(info.value)
+    assert re.search(r"needs \d+\.\d+ MiB .* actor_infer kv_cache \d+\.\d+ MiB", refusals[0]), refusals[0]
 
 
 def test_the_weight_sync_phase_holds_a_bucket_of_whole_tensors_and_the_hybrid_engine_s_weights(hybrid):
