@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from roll_backend import roles
 from roll_backend.config.device_defaults import with_device_defaults
@@ -72,6 +72,12 @@ def resolve_yaml(path: str | Path, overrides: list[str] = ()) -> dict:
     try:
         tree = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(tree, resolve=True)
+    except InterpolationKeyError as exc:  # `${model_path}` in a role with no top-level model_path, say
+        missing = str(exc).split("'")[1] if "'" in str(exc) else str(exc)
+        problem = (
+            f"{exc.full_key} refers to ${{{missing}}}, which is not set: set {missing} in the YAML or as {missing}="
+        )
+        raise ConfigError([problem + "..."]) from exc
     except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a malformed override value is a YAMLError
         raise ConfigError([f"{path}: {exc}".replace("\n", " ")]) from exc
 

@@ -70,6 +70,17 @@ def test_wrong_type_names_expected_type_and_value(base):
     ]
 
 
+def test_an_interpolation_of_an_unset_key_names_the_key_to_set(tmp_path):
+    config = tmp_path / "no_model_path.yaml"
+    config.write_text(
+        "pipeline: grpo\ndata: {synthetic: {}}\n"
+        "actor_train: {model_path: '${model_path}', strategy: {name: megatron_train}}\n"
+    )
+    [problem] = problems_of([], config)
+    unset = "actor_train.model_path refers to ${model_path}, which is not set"
+    assert problem == f"{unset}: set model_path in the YAML or as model_path=..."
+
+
 def test_missing_required_field_says_how_to_set_it(tmp_path):
     config = tmp_path / "no_pipeline.yaml"
     config.write_text(
