@@ -43,6 +43,12 @@ class SamplingConfig:
             raise ValueError(
                 f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}."
             )
+        if not 0 <= self.temperature <= 2:  # (vLLM's own range; NaN fails it too)
+            raise ValueError(f"sampling.temperature={self.temperature}; it must be between 0 (greedy) and 2.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p}; it must be above 0 and at most 1 (1: off).")
+        if self.top_k < -1:
+            raise ValueError(f"sampling.top_k={self.top_k}; it must be -1 or 0 (off) or at least 1.")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens={self.max_tokens}; it must be >= 1.")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -62,6 +62,24 @@ def test_a_key_given_one_section_too_high_is_pointed_to_its_section(base):
     assert problems_of(base + ["algorithm.clip_ratio=0.2"])[0].endswith("did you mean 'clip_ratio_low'?")
 
 
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("sampling.temperature=-0.5", "sampling.temperature=-0.5; it must be between 0 (greedy) and 2."),
+        ("sampling.temperature=2.01", "sampling.temperature=2.01; it must be between 0 (greedy) and 2."),
+        ("validation.top_p=0", "sampling.top_p=0.0; it must be above 0 and at most 1 (1: off)."),
+        ("sampling.top_p=1.5", "sampling.top_p=1.5; it must be above 0 and at most 1 (1: off)."),
+        ("sampling.top_k=-2", "sampling.top_k=-2; it must be -1 or 0 (off) or at least 1."),
+    ],
+)
+def test_sampling_settings_outside_the_engine_s_range_are_refused_before_it_starts(base, setting, expected):
+    """vLLM would refuse them at the first generate, after every rank started."""
+    [problem] = problems_of(base + [f"actor_infer.strategy.{setting}"])
+    assert problem == f"actor_infer.strategy.{setting.split('.')[0]}: {expected}"
+    for edge in ("sampling.temperature=2", "sampling.top_p=1", "sampling.top_k=0", "sampling.top_k=-1"):
+        load_config(CONFIG, base + [f"actor_infer.strategy.{edge}"])
+
+
 def test_wrong_type_names_expected_type_and_value(base):
     assert problems_of(base + ["max_steps=abc"]) == ["max_steps: expected int, got str 'abc'"]
     assert problems_of(base + ["seed=1.5"]) == ["seed: expected int, got float 1.5"]
