@@ -32,7 +32,10 @@ def unknown_key_hint(
 ) -> str:
     """The hint for key `key` that `cls` (at `prefix`) does not have: where it belongs when a section below has it,
     else `suggest`'s."""
-    homes = [] if equivalents and key in equivalents else nested_homes(cls, key)
+    try:
+        homes = [] if equivalents and key in equivalents else nested_homes(cls, key)
+    except (NameError, TypeError):  # an annotation that does not resolve: the hint is only a hint
+        homes = []
     if homes:  # (the first three: a common name such as `seed` has many)
         return f"it belongs in a section below: write {' or '.join(prefix + home for home in homes[:3])}"
     return suggest(key, known, equivalents)
