@@ -9,7 +9,10 @@ actor's two processes): rank-8 adapters on the frozen tiny model, the reference 
 off, each weight sync handing the adapters alone to vLLM in the process, which serves them over its base,
 checkpoints holding only the adapters and their optimizer state. It learns the task (mean reward
 >= 0.8 over its last steps) across the kill. The resumed run exports the adapters as a PEFT folder and the merged
-model; peft on transformers' base gives the merged export's logits."""
+model; peft on transformers' base gives the merged export's logits.
+
+The same kill lands in an asynchronous run with dynamic sampling (one-step off-policy, and streaming), whose resume
+must account for the prompts that were in flight or filtered when the driver died (the ledger)."""
 
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from pipeline_fixtures import assert_every_prompt_trained_once
 from process_checks import describe, wait_until_gone
+from test_streaming import SHAPE, STREAMING, assert_ledger_accounts_for_every_position, rare_reward
 
 from roll_backend.config.loader import load_config
 from roll_backend.pipelines import run_with_restarts
@@ -45,6 +50,12 @@ KILL_AFTER, KILL_DELAY_S = _draw.randint(1, STEPS - 2), _draw.uniform(0.0, 1.5)
 WINDOW = 3  # steps the reward is averaged over at the end
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_lora_cpu.yaml")
 RANKS = 3  # actor_train 2 hosting actor_infer (the hybrid engine), reward 1 (the reference is the actor's base)
+DEMO_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml")
+# mode -> (the rare reward's modulus: how often a group's responses differ, its settings)
+ASYNC_MODES = {
+    "one_step": (3, ("async_generation.enabled=true",)),
+    "streaming": (10, (*STREAMING, "async_generation.max_staleness=1", "algorithm.max_generation_rounds=8")),
+}
 HYBRID = ("actor_infer.hybrid=true", "actor_infer.world_size=2", "actor_infer.strategy.tp=2")
 
 
@@ -61,26 +72,7 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
         f"checkpoint.export_hf_dir={tmp_path / 'merged'}",
         *HYBRID,
     ]
-    log = (tmp_path / "driver.log").open("w")
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "roll_backend.cli", "run", CONFIG, *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ),
-    )
-    started = time.monotonic()
-    while rows_written(tmp_path / "run") < KILL_AFTER:
-        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-        assert time.monotonic() - started < 900, f"the driver wrote no step {KILL_AFTER} within 15 min"
-        time.sleep(0.5)
-    run_pids = [p.pid for p in psutil.Process(driver.pid).children(recursive=True)]
-    assert len(run_pids) >= 2 * RANKS + 2  # the ranks with their watchdogs, Ray's GCS and raylet at least
-    time.sleep(KILL_DELAY_S)  # (not a synchronisation: where in the next step the kill lands)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    killed_run = read_metrics(tmp_path / "run")
-    moment = f"seed {SEED}: killed {KILL_DELAY_S:.2f} s after row {KILL_AFTER}, with {len(killed_run)} rows written"
-    assert describe(wait_until_gone(run_pids, within_s=30)) == [], moment
+    killed_run, moment = run_and_kill_driver(CONFIG, args, tmp_path, KILL_AFTER, KILL_DELAY_S, RANKS)
     newest, _ = newest_complete_checkpoint(tmp_path / "run")
     resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
     assert resumed_after <= len(killed_run), moment
@@ -99,6 +91,79 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
     rewards = [row["reward/mean"] for row in whole_run]
     assert sum(rewards[-WINDOW:]) / WINDOW >= 0.8, f"mean reward per step: {[round(r, 2) for r in rewards]}"
     check_lora_run(whole_run, resumed)
+
+
+def run_and_kill_driver(config: str, args: list[str], tmp_path, kill_after: int, delay_s: float, ranks: int):
+    """Start `roll-backend run config args` as its own driver (its own Ray), SIGKILL it `delay_s` after its row
+    `kill_after`, and check every process of the run is gone within 30 s. Returns (the rows it wrote, the moment)."""
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "roll_backend.cli", "run", config, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+    )
+    started = time.monotonic()
+    while rows_written(run_dir) < kill_after:
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        assert time.monotonic() - started < 900, f"the driver wrote no step {kill_after} within 15 min"
+        time.sleep(0.5)
+    run_pids = [p.pid for p in psutil.Process(driver.pid).children(recursive=True)]
+    assert len(run_pids) >= 2 * ranks + 2  # the ranks with their watchdogs, Ray's GCS and raylet at least
+    time.sleep(delay_s)  # (not a synchronisation: where in the next step the kill lands)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    killed_run = read_metrics(run_dir)
+    moment = f"seed {SEED}: killed {delay_s:.2f} s after row {kill_after}, with {len(killed_run)} rows written"
+    assert describe(wait_until_gone(run_pids, within_s=30)) == [], moment
+    return killed_run, moment
+
+
+# An asynchronous run (one-step off-policy, or streaming with max_staleness 1) with dynamic sampling, killed after a
+# drawn row: 6 steps of the demo task's small shape (test_streaming.py), a checkpoint every 2 steps.
+ASYNC_STEPS = 6
+_async_draw = random.Random(f"{SEED}-async")
+ASYNC_KILLS = {mode: (_async_draw.randint(1, ASYNC_STEPS - 2), _async_draw.uniform(0.0, 1.0)) for mode in ASYNC_MODES}
+
+
+@pytest.mark.parametrize("mode", ASYNC_MODES)
+def test_an_async_run_with_dynamic_sampling_resumes_after_a_driver_sigkill_with_every_prompt_accounted_for(
+    ray_session, tmp_path, mode
+):
+    """What test_streaming.py's rank kills check, after the driver's death instead: the resumed run (in this process)
+    continues from the newest complete checkpoint, one metrics row per step, and its ledger has every position the
+    killed and the resumed run admitted trained once, filtered or accounted for (one-step: exactly the six steps'
+    batches settled)."""
+    kill_after, delay_s = ASYNC_KILLS[mode]
+    modulus, mode_settings = ASYNC_MODES[mode]
+    args = [
+        f"output_dir={tmp_path / 'run'}",
+        *SHAPE,
+        f"max_steps={ASYNC_STEPS}",
+        "algorithm.dynamic_sampling=true",
+        "checkpoint.save_steps=2",
+        "logging.tensorboard=false",
+        "ray_num_cpus=8",
+        *mode_settings,
+        *rare_reward(tmp_path, modulus),
+    ]
+    config = load_config(DEMO_CONFIG, args)
+    ranks = sum(getattr(config, role).world_size for role in ("actor_train", "actor_infer", "reference", "reward"))
+    killed_run, moment = run_and_kill_driver(DEMO_CONFIG, args, tmp_path, kill_after, delay_s, ranks)
+    newest, _ = newest_complete_checkpoint(tmp_path / "run")
+    resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
+    assert resumed_after <= len(killed_run), moment
+
+    history = run_with_restarts(load_config(DEMO_CONFIG, [*args, "checkpoint.resume=auto"]))
+    assert [row["step"] for row in history] == list(range(resumed_after + 1, ASYNC_STEPS + 1)), moment
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == list(range(1, ASYNC_STEPS + 1)), moment
+    events = assert_ledger_accounts_for_every_position(tmp_path / "run", rows, moment)
+    if mode == "one_step":  # every batch of the six steps settled, none beyond them
+        size = config.rollout_batch_size
+        settled = {p for _, event, p in events if event in ("trained", "filtered")}
+        assert sorted(settled) == list(range(size, (ASYNC_STEPS + 1) * size)), (moment, sorted(settled))
 
 
 EXACT_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reference_kl", "weight_sync/logprob_gap")
