@@ -46,7 +46,7 @@ SEED = int(os.environ.get("ROLL_BACKEND_PROPERTY_SEED", "2811"))
 # The kill: KILL_AFTER rows written, then up to a step's length later (checkpoints every 3 steps); drawn so that
 # other seeds land elsewhere, before any checkpoint included.
 _draw = random.Random(SEED)
-KILL_AFTER, KILL_DELAY_S = _draw.randint(1, STEPS - 2), _draw.uniform(0.0, 1.5)
+KILL_AFTER, KILL_DELAY_S = _draw.randint(1, STEPS - 4), _draw.uniform(0.0, 1.5)  # (4 steps left to land in)
 WINDOW = 3  # steps the reward is averaged over at the end
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "grpo_lora_cpu.yaml")
 RANKS = 3  # actor_train 2 hosting actor_infer (the hybrid engine), reward 1 (the reference is the actor's base)
