@@ -394,11 +394,15 @@ def cmd_convert(args) -> int:
     """Write the converted config and its report (OUT.report.txt), then validate it as `validate` would."""
     import yaml
 
-    from roll_backend.config.job_import import convert, read_job
+    from roll_backend.config.job_import import convert, not_a_job_of, read_job
 
     if not Path(args.input).is_file():
         raise CliError(f"{args.input} does not exist; give a verl/ROLL YAML config or a run script")
-    tree, report = convert(args.framework, read_job(args.input))
+    settings = read_job(args.input)
+    wrong = not_a_job_of(args.framework, settings)
+    if wrong is not None:
+        raise CliError(f"{args.input} is not a {args.framework} job: {wrong}")
+    tree, report = convert(args.framework, settings)
     out = Path(args.out)
     out.write_text(yaml.safe_dump(tree, sort_keys=False))
     report_path = out.with_suffix(".report.txt")

@@ -169,7 +169,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
         for key, value in tree.items():
             out |= flatten(value, f"{prefix}{key}.")
         return out
-    return {prefix.rstrip("."): tree}
+    return {prefix.rstrip("."): tree} if prefix else {}  # (an empty or scalar document holds no settings)
 
 
 def _value(text: str) -> Any:
@@ -181,6 +181,23 @@ def _value(text: str) -> Any:
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
         return float(value)
     return value
+
+
+def not_a_job_of(framework: str, settings: dict[str, Any]) -> str | None:
+    """Why settings read from INPUT are not a `framework` job (a config of this project, another framework's keys,
+    nothing at all), or None."""
+    if not settings:
+        return "it holds no settings (a YAML mapping, or a run script with key=value arguments)"
+    if "pipeline" in settings and any(key.endswith(".strategy.name") for key in settings):
+        return "it is a roll-backend config already: check it with `roll-backend validate`"
+    matched = {name: sum(rule_for(name, key) is not None for key in settings) for name in FRAMEWORKS}
+    likelier = max(matched, key=matched.get)
+    if likelier != framework and matched[likelier] > 2 * matched[framework]:
+        return (
+            f"{matched[framework]} of its {len(settings)} keys are {framework}'s and {matched[likelier]} {likelier}'s: "
+            f"convert it with `roll-backend convert {likelier}`"
+        )
+    return None
 
 
 def convert(framework: str, settings: dict[str, Any]) -> tuple[dict[str, Any], Report]:

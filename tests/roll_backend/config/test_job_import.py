@@ -213,6 +213,28 @@ def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt
     assert config.data.messages_key == "messages"
 
 
+def test_a_job_of_the_other_framework_or_of_this_project_is_refused_with_the_command_that_reads_it(
+    tmp_path, prompt_files, capsys
+):
+    script, roll = tmp_path / "run_verl.sh", tmp_path / "rlvr_config.yaml"
+    script.write_text(VERL_SCRIPT.format(train=prompt_files[0], model=MODEL))
+    roll.write_text(ROLL_CONFIG.format(model=MODEL, train=prompt_files[0], val=prompt_files[1]))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    cases = [
+        ("roll", script, "is not a roll job: 0 of its", "convert it with `roll-backend convert verl`"),
+        ("verl", roll, "is not a verl job: ", "convert it with `roll-backend convert roll`"),
+        ("verl", "configs/grpo_tiny_cpu.yaml", "is a roll-backend config already", "`roll-backend validate`"),
+        ("roll", empty, "is not a roll job: it holds no settings", "key=value arguments"),
+    ]
+    for framework, source, what, fix in cases:
+        out = tmp_path / f"{framework}_{Path(source).stem}.yaml"
+        assert cli.main(["convert", framework, str(source), "-o", str(out)]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert what in err and fix in err, err
+        assert not out.exists()  # nothing written for the wrong reader
+
+
 def test_a_verl_or_roll_key_typed_here_names_its_equivalent():
     with pytest.raises(ConfigError) as info:
         load_config(
