@@ -22,7 +22,7 @@ from roll_backend.config.schema import (
     PipelineConfig,
     RoleConfig,
 )
-from roll_backend.strategies.vllm.config import PARTIAL_ROLLOUT_MODES
+from roll_backend.strategies.vllm.config import PARTIAL_ROLLOUT_MODES, sampling_range_problems
 
 PIPELINES = RL_PIPELINES + OFFLINE_PIPELINES
 # The roles each offline pipeline starts; the others' blocks must be left out (they would hold resources unused).
@@ -336,10 +336,8 @@ def _check_eval(config: PipelineConfig, problems: list[str], recipe_check: bool 
         problems.append(f"eval.every_steps={ev.every_steps} must be >= 0 (0: only before training and at the end)")
     if ev.n > 1 and ev.temperature == 0:
         problems.append(f"eval.n={ev.n} with eval.temperature=0: greedy samples are all the same; set a temperature")
-    if ev.temperature is not None and not 0 <= ev.temperature <= 2:  # (the engine's range)
-        problems.append(f"eval.temperature={ev.temperature} must be between 0 (greedy) and 2, or null")
-    if ev.top_p is not None and not 0 < ev.top_p <= 1:
-        problems.append(f"eval.top_p={ev.top_p} must be above 0 and at most 1, or null")
+    given = {"temperature": ev.temperature, "top_p": ev.top_p}  # (null: the rollout's, checked with its sampling)
+    problems += [f"eval.{p}" for p in sampling_range_problems(**{k: v for k, v in given.items() if v is not None})]
     if ev.prompts_per_call < 1:
         problems.append(f"eval.prompts_per_call={ev.prompts_per_call} must be >= 1")
     if not config.data.has_validation() and (ev.every_steps or ev.pass_k or ev.maj_k):

@@ -19,6 +19,18 @@ CPU_KV_BLOCK_SIZE = 32  # vLLM's CPU attention takes KV blocks of a multiple of 
 PARTIAL_ROLLOUT_MODES = ("keep", "recompute", "resubmit")
 
 
+def sampling_range_problems(temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> list[str]:
+    """What vLLM's SamplingParams would refuse of these settings, each as `name=value; what it must be.`."""
+    problems = []
+    if not 0 <= temperature <= 2:  # (vLLM's own range; NaN fails it too)
+        problems.append(f"temperature={temperature}; it must be between 0 (greedy) and 2.")
+    if not 0 < top_p <= 1:
+        problems.append(f"top_p={top_p}; it must be above 0 and at most 1 (1: off).")
+    if top_k < -1:
+        problems.append(f"top_k={top_k}; it must be -1 or 0 (off) or at least 1.")
+    return problems
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings of one `generate` call. temperature=0 is greedy and needs n=1."""
@@ -43,12 +55,9 @@ class SamplingConfig:
             raise ValueError(
                 f"greedy sampling (temperature=0) returns one response per prompt; set n=1, not n={self.n}."
             )
-        if not 0 <= self.temperature <= 2:  # (vLLM's own range; NaN fails it too)
-            raise ValueError(f"sampling.temperature={self.temperature}; it must be between 0 (greedy) and 2.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p}; it must be above 0 and at most 1 (1: off).")
-        if self.top_k < -1:
-            raise ValueError(f"sampling.top_k={self.top_k}; it must be -1 or 0 (off) or at least 1.")
+        out_of_range = sampling_range_problems(self.temperature, self.top_p, self.top_k)
+        if out_of_range:
+            raise ValueError(f"sampling.{out_of_range[0]}")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens={self.max_tokens}; it must be >= 1.")
         if not 0 <= self.min_tokens <= self.max_tokens:

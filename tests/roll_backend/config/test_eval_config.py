@@ -44,8 +44,8 @@ def test_other_eval_rules(base, tmp_path):
     assert any("greedy samples are all the same" in p for p in problems)
     assert any("eval.every_steps=-1 must be >= 0" in p for p in problems)
     problems = problems_of([*base, "eval.temperature=2.5", "eval.top_p=0"])
-    assert "eval.temperature=2.5 must be between 0 (greedy) and 2, or null" in problems
-    assert "eval.top_p=0.0 must be above 0 and at most 1, or null" in problems
+    assert "eval.temperature=2.5; it must be between 0 (greedy) and 2." in problems
+    assert "eval.top_p=0.0; it must be above 0 and at most 1 (1: off)." in problems
     (problem,) = problems_of([*base[:-1], f"data.val_path=[{tmp_path / 'missing.jsonl'}]"])
     assert "data.val_path" in problem and "missing.jsonl" in problem and "does not exist" in problem
     (problem,) = problems_of([*base[:-1], "eval.every_steps=5"])

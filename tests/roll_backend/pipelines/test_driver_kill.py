@@ -72,10 +72,7 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
         f"checkpoint.export_hf_dir={tmp_path / 'merged'}",
         *HYBRID,
     ]
-    killed_run, moment = run_and_kill_driver(CONFIG, args, tmp_path, KILL_AFTER, KILL_DELAY_S, RANKS)
-    newest, _ = newest_complete_checkpoint(tmp_path / "run")
-    resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
-    assert resumed_after <= len(killed_run), moment
+    killed_run, moment, resumed_after = run_and_kill_driver(CONFIG, args, tmp_path, KILL_AFTER, KILL_DELAY_S, RANKS)
 
     resumed = load_config(CONFIG, [*args, "checkpoint.resume=auto"])
     history = run_with_restarts(resumed)
@@ -95,7 +92,8 @@ def test_driver_sigkill_leaves_no_process_and_resume_auto_continues(ray_session,
 
 def run_and_kill_driver(config: str, args: list[str], tmp_path, kill_after: int, delay_s: float, ranks: int):
     """Start `roll-backend run config args` as its own driver (its own Ray), SIGKILL it `delay_s` after its row
-    `kill_after`, and check every process of the run is gone within 30 s. Returns (the rows it wrote, the moment)."""
+    `kill_after`, and check every process of the run is gone within 30 s. Returns the rows it wrote, the moment, and
+    the step of the newest complete checkpoint a resume continues after (0: none)."""
     run_dir = tmp_path / "run"
     log = (tmp_path / "driver.log").open("w")
     driver = subprocess.Popen(
@@ -118,7 +116,10 @@ def run_and_kill_driver(config: str, args: list[str], tmp_path, kill_after: int,
     moment = f"seed {SEED}: killed {delay_s:.2f} s after row {kill_after}, with {len(killed_run)} rows written"
     assert driver.returncode == -signal.SIGKILL, f"the run ended before the kill: {moment}"  # (no vacuous pass)
     assert describe(wait_until_gone(run_pids, within_s=30)) == [], moment
-    return killed_run, moment
+    newest, _ = newest_complete_checkpoint(run_dir)
+    resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
+    assert resumed_after <= len(killed_run), moment
+    return killed_run, moment, resumed_after
 
 
 # An asynchronous run (one-step off-policy, or streaming with max_staleness 1) with dynamic sampling, killed after a
@@ -155,10 +156,7 @@ def test_an_async_run_with_dynamic_sampling_resumes_after_a_driver_sigkill_with_
     ]
     config = load_config(DEMO_CONFIG, args)
     ranks = config.actor_train.world_size + config.actor_infer.world_size + config.reward.world_size
-    killed_run, moment = run_and_kill_driver(DEMO_CONFIG, args, tmp_path, kill_after, delay_s, ranks)
-    newest, _ = newest_complete_checkpoint(tmp_path / "run")
-    resumed_after = 0 if newest is None else int(newest.name.removeprefix("step_"))
-    assert resumed_after <= len(killed_run), moment
+    _, moment, resumed_after = run_and_kill_driver(DEMO_CONFIG, args, tmp_path, kill_after, delay_s, ranks)
 
     history = run_with_restarts(load_config(DEMO_CONFIG, [*args, "checkpoint.resume=auto"]))
     assert [row["step"] for row in history] == list(range(resumed_after + 1, ASYNC_STEPS + 1)), moment
