@@ -103,8 +103,9 @@ def _moe_elements(arch: HFArch, layout: ParallelLayout, options: PlanOptions, to
     return kept
 
 
-def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
-    """Bytes one decoder layer of the local spec keeps for backward over a micro-batch on this rank."""
+def local_layer_parts(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> dict[str, int]:
+    """Bytes one decoder layer of the local spec keeps for backward over a micro-batch on this rank, by what keeps
+    them (an attention backward's moment is reached with some of them gone: attention_backward_bytes)."""
     cp, tp, width = layout.cp, layout.tp, options.width
     tokens, seq = micro.tokens // cp, micro.width // cp
     h, d = arch.hidden_size, arch.head_dim
@@ -115,9 +116,10 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
     # normalised input its adapters need only.
     norms = 2 * norm_tokens * ((1 if options.lora else 2) * h + 1) * FP32
     residuals = 2 * norm_tokens * h * width
-    if options.lora:  # the row-parallel projections' outputs with their adapters' branch added
-        residuals += 2 * tokens * h * width
-    attention = tokens * q  # the context, linear_proj's input
+    # the row-parallel projections' outputs with their adapters' branch added (this rank's part of the sequence
+    # under sequence parallelism, as their reduce-scatter left them)
+    adapted = 2 * norm_tokens * h * width if options.lora else 0
+    attention = 0
     keys = micro.tokens  # key positions: every position of the sequence (CP gathers them)
     if nq > nkv:
         attention += tokens * q + 2 * keys * q  # the query after RoPE; key and value repeated to every query head
@@ -134,13 +136,39 @@ def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options
         attention += (0 if options.lora and cp == 1 else tokens * (q + kv)) + tokens * (nq + nkv)
         if nq > nkv:
             attention += tokens * (q + 2 * kv) + tokens * q  # the QKV output the norms read, the grouped query
-    scores = micro.rows * nq * seq * micro.width * FP32 if options.keeps_scores else 0  # the float32 softmax
-    rope = 4 * seq * d * FP32
     if arch.moe is None:
         mlp = SWIGLU_KEPT * tokens * arch.ffn_hidden_size // tp
     else:
         mlp = _moe_elements(arch, layout, options, tokens, norm_tokens)
-    return norms + residuals + (attention + mlp) * width + scores + rope
+    return {
+        "norms": norms,
+        "residuals": residuals,
+        "adapted outputs": adapted,
+        "attention": attention * width,
+        "context": tokens * q * width,  # linear_proj's input
+        "scores": micro.rows * nq * seq * micro.width * FP32 if options.keeps_scores else 0,  # the float32 softmax
+        "rope": 4 * seq * d * FP32,
+        "mlp": mlp * width,
+    }
+
+
+def local_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """Bytes one decoder layer of the local spec keeps for backward over a micro-batch on this rank."""
+    return sum(local_layer_parts(arch, layout, micro, options).values())
+
+
+def attention_backward_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
+    """What the local spec's core attention backward adds to the saved activations at its peak (negative: less than
+    the layer kept). By then the layer's MLP, its second norm and the context have given back what they kept, and
+    the softmax its output; the scores' gradient is alive as autograd's in-place softmax mask makes it: the
+    probabilities' gradient, the softmax's, the masked copy's and the scores' base as a zeroed flat and a strided
+    tensor (four float32 tensors of the scores' size, as float32 parameters run it; measured on CPU ranks). With LoRA,
+    linear_proj's and fc2's outputs with their adapters' branch added are gone too."""
+    if not options.keeps_scores:
+        return 0
+    parts = local_layer_parts(arch, layout, micro, options)
+    gone = parts["mlp"] + parts["norms"] // 2 + parts["context"] + parts["scores"] + parts["adapted outputs"]
+    return 4 * parts["scores"] - gone
 
 
 def te_layer(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options: PlanOptions) -> int:
@@ -274,7 +302,10 @@ def activation_terms(
     one_layer = layer_bytes(arch, layout, micro, options)
     held = in_flight(layout, stage, micro_batches)
     head = head_bytes(arch, layout, micro, options, training) if last else 0
-    backward = layer_backward_bytes(arch, layout, micro, options)
+    # a layer's backward peaks in its MLP or, where scores are materialised, in its core attention
+    backward = max(
+        layer_backward_bytes(arch, layout, micro, options), attention_backward_bytes(arch, layout, micro, options)
+    )
     if backward > head:
         terms["a layer's backward"] = backward
     if options.recompute:  # each layer keeps its input; in backward one layer at a time is recomputed (the head's

@@ -12,7 +12,17 @@ import types
 import pytest
 import torch
 from reconfigurable_workers import ReconfigurableActor
-from test_layout_properties import ACTOR, CRITIC, _config, _example_batch, _layout_problem, _name, _role_batch, examples
+from test_layout_properties import (
+    ACTOR,
+    CRITIC,
+    Example,
+    _config,
+    _example_batch,
+    _layout_problem,
+    _name,
+    _role_batch,
+    examples,
+)
 
 from roll_backend import keys, roles
 from roll_backend.protocol import DataProto
@@ -75,6 +85,16 @@ def _planned(strategy, arch, layout, world: int, stage: int, shape: dict, phase:
     return {}, weight_sync_terms(strategy, arch, layout, stage, at, "cpu")
 
 
+def _allowance(phase: str, layout, arch) -> int:
+    """Bytes a measured peak may differ by beyond the tolerance: the RNG check's bools; in a weight sync between
+    ranks, also one tensor a collective handed on, which the process group's worker thread may still hold while the
+    next parameter is made (it lets go when its work item is retired, not when the call returns: seen at PP2 with
+    one-tensor buckets, in some runs and not others)."""
+    if phase != roles.WEIGHT_SYNC or layout.tp * layout.pp * layout.ep == 1:
+        return RNG_STATE_CHECK
+    return RNG_STATE_CHECK + largest_hf_tensor(arch) * FP32
+
+
 def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout, world: int, arch) -> list[str]:
     lines = []
     stage = report["pp_rank"]
@@ -89,7 +109,7 @@ def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout,
             shapes = ",".join(f"{rows}x{width}" for rows, width, *_ in shape["micro_batches"])
         planned = sum(terms.values())
         error = planned / measured - 1
-        fail = "FAIL " if abs(planned - measured) > PHASE_TOLERANCE * measured + RNG_STATE_CHECK else ""
+        fail = "FAIL " if abs(planned - measured) > PHASE_TOLERANCE * measured + _allowance(phase, layout, arch) else ""
         routing = measured_routing(shape, phase) if phase != roles.WEIGHT_SYNC else {}
         load = "".join(f" {name} {value:.2f}" for name, value in routing.items())
         lines.append(
@@ -105,17 +125,12 @@ def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout,
     return lines
 
 
-@pytest.mark.parametrize(
-    "index, example", list(enumerate(examples())), ids=lambda v: v if isinstance(v, int) else _name(v)
-)
-def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, index, example, tmp_path):
-    from transformers import AutoConfig
-
+def _plan_report(layout_actors, example, runs: list, sync_index: int, tmp_path) -> list[str]:
+    """Planned vs measured at `runs` (and TP1) for both roles of `example`: one line per rank and phase."""
     from roll_backend.strategies.megatron.builder import HFArch
 
     model_dir, _, tensors = _example_batch(example, tmp_path)
-    arch = HFArch.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    runs = [RUNS[(index * RUNS_PER_EXAMPLE + k) % len(RUNS)] for k in range(RUNS_PER_EXAMPLE)]
+    arch = HFArch.from_model_path(model_dir)
     reference = layout_actors["tp1"]
     report = []
     for role in (ACTOR, CRITIC):
@@ -130,15 +145,56 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
             if meta.get(keys.META_SEQUENCE_PACKING) and example.mtp and role is ACTOR:
                 continue  # refused: MTP labels would cross packed sequences
             batching = "".join(f" {k}={v}" for k, v in meta.items())
-            sync_bucket = SYNC_BUCKETS[(index + run) % len(SYNC_BUCKETS)](arch)
+            sync_bucket = SYNC_BUCKETS[(sync_index + run) % len(SYNC_BUCKETS)](arch)
             for rank, measured in enumerate(_measured(group, config, role, batch, meta, sync_bucket)):
                 where = f"{'actor' if role is ACTOR else 'critic'} {name}{batching} rank {rank}"
                 report += _check_rank(
                     where, measured, measured["micro_batches"], config.strategy, group.layout, group.world_size, arch
                 )
     print(f"{_name(example)}:", *report, sep="\n  ")
+    return report
+
+
+def _assert_planned(example, report: list[str]) -> None:
     failures = [line for line in report if line.startswith("FAIL")]
     assert not failures, f"{example}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "index, example", list(enumerate(examples())), ids=lambda v: v if isinstance(v, int) else _name(v)
+)
+def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, index, example, tmp_path):
+    runs = [RUNS[(index * RUNS_PER_EXAMPLE + k) % len(RUNS)] for k in range(RUNS_PER_EXAMPLE)]
+    _assert_planned(example, _plan_report(layout_actors, example, runs, index, tmp_path))
+
+
+# Rows of 100 prompt and 60 response tokens: the local spec's [sq, sk] scores outgrow a narrow MoE layer's MLP, so a
+# layer's backward peaks in its core attention (autograd's gradient of the masked softmax), which the drawn examples'
+# short rows never reach: without attention_backward_bytes the plan misses PP2's last stage by 16% here (22% with LoRA).
+LONG_ROWS = Example("qwen3_moe", 501, False, 2, 2, 0, 4, 100, 60, 3, head_dim=32)
+LONG_RUNS = [
+    ("pp2", {}),
+    ("tp2", {}),
+    ("ep2", {keys.META_MAX_TOKENS_PER_MICROBATCH: 330, keys.META_SEQUENCE_PACKING: True}),
+]
+
+
+def test_long_rows_peak_in_the_attention_backward_as_planned(layout_actors, tmp_path):
+    from roll_backend.distributed.layout import ParallelLayout
+    from roll_backend.strategies.megatron.activation_plan import (
+        MicroShape,
+        PlanOptions,
+        attention_backward_bytes,
+        layer_backward_bytes,
+    )
+    from roll_backend.strategies.megatron.builder import HFArch
+
+    report = _plan_report(layout_actors, LONG_ROWS, LONG_RUNS, 1, tmp_path)
+    # (the shape is one whose peak the attention's backward sets, or this test would prove nothing new)
+    arch = HFArch.from_model_path(str(tmp_path / "model"))
+    layout, micro, options = ParallelLayout(), MicroShape(2, 152, 60), PlanOptions(value_head=True)
+    assert attention_backward_bytes(arch, layout, micro, options) > layer_backward_bytes(arch, layout, micro, options)
+    _assert_planned(LONG_ROWS, report)
 
 
 def test_the_counter_sees_what_a_phase_allocates_and_frees():
