@@ -267,7 +267,10 @@ HINTS = {
         "micro_batch_size / max_tokens_per_microbatch; recompute_activations: true; tp, cp (and pp) split it"
     ),
     "logits and log-prob buffers": "micro_batch_size / max_tokens_per_microbatch; tp splits the vocabulary",
-    "a layer's backward": "micro_batch_size / max_tokens_per_microbatch; tp",
+    "a layer's backward": (
+        "micro_batch_size / max_tokens_per_microbatch; tp; at long sequences cp, or transformer_impl: "
+        "transformer_engine (its attention's backward keeps no [sq, sk] scores)"
+    ),
     "attention scores buffer": "transformer_impl: transformer_engine (flash attention keeps no scores); cp",
     "MTP heads": "mtp_num_layers; micro_batch_size / max_tokens_per_microbatch",
     "the embedding's weight gradient": "tp splits the vocabulary; lora leaves the embedding frozen",
