@@ -112,9 +112,11 @@ def local_layer_parts(arch: HFArch, layout: ParallelLayout, micro: MicroShape, o
     nq, nkv = _heads(arch, tp)
     q, kv = nq * d, nkv * d
     norm_tokens = tokens // tp if options.sequence_parallel else tokens
-    # RMSNorm (float32 math): the scaled output for its weight's gradient, x * rsqrt, rsqrt; a frozen base keeps the
-    # normalised input its adapters need only.
-    norms = 2 * norm_tokens * ((1 if options.lora else 2) * h + 1) * FP32
+    # RMSNorm (float32 math, layers.rms_norm): its output (the next projection's input), x * rsqrt for its weight's
+    # gradient (a frozen base's norms have none), rsqrt; with 16-bit parameters also its input's float32 copy
+    float_copies = width != FP32
+    per_norm = h * width + (0 if options.lora else h * width) + (h * FP32 if float_copies else 0) + FP32
+    norms = 2 * norm_tokens * per_norm
     residuals = 2 * norm_tokens * h * width
     # the row-parallel projections' outputs with their adapters' branch added (this rank's part of the sequence
     # under sequence parallelism, as their reduce-scatter left them)
@@ -204,9 +206,9 @@ def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options:
         return tokens * width + gathered + (arch.hidden_size * width if training else 0)
     vocab = arch.padded_vocab_size(tp) // tp
     positions = tokens if cp > 1 else micro.response_rows * micro.response_width
-    # /temperature, shifted, exp (, *shifted for the entropy, the float32 copy of 16-bit logits, the response positions
-    # gathered out of a token-budget or packed micro-batch)
-    buffers = 3 + int(options.entropy) + int(options.width != FP32) + int(micro.gathered)
+    # the logits /temperature (16-bit logits: its float32 copy, the 16-bit quotient gone by then), shifted, exp (,
+    # *shifted for the entropy, the response positions gathered out of a token-budget or packed micro-batch)
+    buffers = 3 + int(options.entropy) + int(micro.gathered)
     logits = tokens * vocab * width
     heads = 1 + options.mtp_layers  # each MTP depth has its logits too (in a forward without gradients as well)
     # The model's logits and their batch-first copy (with the final norm's output) while the copy is made, or the
@@ -216,10 +218,11 @@ def head_bytes(arch: HFArch, layout: ParallelLayout, micro: MicroShape, options:
     forward_end = max(heads * (logits + copy), logits + buffers * positions * vocab * FP32)
     if not training:
         return forward_end
-    # Under CP (every local position read) the backward reaches all the buffers' gradients before it adds them up: the
-    # saved exp and shifted logits, the entropy product's two gradients, the label gather's (its zeros and their
-    # scatter), beside the layers' saved activations (without entropy: exp, its gradient, the gather's two).
-    backward_start = logits + (6 if options.entropy else 4) * positions * vocab * FP32 if cp > 1 else 0
+    # The backward reaches all the buffers' gradients before it adds them up: the saved exp and shifted logits, the
+    # entropy product's two gradients, the label gather's (its zeros and their scatter), beside the layers' saved
+    # activations (without entropy: exp, its gradient, the gather's two); under CP over every local position, with
+    # the logits (without CP nothing keeps them: the response positions' float32 copy is what the backward reads).
+    backward_start = (logits if cp > 1 else 0) + (6 if options.entropy else 4) * positions * vocab * FP32
     # The head's backward: the logits' gradient beside the output layer's weight gradient, or with MTP that weight
     # gradient once per head reading it and their sum (the logits' gradients gone by then).
     weight_grad = 0 if options.lora else vocab * arch.hidden_size * width

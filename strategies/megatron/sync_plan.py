@@ -46,7 +46,8 @@ def _fused(sizes: list[int], tp: int, width: int, lora: bool, copies_of_concat: 
     transient = total * width if tp > 1 else 0
     if copies_of_concat:
         transient += total * width
-    merging = LORA_MERGE_BUFFERS * total // tp * FP32 if lora else 0
+    # (a 16-bit base is copied to float32 first, and the copy stays while the update is made)
+    merging = (LORA_MERGE_BUFFERS + (width != FP32)) * total // tp * FP32 if lora else 0
     if lora:
         transient += total // tp * width  # the merged base, kept until the tensors are made
     if copies_of_concat or len(sizes) > 1:

@@ -7,6 +7,7 @@ train and forward phases allocate (counted tensor by tensor on these CPU ranks: 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -125,7 +126,9 @@ def _check_rank(where: str, report: dict, micro_batches: dict, strategy, layout,
     return lines
 
 
-def _plan_report(layout_actors, example, runs: list, sync_index: int, tmp_path) -> list[str]:
+def _plan_report(
+    layout_actors, example, runs: list, sync_index: int, tmp_path, params_dtype: str = "float32"
+) -> list[str]:
     """Planned vs measured at `runs` (and TP1) for both roles of `example`: one line per rank and phase."""
     from roll_backend.strategies.megatron.builder import HFArch
 
@@ -135,6 +138,7 @@ def _plan_report(layout_actors, example, runs: list, sync_index: int, tmp_path) 
     report = []
     for role in (ACTOR, CRITIC):
         config = _config(model_dir, example, role)
+        config = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, params_dtype=params_dtype))
         reference.call(ReconfigurableActor.init_model_with, config)
         batch = _role_batch(role, tensors, reference.call(role.forward, DataProto.from_dict(tensors=tensors)))
         for run, (name, meta) in enumerate([("tp1", {}), *runs]):
@@ -256,3 +260,19 @@ def test_an_iteration_counts_what_making_its_items_allocates_not_the_consumer_s_
     unmeasured = PhasePeaks("cpu")
     assert len(list(unmeasured.measure_iteration("weight_sync", buckets(), enabled=False))) == 3
     assert unmeasured.peaks == {}
+
+
+# 16-bit parameters: what a GPU plan is made of (the logits' float32 copy, a 16-bit LoRA base merged in float32 for a
+# sync, RMSNorm's float32 copy of its input) measured on CPU ranks, at the layouts whose terms differ.
+BFLOAT16_ROWS = Example("qwen3", 501, False, 2, 2, 0, 4, 8, 6, 3, lora=True, head_dim=32)
+BFLOAT16_RUNS = [
+    ("pp2", {}),
+    ("cp2", {}),
+    ("ep2", {keys.META_MAX_TOKENS_PER_MICROBATCH: 24, keys.META_SEQUENCE_PACKING: True}),
+]
+
+
+def test_bfloat16_parameters_are_planned_at_their_width(layout_actors, tmp_path):
+    report = _plan_report(layout_actors, BFLOAT16_ROWS, BFLOAT16_RUNS, 0, tmp_path, params_dtype="bfloat16")
+    assert any("model state" in line for line in report)
+    _assert_planned(BFLOAT16_ROWS, report)
