@@ -8,6 +8,7 @@ train and forward phases allocate (counted tensor by tensor on these CPU ranks: 
 from __future__ import annotations
 
 import dataclasses
+import random
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from reconfigurable_workers import ReconfigurableActor
 from test_layout_properties import (
     ACTOR,
     CRITIC,
+    SEED,
     Example,
     _config,
     _example_batch,
@@ -171,10 +173,22 @@ def test_planned_memory_is_the_measured_memory_at_every_layout(layout_actors, in
     _assert_planned(example, _plan_report(layout_actors, example, runs, index, tmp_path))
 
 
-# Rows of 100 prompt and 60 response tokens: the local spec's [sq, sk] scores outgrow a narrow MoE layer's MLP, so a
-# layer's backward peaks in its core attention (autograd's gradient of the masked softmax), which the drawn examples'
-# short rows never reach: without attention_backward_bytes the plan misses PP2's last stage by 16% here (22% with LoRA).
-LONG_ROWS = Example("qwen3_moe", 501, False, 2, 2, 0, 4, 100, 60, 3, head_dim=32)
+# Rows of about 100 prompt and 60 response tokens: the local spec's [sq, sk] scores outgrow a narrow MoE layer's MLP,
+# so a layer's backward peaks in its core attention (autograd's gradient of the masked softmax), which the drawn
+# examples' short rows never reach: without attention_backward_bytes the plan missed PP2's last stage by 16% at 4 rows
+# of 100 + 60 (22% with LoRA). The shape is drawn (ROLL_BACKEND_PROPERTY_SEED) around that.
+def long_rows() -> Example:
+    rng = random.Random(f"{SEED}-long-rows")
+    vocab, tied, rows = rng.randrange(330, 1100), rng.random() < 0.5, rng.randrange(3, 6)
+    prompt, response, seed, lora = (
+        rng.randrange(90, 111),
+        rng.randrange(50, 66),
+        rng.randrange(1000),
+        rng.random() < 0.5,
+    )
+    return Example("qwen3_moe", vocab, tied, 2, 2, 0, rows, prompt, response, seed, lora=lora, head_dim=32)
+
+
 LONG_RUNS = [
     ("pp2", {}),
     ("tp2", {}),
@@ -192,12 +206,16 @@ def test_long_rows_peak_in_the_attention_backward_as_planned(layout_actors, tmp_
     )
     from roll_backend.strategies.megatron.builder import HFArch
 
-    report = _plan_report(layout_actors, LONG_ROWS, LONG_RUNS, 1, tmp_path)
-    # (the shape is one whose peak the attention's backward sets, or this test would prove nothing new)
+    example = long_rows()
+    report = _plan_report(layout_actors, example, LONG_RUNS, 1, tmp_path)
+    # (the shape is one whose peak the attention's backward sets, or this test would prove nothing new: at 3/4 of the
+    # longest row, which a micro-batch of 2 of these rows reaches)
     arch = HFArch.from_model_path(str(tmp_path / "model"))
-    layout, micro, options = ParallelLayout(), MicroShape(2, 152, 60), PlanOptions(value_head=True)
+    width = (example.prompt_width + example.response_width) * 3 // 4
+    layout, micro = ParallelLayout(), MicroShape(2, width, example.response_width)
+    options = PlanOptions(value_head=True, lora=example.lora)
     assert attention_backward_bytes(arch, layout, micro, options) > layer_backward_bytes(arch, layout, micro, options)
-    _assert_planned(LONG_ROWS, report)
+    _assert_planned(example, report)
 
 
 def test_the_counter_sees_what_a_phase_allocates_and_frees():
