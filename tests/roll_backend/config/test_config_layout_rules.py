@@ -9,6 +9,14 @@ from test_config_errors import base, problems_of  # noqa: F401  (base: a fixture
 
 from roll_backend.config.loader import load_config
 
+# (three layers over two pipeline stages: an uneven split)
+PP2_OF_3_LAYERS = [
+    "actor_train.strategy.tp=1",
+    "actor_train.strategy.pp=2",
+    "actor_train.world_size=2",
+    "build_tiny_model.num_hidden_layers=3",
+]
+
 
 def test_model_parallel_size_must_divide_world_size(base):
     [problem] = problems_of(base + ["actor_train.strategy.tp=2", "actor_train.world_size=3"])
@@ -65,16 +73,7 @@ def test_cp_vpp_and_uneven_splits_load_for_megatron(base):
         ],
     )
     assert config.actor_train.strategy.layout.cp == 2 and config.actor_train.strategy.layout.vpp == 2
-    uneven = load_config(
-        CONFIG,
-        base
-        + [
-            "actor_train.strategy.tp=1",
-            "actor_train.strategy.pp=2",
-            "actor_train.world_size=2",
-            "build_tiny_model.num_hidden_layers=3",
-        ],
-    )
+    uneven = load_config(CONFIG, base + PP2_OF_3_LAYERS)
     assert uneven.actor_train.strategy.layout.pp == 2
 
 
@@ -95,11 +94,8 @@ def test_impossible_pipeline_splits_are_refused(base):
     )
     [problem] = problems_of(
         base
+        + PP2_OF_3_LAYERS
         + [
-            "actor_train.strategy.tp=1",
-            "actor_train.strategy.pp=2",
-            "actor_train.world_size=2",
-            "build_tiny_model.num_hidden_layers=3",
             "actor_train.strategy.first_stage_layers=2",
             "actor_train.strategy.last_stage_layers=2",
         ]
