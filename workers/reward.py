@@ -10,11 +10,13 @@ import numpy as np
 import torch
 
 from roll_backend import keys, roles
+from roll_backend.config.schema import OverlongBufferConfig
 from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
 from roll_backend.rewards.function_host import RewardFunctionProcess
+from roll_backend.rewards.overlong import overlong_penalty
 from roll_backend.rewards.registry import REWARDS, builtin_weights, get_reward_fn, score_answer
 from roll_backend.rewards.source_routing import SourceRouting
 from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, RewardFunctionSpec, RewardRows
@@ -35,6 +37,7 @@ class RewardWorkerConfig:
     # Multi-turn rollouts: the weight of the batch's ENV_REWARDS (the environment's reward) in the sum; None: none.
     env_weight: float | None = None
     by_source: Mapping[str, object] | str | None = None  # reward.by_source (rewards.source_routing)
+    overlong_buffer: OverlongBufferConfig | None = None  # reward.overlong_buffer, its max_length resolved
 
     def __post_init__(self):
         agentic = self.env_weight is not None
@@ -52,6 +55,8 @@ class RewardWorkerConfig:
             )
         if not self.function_timeout_s > 0:
             raise ValueError(f"reward.function_timeout_s={self.function_timeout_s} must be > 0")
+        if self.overlong_buffer is not None and self.overlong_buffer.max_length is None:
+            raise ValueError("overlong_buffer.max_length must be resolved (the run's response_length)")
         labels = [spec.label for spec in self.functions]
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
@@ -107,16 +112,16 @@ class RewardWorker(Worker):
         if keys.RESPONSE_MASK not in batch.batch.keys():
             raise KeyError(f"compute_rewards needs the tensor column '{keys.RESPONSE_MASK}'")
         columns = batch.non_tensor_batch
-        texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
         sources = columns[keys.DATA_SOURCE] if keys.DATA_SOURCE in columns else np.full(len(batch), "", dtype=object)
         row_weights = [self.routing.weights_for(str(source)) for source in sources]
+        real = _real_rows(batch)  # rows repeated by dispatch padding: not scored, not in the metrics
         scores, metrics = torch.zeros(len(batch)), {}
         for name in sorted({name for weights in row_weights for name in weights if name in REWARDS}):
-            rows = [i for i, weights in enumerate(row_weights) if name in weights]
+            rows = [i for i in real if name in row_weights[i]]
+            texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
             values = torch.tensor([score_answer(name, str(texts[i]), answers[i]) for i in rows], dtype=torch.float32)
             scores[rows] += values * torch.tensor([row_weights[i][name] for i in rows], dtype=torch.float32)
             metrics[f"reward/{name}_mean"] = _mean(values)
-        real = _real_rows(batch)  # rows repeated by dispatch padding are not sent to user code
         for index, spec in enumerate(self.config.functions):
             label = spec.label
             routed = np.array([i for i in real if label in row_weights[i]], dtype=np.int64)
@@ -126,15 +131,29 @@ class RewardWorker(Worker):
             metrics[f"reward/{label}/mean"] = _mean(values)
             metrics |= {f"reward/{label}/{key}": float(np.mean(vals)) for key, vals in result.extras.items()}
             metrics[f"reward/{label}/error_count"] = float(result.error_count)
-        if self.config.env_weight is not None and keys.ENV_REWARDS in batch.batch.keys():
-            env = batch.batch[keys.ENV_REWARDS].float()
-            scores = scores + self.config.env_weight * env
-            metrics["reward/env_mean"] = _mean(env)
-        metrics["reward/score_mean"] = _mean(scores)
+        scores += self._shaping(batch, real, metrics)
+        metrics["reward/score_mean"] = _mean(scores[real])
         return DataProto.from_dict(
             tensors={keys.TOKEN_LEVEL_SCORES: place_on_last_token(scores, batch.batch[keys.RESPONSE_MASK])},
             meta_info={keys.META_METRICS: metrics},
         )
+
+    def _shaping(self, batch: DataProto, real: np.ndarray, metrics: dict) -> torch.Tensor:
+        """What every row gets on top of its rewards: the environment's reward (multi-turn), DAPO's overlong
+        penalty (reward.overlong_buffer)."""
+        added = torch.zeros(len(batch))
+        if self.config.env_weight is not None and keys.ENV_REWARDS in batch.batch.keys():
+            env = batch.batch[keys.ENV_REWARDS].float()
+            added += self.config.env_weight * env
+            metrics["reward/env_mean"] = _mean(env[real])
+        overlong = self.config.overlong_buffer
+        if overlong is not None:
+            lengths = batch.batch[keys.RESPONSE_MASK].sum(-1)
+            penalty = overlong_penalty(lengths, overlong.max_length, overlong.length, overlong.penalty_factor)
+            added += penalty
+            metrics["reward/overlong_penalty_mean"] = _mean(penalty[real])
+            metrics["reward/overlong_fraction"] = _mean((penalty[real] < 0).float())
+        return added
 
 
 def _real_rows(batch: DataProto) -> np.ndarray:

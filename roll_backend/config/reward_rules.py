@@ -41,8 +41,30 @@ def reward_problems(config: PipelineConfig) -> list[str]:
         problems.append(f"reward.function_timeout_s={reward.function_timeout_s} must be > 0")
     if reward.world_size < 1:
         problems.append(f"reward.world_size={reward.world_size} must be >= 1")
+    problems.extend(_overlong_problems(config))
     problems.extend(_routing_problems(config, set(REWARDS)))
     problems.extend(_data_format_problems(config))
+    return problems
+
+
+def _overlong_problems(config: PipelineConfig) -> list[str]:
+    overlong = config.reward.overlong_buffer
+    if overlong is None:
+        return []
+    problems = []
+    max_length = overlong.max_length if overlong.max_length is not None else config.response_length
+    where = "reward.overlong_buffer"
+    if overlong.max_length is not None and overlong.max_length < 1:
+        problems.append(f"{where}.max_length={overlong.max_length} must be >= 1 (or null: response_length)")
+    elif not 1 <= overlong.length <= max_length:
+        problems.append(
+            f"{where}.length={overlong.length} must be between 1 and the longest response ({max_length} tokens: "
+            f"{where}.max_length, else response_length); DAPO used 4096 of 20480"
+        )
+    if not overlong.penalty_factor >= 0:
+        problems.append(f"{where}.penalty_factor={overlong.penalty_factor} must be >= 0")
+    if config.offline:
+        problems.append(f"{where} shapes rollout rewards; pipeline {config.pipeline!r} samples none: remove it")
     return problems
 
 

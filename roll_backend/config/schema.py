@@ -44,6 +44,17 @@ class RoleConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's overlong_buffer_cfg): a response of L tokens, past
+    max_length - length, gets min(-(L - (max_length - length)) / length * penalty_factor, 0) added to its reward,
+    down to -penalty_factor at max_length."""
+
+    length: int  # the buffer: the last tokens before max_length, over which the penalty grows
+    penalty_factor: float = 1.0  # the penalty at max_length (a reward of 1 is a solved problem)
+    max_length: int | None = None  # null: the run's response_length (verl's max_resp_len)
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """Rule-based rewards run over `world_size` actors, each scoring its share of the batch: built-in names
     (name -> weight, see roll_backend.rewards.registry) plus user functions, summed with their weights."""
@@ -71,6 +82,9 @@ class RewardConfig:
     # `by_source: auto` does that for every row. Its weights replace `rewards` (then null) and the functions'
     # weights. null: every row gets `rewards` and every function.
     by_source: dict[str, Any] | str | None = None
+    # DAPO's soft penalty for responses that reach into the last `length` tokens before the response length limit
+    # (added to every row's reward); null: none.
+    overlong_buffer: OverlongBufferConfig | None = None
 
     def builtin_weights(self, other_rewards: bool = False) -> dict[str, float]:
         """The built-in rewards to compute; `other_rewards`: the run is rewarded otherwise too (an environment, a

@@ -3,13 +3,14 @@ config says."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from roll_backend import roles
 from roll_backend.config.run_facts import hybrid_roles, run_facts, synced_adapter_rank
-from roll_backend.config.schema import PipelineConfig, RoleConfig
+from roll_backend.config.schema import OverlongBufferConfig, PipelineConfig, RoleConfig
 from roll_backend.distributed.placement import create_placement_group
 from roll_backend.distributed.worker_group import RankResources, WorkerGroup, start_together
 from roll_backend.workers.actor import ActorConfig, ActorLossConfig, ActorWorker
@@ -146,6 +147,7 @@ class _GroupStarter:
             on_function_error=reward.on_function_error,
             function_timeout_s=reward.function_timeout_s,
             by_source=reward.by_source,
+            overlong_buffer=overlong_buffer(self.config),
         )
         return WorkerGroup(
             RewardWorker,
@@ -156,6 +158,14 @@ class _GroupStarter:
             wait=False,
             **self.health,
         )
+
+
+def overlong_buffer(config: PipelineConfig) -> OverlongBufferConfig | None:
+    """reward.overlong_buffer with its max_length resolved (the run's response_length unless set)."""
+    overlong = config.reward.overlong_buffer
+    if overlong is None or overlong.max_length is not None:
+        return overlong
+    return dataclasses.replace(overlong, max_length=config.response_length)
 
 
 def _role_workers(config: PipelineConfig) -> dict[str, tuple[type, Any]]:

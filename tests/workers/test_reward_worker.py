@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from roll_backend import keys
+from roll_backend.config.schema import OverlongBufferConfig
 from roll_backend.protocol import DataProto
 from roll_backend.workers.reward import RewardWorker, RewardWorkerConfig
 
@@ -49,13 +50,30 @@ def test_math_rewards_on_a_two_rank_group(make_group):
     )
 
 
-def test_weighted_rewards_and_unknown_name(make_group):
-    group = make_group(
-        RewardWorker, 2, role="reward", worker_config=RewardWorkerConfig({"math_verify": 1.0, "format_boxed": 0.5})
-    )
-    out = group.call(RewardWorker.compute_rewards, rollout_like_batch([6] * len(CASES)))
+def dapo_overlong_reward(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
+    """DAPO's overlong reward as verl's DAPO reward manager writes it, row by row."""
+    expected_len = max_resp_len - buffer_len
+    exceed_len = length - expected_len
+    return min(-exceed_len / buffer_len * penalty_factor, 0)
+
+
+def test_weighted_rewards_with_the_overlong_penalty_and_unknown_name(make_group):
+    overlong = OverlongBufferConfig(length=3, penalty_factor=0.7, max_length=6)
+    config = RewardWorkerConfig({"math_verify": 1.0, "format_boxed": 0.5}, overlong_buffer=overlong)
+    group = make_group(RewardWorker, 2, role="reward", worker_config=config)
+    lengths = [6, 5, 4, 3, 1, 6, 2]  # the limit reached, inside the buffer, at its edge, short of it
+    out = group.call(RewardWorker.compute_rewards, rollout_like_batch(lengths))
     boxed = torch.tensor([0.5 if "\\boxed{" in c[0] else 0.0 for c in CASES])
-    assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES][:, -1], torch.tensor([c[2] for c in CASES]) + boxed)
+    overlong_rewards = torch.tensor([dapo_overlong_reward(length, 6, 3, 0.7) for length in lengths])
+    assert overlong_rewards.tolist()[:4] == pytest.approx([-0.7, -0.7 * 2 / 3, -0.7 / 3, 0.0])
+    expected = torch.tensor([c[2] for c in CASES]) + boxed + overlong_rewards
+    assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES].sum(dim=1), expected)
+    metrics = out.meta_info[keys.META_METRICS]
+    # Each rank's means, over its own rows only (rows 0-3 | 4-6; the dispatch's padding row not counted).
+    assert metrics["reward/overlong_fraction"] == pytest.approx([3 / 4, 1 / 3])
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(
+        [float(overlong_rewards[:4].mean()), float(overlong_rewards[4:].mean())]
+    )
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         RewardWorkerConfig({"nope": 1.0})
 

@@ -140,3 +140,21 @@ def test_reference_from_actor_base(base):
     data = resolve_yaml(CONFIG, switched)
     data["reference"] = {"from_actor_base": True}
     assert config_from_dict(data).reference_from_actor_base
+
+
+def test_the_overlong_buffer_counts_from_the_response_length_unless_set(base):
+    from roll_backend.pipelines.groups import overlong_buffer
+
+    run = base + ["response_length=8"]
+    config = load_config(CONFIG, run + ["reward.overlong_buffer={length: 8, penalty_factor: 0.5}"])
+    assert (overlong_buffer(config).max_length, overlong_buffer(config).length) == (8, 8)  # verl's max_resp_len
+    config = load_config(CONFIG, run + ["reward.overlong_buffer={length: 3, max_length: 6}"])
+    assert overlong_buffer(config).max_length == 6
+    too_long = problems_of(run + ["reward.overlong_buffer={length: 9}"])
+    assert any(
+        "reward.overlong_buffer.length=9 must be between 1 and the longest response (8 tokens" in p for p in too_long
+    )
+    assert any(
+        "reward.overlong_buffer.penalty_factor=-1.0 must be >= 0" in p
+        for p in problems_of(run + ["reward.overlong_buffer={length: 2, penalty_factor: -1}"])
+    )
