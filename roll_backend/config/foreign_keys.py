@@ -38,6 +38,8 @@ def _megatron(prefix: str, role: str) -> list[KeyRule]:
 _ACTOR = "actor_rollout_ref.actor"
 _ROLLOUT = "actor_rollout_ref.rollout"
 _MINI_BATCH_NOTE = "verl counts prompts, here responses: multiplied by rollout.n"
+_OVERLONG_ON = "reward.overlong_buffer is on when set (its length from overlong_buffer_cfg.len)"
+_OVERLONG_LOG = "reward/overlong_penalty_mean and reward/overlong_fraction are logged every step"
 VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("data.train_files", "data.train_path", "a list becomes a mixture of files (equal weights)"),
     KeyRule("data.val_files", "data.val_path"),
@@ -57,6 +59,15 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule(f"{_ACTOR}.optim.lr", "actor_train.strategy.optimizer.lr"),
     KeyRule(f"{_ACTOR}.optim.weight_decay", "actor_train.strategy.optimizer.weight_decay"),
     KeyRule(f"{_ACTOR}.optim.lr_warmup_steps", "actor_train.strategy.lr_schedule.warmup_steps"),
+    KeyRule(f"{_ACTOR}.optim.lr_decay_style", "actor_train.strategy.lr_schedule.decay_style"),
+    KeyRule(f"{_ACTOR}.optim.lr_decay_steps", "actor_train.strategy.lr_schedule.decay_steps"),
+    KeyRule(f"{_ACTOR}.optim.min_lr", "actor_train.strategy.optimizer.min_lr"),
+    KeyRule(
+        f"{_ACTOR}.optim.override_optimizer_config",
+        None,
+        "megatron-core's CPU optimizer is not used; actor_train.strategy.offload_optimizer moves the optimizer state "
+        "off the GPU between phases",
+    ),
     KeyRule(f"{_ACTOR}.optim.clip_grad", "actor_train.strategy.optimizer.clip_grad"),
     KeyRule(f"{_ACTOR}.grad_clip", "actor_train.strategy.optimizer.clip_grad"),
     KeyRule(f"{_ACTOR}.ppo_mini_batch_size", "algorithm.ppo_mini_batch_size", _MINI_BATCH_NOTE, derived=True),
@@ -129,6 +140,23 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule(f"{_ROLLOUT}.max_num_seqs", "actor_infer.strategy.max_num_seqs"),
     KeyRule(f"{_ROLLOUT}.max_model_len", "actor_infer.strategy.max_model_len"),
     KeyRule(f"{_ROLLOUT}.free_cache_engine", None, "the hybrid engine sleeps between generations (sleep_level)"),
+    KeyRule(f"{_ROLLOUT}.val_kwargs.n", "eval.n"),
+    KeyRule(f"{_ROLLOUT}.val_kwargs.temperature", "eval.temperature"),
+    KeyRule(f"{_ROLLOUT}.val_kwargs.top_p", "eval.top_p"),
+    KeyRule(f"{_ROLLOUT}.val_kwargs.top_k", "actor_infer.strategy.validation.top_k"),
+    KeyRule(f"{_ROLLOUT}.val_kwargs.do_sample", "eval.temperature", "do_sample: false is greedy (temperature 0)", True),
+    KeyRule(f"{_ROLLOUT}.load_format", None, "the engine starts from model_path; later weights come from the trainer"),
+    KeyRule(f"{_ROLLOUT}.layered_summon", None, "LoRA weights sync as actor_train.strategy.lora.sync says"),
+    KeyRule("actor_rollout_ref.model.use_shm", None, "each rank reads model_path itself"),
+    KeyRule("actor_rollout_ref.model.use_fused_kernels", None, "no switch here"),
+    KeyRule("actor_rollout_ref.model.override_config", None, "the model's config.json is read as it is"),
+    KeyRule(
+        "actor_rollout_ref.*.megatron.override_transformer_config",
+        None,
+        "megatron-core's TransformerConfig is built from the model's config.json and the strategy's settings; its "
+        "fusions follow the device",
+    ),
+    KeyRule("actor_rollout_ref.*.megatron.use_dist_checkpointing", None, "models load from Hugging Face weights"),
     KeyRule(f"{_ROLLOUT}.mode", None, "generation is synchronous unless async_generation is set"),
     KeyRule("algorithm.adv_estimator", "algorithm.adv_estimator"),
     KeyRule("algorithm.gamma", "algorithm.gamma"),
@@ -147,6 +175,32 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("reward_model.micro_batch_size_per_gpu", "reward_model.strategy.micro_batch_size"),
     KeyRule("reward_model.rollout.tensor_model_parallel_size", "reward_model.strategy.tp"),
     KeyRule("reward_model.num_workers", None, "the reward model's ranks are reward_model.world_size"),
+    KeyRule("reward_model.model.fsdp_config.param_offload", "reward_model.strategy.offload_params"),
+    KeyRule("reward_model.megatron.param_offload", "reward_model.strategy.offload_params"),
+    *_megatron("reward_model.megatron", "reward_model"),
+    KeyRule(
+        "reward_model.model.input_tokenizer",
+        None,
+        "a reward model whose tokenizer is not the policy's scores the decoded responses in its own chat template",
+    ),
+    KeyRule(
+        "reward_model.reward_manager",
+        None,
+        "rewards are reward.by_source (verl's default scorer per data source) or reward.functions; DAPO's overlong "
+        "penalty is reward.overlong_buffer",
+    ),
+    KeyRule("reward.reward_manager.name", None, "as reward_model.reward_manager"),
+    # DAPO's overlong penalty: reward_kwargs of verl's DAPO reward manager (reward_model. or reward. before), and the
+    # recipe's own reward_model.overlong_buffer
+    KeyRule("*.reward_kwargs.overlong_buffer_cfg.enable", None, _OVERLONG_ON),
+    KeyRule("*.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.length"),
+    KeyRule("*.reward_kwargs.overlong_buffer_cfg.penalty_factor", "reward.overlong_buffer.penalty_factor"),
+    KeyRule("*.reward_kwargs.overlong_buffer_cfg.log", None, _OVERLONG_LOG),
+    KeyRule("*.reward_kwargs.max_resp_len", "reward.overlong_buffer.max_length"),
+    KeyRule("reward_model.overlong_buffer.enable", None, _OVERLONG_ON),
+    KeyRule("reward_model.overlong_buffer.len", "reward.overlong_buffer.length"),
+    KeyRule("reward_model.overlong_buffer.penalty_factor", "reward.overlong_buffer.penalty_factor"),
+    KeyRule("reward_model.overlong_buffer.log", None, _OVERLONG_LOG),
     KeyRule("trainer.total_training_steps", "max_steps"),
     KeyRule("trainer.total_epochs", "max_steps", "epochs become steps: epochs x prompts / data.train_batch_size", True),
     KeyRule("trainer.save_freq", "checkpoint.save_steps"),
@@ -161,6 +215,7 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("trainer.nnodes", "actor_train.world_size", "GPUs x nodes become every role's world_size", True),
     KeyRule("trainer.critic_warmup", None, "the critic trains from the first step"),
     KeyRule("trainer.device", None, "the device comes from the ranks' resources (num_gpus_per_rank)"),
+    KeyRule("trainer.log_val_generations", None, "validation logs its metrics (val/...), not the generations"),
 )
 
 _TRAIN_ARGS = "actor_train.training_args"

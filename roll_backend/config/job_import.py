@@ -25,6 +25,8 @@ from roll_backend.config.foreign_keys import FRAMEWORKS, rule_for
 from roll_backend.config.schema import LAYOUT_KEYS
 
 ROLES = ("actor_train", "actor_infer", "reference")
+_VAL_KWARGS = "actor_rollout_ref.rollout.val_kwargs"
+_OVERLONG_SWITCHES = ("overlong_buffer_cfg.enable", "overlong_buffer.enable")
 _GPU_ROLE = {"num_gpus_per_rank": 1}
 
 
@@ -297,6 +299,11 @@ class _Job:
             value = _STRATEGIES.get(value, value)
         elif leaf == "test_freq" and int(value) <= 0:
             value = 0
+        elif leaf == "do_sample":
+            if value:
+                self.report.unmapped.append(f"{key} = True: validation samples at eval.temperature")
+                return _SKIP
+            value = 0.0  # (set again by finish: a val_kwargs.temperature written later does not undo it)
         elif leaf == "dtype":
             value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value)
             if role == "actor_infer":  # the engine's setting is `dtype`
@@ -401,6 +408,9 @@ class _Job:
             self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
         self._packing_budget()
         self._reward_model()
+        self._overlong_buffer()
+        if self._get(f"{_VAL_KWARGS}.do_sample", True) is False:
+            self.set("eval.temperature", 0.0)
         self._hosted_layouts()
         prompt = self.tree.get("data", {}).get("max_prompt_length")
         if prompt is not None:
@@ -414,6 +424,19 @@ class _Job:
                         f"max_model_len = {written} -> actor_infer.strategy.max_model_len = {prompt + response} (the "
                         "longest prompt plus the response must fit the engine here)"
                     )
+
+    def _overlong_buffer(self) -> None:
+        """verl's DAPO penalty applies only where its enable flag is true; otherwise its other keys are dropped."""
+        overlong = self.tree["reward"].get("overlong_buffer")
+        if overlong is None or any(
+            self._get(key, False) is True for key in self.settings if key.endswith(_OVERLONG_SWITCHES)
+        ):
+            return
+        del self.tree["reward"]["overlong_buffer"]
+        self.report.unmapped.append(
+            f"reward.overlong_buffer = {overlong}: its enable flag is not true, so verl applies no overlong penalty; "
+            "nor does the config written"
+        )
 
     def _packing_budget(self) -> None:
         """verl's use_remove_padding drops the padding of micro-batches of ppo_micro_batch_size_per_gpu rows; packing

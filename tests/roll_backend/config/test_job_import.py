@@ -437,3 +437,53 @@ def test_a_roll_agentic_config_says_its_environments_are_not_converted(tmp_path,
     assert cli.main(["convert", "roll", str(source), "-o", str(tmp_path / "agentic.yaml")]) == 0
     report = (tmp_path / "agentic.report.txt").read_text()
     assert "No equivalent here" in report and "ROLL's agentic pipeline is not converted" in report
+
+
+VERL_DAPO_SCRIPT = """set -x
+max_response_length=$((1024 * 2))
+enable_overlong_buffer={enable}
+python3 -m verl.trainer.main_ppo \\
+    algorithm.adv_estimator=grpo \\
+    data.train_files={train} \\
+    data.val_files={val} \\
+    data.train_batch_size=16 \\
+    data.max_prompt_length=512 \\
+    data.max_response_length=${{max_response_length}} \\
+    actor_rollout_ref.model.path={model} \\
+    actor_rollout_ref.rollout.n=4 \\
+    actor_rollout_ref.actor.optim.lr_decay_style=cosine \\
+    actor_rollout_ref.rollout.val_kwargs.do_sample=False \\
+    actor_rollout_ref.rollout.val_kwargs.temperature=0.6 \\
+    actor_rollout_ref.rollout.val_kwargs.n=1 \\
+    +actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True \\
+    reward_model.reward_manager=dapo \\
+    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=${{enable_overlong_buffer}} \\
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=512 \\
+    +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5 \\
+    +reward_model.reward_kwargs.max_resp_len=${{max_response_length}} \\
+    trainer.n_gpus_per_node=8 $@
+"""
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_validation(
+    tmp_path, prompt_files, enable
+):
+    """DAPO's overlong penalty (the reward manager's overlong_buffer_cfg) becomes reward.overlong_buffer, only where
+    verl applies it (enable true); do_sample=False is greedy validation whatever temperature follows it."""
+    script = tmp_path / "run_dapo.sh"
+    script.write_text(VERL_DAPO_SCRIPT.format(train=prompt_files[0], val=prompt_files[1], model=MODEL, enable=enable))
+    out = tmp_path / "converted.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    config = load_config(out, [], recipe_check=True)
+    report = (tmp_path / "converted.report.txt").read_text()
+    overlong = config.reward.overlong_buffer
+    if enable:
+        assert (overlong.length, overlong.penalty_factor, overlong.max_length) == (512, 0.5, 2048)
+    else:
+        assert overlong is None
+        assert "its enable flag is not true, so verl applies no overlong penalty" in report
+    assert config.eval.temperature == 0.0 and config.eval.n == 1
+    assert config.actor_train.strategy.config.lr_schedule.decay_style == "cosine"
+    assert "reward_model.reward_manager = 'dapo': rewards are reward.by_source" in report
+    assert "override_transformer_config.apply_rope_fusion = True: megatron-core's TransformerConfig is built" in report
