@@ -164,6 +164,21 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
     KeyRule("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward"),
     KeyRule("algorithm.kl_penalty", "algorithm.kl_estimator"),
+    # DAPO's dynamic sampling
+    KeyRule("algorithm.filter_groups.enable", "algorithm.dynamic_sampling"),
+    KeyRule(
+        "algorithm.filter_groups.max_num_gen_batches",
+        "algorithm.max_generation_rounds",
+        "at the limit verl stops the run, here the step trains on the groups it has",
+        True,
+    ),
+    KeyRule("algorithm.filter_groups.metric", None, "a group is kept when its responses' rewards differ"),
+    KeyRule(
+        "data.gen_batch_size",
+        None,
+        "a step's first round draws rollout_batch_size prompts; a refill draws algorithm.refill_oversample x the "
+        "groups missing",
+    ),
     KeyRule("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.type"),
     KeyRule("algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.kl_coef"),
     KeyRule("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.target_kl"),

@@ -299,6 +299,9 @@ class _Job:
             value = _STRATEGIES.get(value, value)
         elif leaf == "test_freq" and int(value) <= 0:
             value = 0
+        elif leaf == "max_num_gen_batches" and not int(value):
+            self.report.converted.append(f"{key} = 0 (no limit) -> {target} left at its default (a limit is needed)")
+            return _SKIP
         elif leaf == "do_sample":
             if value:
                 self.report.unmapped.append(f"{key} = True: validation samples at eval.temperature")

@@ -4,6 +4,7 @@ equivalent; unknown-key errors name the equivalent of a verl or ROLL key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -455,6 +456,9 @@ python3 -m verl.trainer.main_ppo \\
     actor_rollout_ref.rollout.val_kwargs.do_sample=False \\
     actor_rollout_ref.rollout.val_kwargs.temperature=0.6 \\
     actor_rollout_ref.rollout.val_kwargs.n=1 \\
+    algorithm.filter_groups.enable=True \\
+    algorithm.filter_groups.metric=acc \\
+    algorithm.filter_groups.max_num_gen_batches={max_rounds} \\
     +actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True \\
     reward_model.reward_manager=dapo \\
     +reward_model.reward_kwargs.overlong_buffer_cfg.enable=${{enable_overlong_buffer}} \\
@@ -465,14 +469,19 @@ python3 -m verl.trainer.main_ppo \\
 """
 
 
-@pytest.mark.parametrize("enable", [True, False])
+@pytest.mark.parametrize("enable, max_rounds", [(True, 10), (False, 0)])
 def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_validation(
-    tmp_path, prompt_files, enable
+    tmp_path, prompt_files, enable, max_rounds
 ):
     """DAPO's overlong penalty (the reward manager's overlong_buffer_cfg) becomes reward.overlong_buffer, only where
-    verl applies it (enable true); do_sample=False is greedy validation whatever temperature follows it."""
+    verl applies it (enable true); its group filter is dynamic sampling (verl's 0 rounds, no limit, leaves ours at
+    its default); do_sample=False is greedy validation whatever temperature follows it."""
     script = tmp_path / "run_dapo.sh"
-    script.write_text(VERL_DAPO_SCRIPT.format(train=prompt_files[0], val=prompt_files[1], model=MODEL, enable=enable))
+    script.write_text(
+        VERL_DAPO_SCRIPT.format(
+            train=prompt_files[0], val=prompt_files[1], model=MODEL, enable=enable, max_rounds=max_rounds
+        )
+    )
     out = tmp_path / "converted.yaml"
     assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
     config = load_config(out, [], recipe_check=True)
@@ -484,6 +493,9 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
         assert overlong is None
         assert "its enable flag is not true, so verl applies no overlong penalty" in report
     assert config.eval.temperature == 0.0 and config.eval.n == 1
+    assert config.algorithm.dynamic_sampling
+    default_rounds = next(f.default for f in dataclasses.fields(config.algorithm) if f.name == "max_generation_rounds")
+    assert config.algorithm.max_generation_rounds == (max_rounds or default_rounds)
     assert config.actor_train.strategy.config.lr_schedule.decay_style == "cosine"
     assert "reward_model.reward_manager = 'dapo': rewards are reward.by_source" in report
     assert "override_transformer_config.apply_rope_fusion = True: megatron-core's TransformerConfig is built" in report
