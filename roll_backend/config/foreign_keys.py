@@ -32,12 +32,18 @@ def _megatron(prefix: str, role: str) -> list[KeyRule]:
         "expert_model_parallel_size": "ep",
         "expert_tensor_parallel_size": "etp",
     }
-    return [KeyRule(f"{prefix}.{theirs}", f"{role}.strategy.{ours}") for theirs, ours in names.items()]
+    rules = [KeyRule(f"{prefix}.{theirs}", f"{role}.strategy.{ours}") for theirs, ours in names.items()]
+    vpp_note = "1 (one model chunk per stage) is null here"
+    return [KeyRule(r.pattern, r.target, vpp_note, True) if r.target.endswith(".vpp") else r for r in rules]
 
 
 _ACTOR = "actor_rollout_ref.actor"
 _ROLLOUT = "actor_rollout_ref.rollout"
 _MINI_BATCH_NOTE = "verl counts prompts, here responses: multiplied by rollout.n"
+_TRACKERS_NOTE = (
+    "console, wandb, tensorboard and mlflow carry over (console: the progress bar), after jsonl (metrics.jsonl, "
+    "which roll-backend plot reads); other trackers have no backend here"
+)
 _OVERLONG_ON = "reward.overlong_buffer is on when set (its length from overlong_buffer_cfg.len)"
 _OVERLONG_LOG = "reward/overlong_penalty_mean and reward/overlong_fraction are logged every step"
 VERL_KEYS: tuple[KeyRule, ...] = (
@@ -223,7 +229,7 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("trainer.val_before_train", "eval.before_train"),
     KeyRule("trainer.project_name", "logging.project"),
     KeyRule("trainer.experiment_name", "exp_name"),
-    KeyRule("trainer.logger", "logging.backends", "console is always on; wandb, tensorboard and mlflow carry over"),
+    KeyRule("trainer.logger", "logging.backends", _TRACKERS_NOTE, True),
     KeyRule("trainer.default_local_dir", "output_dir"),
     KeyRule("trainer.resume_mode", "checkpoint.resume", "auto carries over; disable is null"),
     KeyRule("trainer.n_gpus_per_node", "actor_train.world_size", "GPUs x nodes become every role's world_size", True),
@@ -266,6 +272,15 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("pg_clip", "algorithm.clip_ratio_low", "sets both clip_ratio_low and clip_ratio_high"),
     KeyRule("logging_steps", None, "every step is logged"),
     KeyRule("logging_dir", None, "logs go to output_dir"),
+    KeyRule("track_with", "logging.backends", _TRACKERS_NOTE, True),
+    KeyRule("tracker_kwargs.project", "logging.project"),
+    KeyRule(
+        "tracker_kwargs.api_key", None, "trackers read their own credentials (WANDB_API_KEY): keep keys out of configs"
+    ),
+    KeyRule("tracker_kwargs.*", None, "tracker settings of ROLL's own"),
+    KeyRule("num_gpus_per_node", None, "each role's world_size comes from its device_mapping"),
+    KeyRule("hydra.*", None, "Hydra's own settings"),
+    KeyRule("hydra.*.*", None, "Hydra's own settings"),
     KeyRule("resume_from_checkpoint", "checkpoint.resume", "a folder or false; auto finds the latest"),
     KeyRule("whiten_advantages", None, "advantages follow algorithm.adv_estimator (GRPO normalises per group)"),
     KeyRule(f"{_TRAIN_ARGS}.learning_rate", "actor_train.strategy.optimizer.lr"),
@@ -312,7 +327,14 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("*.strategy_args.strategy_config.max_model_len", "{role}.strategy.max_model_len"),
     KeyRule("*.strategy_args.strategy_config.max_num_batched_tokens", "{role}.strategy.max_num_batched_tokens"),
     KeyRule("*.strategy_args.strategy_config.max_num_seqs", "{role}.strategy.max_num_seqs"),
+    KeyRule(
+        "*.strategy_args.strategy_config.mem_fraction_static",
+        "{role}.strategy.gpu_memory_utilization",
+        "SGLang's share of GPU memory for weights and KV cache is vLLM's gpu_memory_utilization",
+        True,
+    ),
     KeyRule("*.strategy_args.strategy_config.*", None, "engine settings of ROLL's own"),
+    KeyRule("*.num_gpus_per_worker", None, "one GPU per rank; an engine's TP spans that many ranks"),
     KeyRule("*.device_mapping", "{role}.world_size", "one rank per listed GPU", derived=True),
     KeyRule("actor_infer.infer_batch_size", None, "the engine batches its requests itself"),
     KeyRule("actor_train.infer_batch_size", None, "old log-probs run with actor_train.strategy.micro_batch_size"),
@@ -322,6 +344,11 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("actor_infer.generating_args.top_k", "actor_infer.strategy.sampling.top_k"),
     KeyRule("actor_infer.generating_args.max_new_tokens", "response_length"),
     KeyRule("actor_infer.generating_args.num_return_sequences", "num_return_sequences_in_group"),
+    KeyRule("validation.generating_args.temperature", "eval.temperature"),
+    KeyRule("validation.generating_args.top_p", "eval.top_p"),
+    KeyRule("validation.generating_args.top_k", "actor_infer.strategy.validation.top_k"),
+    KeyRule("validation.generating_args.num_return_sequences", "eval.n"),
+    KeyRule("validation.generating_args.max_new_tokens", None, "validation answers up to response_length tokens"),
     KeyRule("*.generating_args.*", None, "sampling settings of ROLL's own"),
     KeyRule("validation.eval_steps", "eval.every_steps"),
     KeyRule("validation.*", None, "validation samples greedily unless eval.temperature is set"),

@@ -26,6 +26,14 @@ from roll_backend.config.schema import LAYOUT_KEYS
 
 ROLES = ("actor_train", "actor_infer", "reference")
 _VAL_KWARGS = "actor_rollout_ref.rollout.val_kwargs"
+_BACKENDS = {
+    "console": "console",
+    "stdout": "console",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+}
+_SECRET = re.compile(r"(^|_)(api_?key|access_?key|token|secret|password)$", re.IGNORECASE)
 _OVERLONG_SWITCHES = ("overlong_buffer_cfg.enable", "overlong_buffer.enable")
 _GPU_ROLE = {"num_gpus_per_rank": 1}
 
@@ -262,7 +270,8 @@ class _Job:
             return
         if rule is None or rule.target is None:
             why = rule.note if rule else "not a setting this converter knows"
-            self.report.unmapped.append(f"{key} = {value!r}: {why}")
+            shown = "'***'" if _SECRET.search(key.rsplit(".", 1)[-1]) else repr(value)  # (the report is shared)
+            self.report.unmapped.append(f"{key} = {shown}: {why}")
             return
         role = key.split(".")[0]
         target = rule.target.replace("{role}", role) + (entry if rule.mapping else "")
@@ -299,6 +308,9 @@ class _Job:
             value = _STRATEGIES.get(value, value)
         elif leaf == "test_freq" and int(value) <= 0:
             value = 0
+        elif leaf == "virtual_pipeline_model_parallel_size" and value is not None and int(value) <= 1:
+            self.report.converted.append(f"{key} = {value} -> {target} = null (one model chunk per stage: no vpp)")
+            return _SKIP
         elif leaf == "max_num_gen_batches" and not int(value):
             self.report.converted.append(f"{key} = 0 (no limit) -> {target} left at its default (a limit is needed)")
             return _SKIP
@@ -315,8 +327,8 @@ class _Job:
             value = not value
         elif leaf == "recompute_granularity":
             value = value == "full"
-        elif leaf == "logger":
-            value = [name for name in (value if isinstance(value, list) else [value]) if name != "console"]
+        elif leaf in ("logger", "track_with"):
+            value = _backends(value)
         elif leaf == "resume_mode":
             value = "auto" if value == "auto" else None
         elif key == "adv_estimator" and self.framework == "roll":
@@ -520,6 +532,13 @@ _STRATEGIES = {
     "deepspeed_infer": "megatron_infer",
     "hf_infer": "megatron_infer",
 }
+
+
+def _backends(trackers: Any) -> list[str]:
+    """verl's loggers or ROLL's trackers as logging.backends: those there is a backend for (console and stdout: the
+    progress bar, which shows the step's metrics), after jsonl, the run's metrics.jsonl that `plot` reads."""
+    trackers = trackers if isinstance(trackers, list) else [trackers]
+    return list(dict.fromkeys(["jsonl"] + [_BACKENDS[name] for name in trackers if name in _BACKENDS]))
 
 
 def _shell_variable(value: Any) -> bool:

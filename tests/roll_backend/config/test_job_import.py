@@ -65,8 +65,12 @@ python3 -m verl.trainer.main_ppo --config-path=config \\
 """
 
 ROLL_CONFIG = """
+hydra:
+  run: {{dir: .}}
 exp_name: qwen2.5-7B-rlvr
 seed: 42
+track_with: wandb
+tracker_kwargs: {{project: roll_rlvr, api_key: sEcReT-123}}
 output_dir: ./output
 save_steps: 100
 logging_steps: 1
@@ -107,6 +111,7 @@ actor_train:
     strategy_config:
       tensor_model_parallel_size: 2
       pipeline_model_parallel_size: 1
+      virtual_pipeline_model_parallel_size: 1
       use_distributed_optimizer: true
       recompute_granularity: full
   device_mapping: list(range(0,8))
@@ -175,6 +180,7 @@ def test_a_verl_megatron_grpo_script_converts_to_a_config_that_validates(tmp_pat
     assert config.actor_infer.hybrid and config.reference.hybrid
     assert config.reward.by_source == "auto"  # verl's default scorer picks by data source
     assert "actor_rollout_ref.actor.ppo_mini_batch_size = 16 -> algorithm.ppo_mini_batch_size = 80" in report
+    assert config.logging.backends == ("jsonl", "console", "wandb")  # (the run's metrics.jsonl kept)
     assert "trainer.total_epochs = 3 -> max_steps = 12" in report
     # No equivalent, each with why; a shell variable is left to the user.
     assert "data.truncation = 'error': prompts are never truncated here" in report
@@ -212,6 +218,11 @@ def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt
     assert "rewards.llm_judge.worker_cls" in report and "no built-in scorer for domain 'llm_judge'" in report
     assert config.data.source_weights == {"math_rule": 0.6, "crossthinkqa": 0.4}  # domain_interleave_probs
     assert config.data.messages_key == "messages"
+    assert (config.eval.temperature, config.eval.top_p) == (0.6, 0.6)  # validation's generating_args
+    assert config.logging.backends == ("jsonl", "wandb") and config.logging.project == "roll_rlvr"
+    assert config.actor_train.strategy.layout.vpp is None  # ROLL's vpp 1: one chunk per stage
+    assert "sEcReT" not in report and "sEcReT" not in out.read_text()  # (a key in the report is a leaked key)
+    assert "tracker_kwargs.api_key = '***': trackers read their own credentials" in report
 
 
 def test_a_job_of_the_other_framework_or_of_this_project_is_refused_with_the_command_that_reads_it(
