@@ -140,14 +140,14 @@ class RewardWorker(Worker):
 
     def _shaping(self, batch: DataProto, real: np.ndarray, metrics: dict) -> torch.Tensor:
         """What every row gets on top of its rewards: the environment's reward (multi-turn), DAPO's overlong
-        penalty (reward.overlong_buffer)."""
+        penalty (reward.overlong_buffer; not in validation, whose accuracy counts correct answers, as verl's acc)."""
         added = torch.zeros(len(batch))
         if self.config.env_weight is not None and keys.ENV_REWARDS in batch.batch.keys():
             env = batch.batch[keys.ENV_REWARDS].float()
             added += self.config.env_weight * env
             metrics["reward/env_mean"] = _mean(env[real])
         overlong = self.config.overlong_buffer
-        if overlong is not None:
+        if overlong is not None and not batch.meta_info.get(keys.META_VALIDATE, False):  # (validation: answers only)
             lengths = batch.batch[keys.RESPONSE_MASK].sum(-1)
             penalty = overlong_penalty(lengths, overlong.max_length, overlong.length, overlong.penalty_factor)
             added += penalty

@@ -236,7 +236,11 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("trainer.nnodes", "actor_train.world_size", "GPUs x nodes become every role's world_size", True),
     KeyRule("trainer.critic_warmup", None, "the critic trains from the first step"),
     KeyRule("trainer.device", None, "the device comes from the ranks' resources (num_gpus_per_rank)"),
-    KeyRule("trainer.log_val_generations", None, "validation logs its metrics (val/...), not the generations"),
+    KeyRule(
+        "trainer.log_val_generations",
+        None,
+        "every validation writes all its generations to output_dir/validation.jsonl",
+    ),
 )
 
 _TRAIN_ARGS = "actor_train.training_args"

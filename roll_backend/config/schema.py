@@ -83,7 +83,7 @@ class RewardConfig:
     # weights. null: every row gets `rewards` and every function.
     by_source: dict[str, Any] | str | None = None
     # DAPO's soft penalty for responses that reach into the last `length` tokens before the response length limit
-    # (added to every row's reward); null: none.
+    # (added to every training row's reward; validation scores the answers alone); null: none.
     overlong_buffer: OverlongBufferConfig | None = None
 
     def builtin_weights(self, other_rewards: bool = False) -> dict[str, float]:

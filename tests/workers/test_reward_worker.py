@@ -74,6 +74,11 @@ def test_weighted_rewards_with_the_overlong_penalty_and_unknown_name(make_group)
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(
         [float(overlong_rewards[:4].mean()), float(overlong_rewards[4:].mean())]
     )
+    # Validation scores the answers alone (its accuracy counts a long right answer as right).
+    validation = rollout_like_batch(lengths)
+    validation.meta_info[keys.META_VALIDATE] = True
+    out = group.call(RewardWorker.compute_rewards, validation)
+    assert torch.allclose(out.batch[keys.TOKEN_LEVEL_SCORES].sum(dim=1), expected - overlong_rewards)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         RewardWorkerConfig({"nope": 1.0})
 

@@ -71,6 +71,7 @@ class Validation:
                 generated = groups.actor_infer.call(RolloutWorker.generate, chunk)
             rollout.append(phases.generation_metrics(generated))
             with timer.phase(roles.SCORE):
+                generated.meta_info[keys.META_VALIDATE] = True  # (scored without reward shaping: workers/reward.py)
                 phases.score(groups, generated, self.config.reward)
             scored.append(generated)
         batch = DataProto.concat(scored)
