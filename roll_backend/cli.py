@@ -394,7 +394,8 @@ def cmd_convert(args) -> int:
     """Write the converted config and its report (OUT.report.txt), then validate it as `validate` would."""
     import yaml
 
-    from roll_backend.config.job_import import convert, not_a_job_of, read_job
+    from roll_backend.config.job_import import convert, not_a_job_of
+    from roll_backend.config.job_reading import read_job
 
     if not Path(args.input).is_file():
         raise CliError(f"{args.input} does not exist; give a verl/ROLL YAML config or a run script")

@@ -1,8 +1,7 @@
 """`roll-backend convert verl|roll INPUT`: a verl or ROLL job as a config here, with a report of every input key.
 
-INPUT is a YAML config, or a run script (verl's `python3 -m verl.trainer.main_ppo key=value ...`, backslash line
-continuations; `$VAR` references take the script's own assignments above the command, then the environment's, as the
-shell would; a value with a variable set nowhere is reported, not guessed). Each key
+INPUT is a YAML config, or a run script (verl's `python3 -m verl.trainer.main_ppo key=value ...`), read by
+config.job_reading. Each key
 goes through config.foreign_keys: copied to its key here, converted where the meaning differs (verl's mini-batch
 counts prompts, here responses; epochs become steps; GPU counts become world sizes), or listed as having no
 equivalent. The result starts from a GRPO job on Megatron + vLLM with the rollout and reference on the trainer's GPUs
@@ -12,9 +11,7 @@ equivalent. The result starts from a GRPO job on Megatron + vLLM with the rollou
 from __future__ import annotations
 
 import math
-import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +19,12 @@ from typing import Any
 import yaml
 
 from roll_backend.config.foreign_keys import FRAMEWORKS, rule_for
+from roll_backend.config.roll_offline_jobs import aliased, offline_pipeline, offline_tree
 from roll_backend.config.schema import LAYOUT_KEYS
 
 ROLES = ("actor_train", "actor_infer", "reference")
 _VAL_KWARGS = "actor_rollout_ref.rollout.val_kwargs"
+_EPOCHS = "actor_train.training_args.num_train_epochs"  # ROLL's
 _BACKENDS = {
     "console": "console",
     "stdout": "console",
@@ -53,144 +52,6 @@ class Report:
         return "\n".join(
             f"{title} ({len(lines)}):\n" + "".join(f"  {line}\n" for line in lines) for title, lines in sections
         )
-
-
-def read_job(source: str) -> dict[str, Any]:
-    """The job's settings as dotted keys: a YAML file flattened, or a script's `key=value` arguments."""
-    text = Path(source).read_text()
-    if Path(source).suffix in (".yaml", ".yml"):
-        from omegaconf import OmegaConf
-
-        tree = OmegaConf.load(source)
-        try:  # ROLL's configs refer to their own keys (${response_length}); resolve them where they resolve
-            return flatten(OmegaConf.to_container(tree, resolve=True))
-        except Exception:
-            return flatten(OmegaConf.to_container(tree, resolve=False))
-    settings, variables = {}, {}
-    for line in text.replace("\\\n", " ").splitlines():
-        line = _substitute_arithmetic(line, variables)
-        assignment = re.fullmatch(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)", line)
-        words = shlex.split(assignment.group(2), comments=True) if assignment else []
-        if assignment and len(words) <= 1:  # a shell variable the command below may use (not `NAME=value command`)
-            variables[assignment.group(1)] = _expand(words[0] if words else "", variables)
-            continue
-        for token in shlex.split(line, comments=True):
-            match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
-            if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
-                expanded = _expand(match.group(2), variables)
-                # (a variable that is empty leaves nothing to convert: reported like one set nowhere)
-                settings[match.group(1)] = _value(expanded if expanded or "$" not in match.group(2) else match.group(2))
-    return settings
-
-
-_UNSET = "\x00"  # marks a variable set nowhere while the expansion goes on (written back as `$name`)
-
-
-def _lookup(name: str, variables: dict[str, str]) -> str | None:
-    if name.isdigit():  # a positional parameter (`$1`): the script is read, never run with arguments
-        return None
-    return variables.get(name, os.environ.get(name))
-
-
-def _expand(text: str, variables: dict[str, str]) -> str:
-    """Parameter expansion as the shell does it: `$name`, `${name}`, and `${name:-default}` (`-`, `=`, `:=` alike,
-    `:+alternative`), innermost first, from the script's assignments or the environment; a variable set nowhere and
-    without a default stays as `$name` (and is reported)."""
-
-    def braced(match: re.Match) -> str:
-        found = re.fullmatch(r"([A-Za-z_]\w*|\d+)(?:(:?[-=+])(.*))?", match.group(1), re.S)
-        if found is None:
-            return match.group(0).replace("${", "$\x01")  # (not an expansion this reads: left as written)
-        name, operation, word = found.groups()
-        value = _lookup(name, variables)
-        is_set = value is not None and not (value == "" and (operation or "").startswith(":"))
-        if operation and operation.endswith("+"):
-            return word if is_set else ""
-        if is_set:
-            return value
-        if operation is None:
-            return f"{_UNSET}{name}{_UNSET}"
-        if operation.endswith("="):
-            variables[name] = word
-        return word
-
-    previous = None
-    while previous != text:
-        previous, text = text, re.sub(r"\$\{([^{}]*)\}", braced, text)
-
-    def plain(match: re.Match) -> str:
-        value = _lookup(match.group(1), variables)
-        return f"{_UNSET}{match.group(1)}{_UNSET}" if value is None else value
-
-    text = re.sub(r"\$([A-Za-z_]\w*)", plain, text)
-    return re.sub(f"{_UNSET}(\\w+){_UNSET}", r"$\1", text).replace("$\x01", "${")
-
-
-def _substitute_arithmetic(line: str, variables: dict[str, str]) -> str:
-    """Each `$(( expression ))` of a line (parentheses balanced) replaced by its value."""
-    out, index = [], 0
-    while (start := line.find("$((", index)) >= 0:
-        depth, end = 2, start + 3
-        while end < len(line) and depth:
-            depth += {"(": 1, ")": -1}.get(line[end], 0)
-            end += 1
-        if depth:
-            break
-        out += [line[index:start], _arithmetic(line[start + 3 : end - 2], variables, line[start:end])]
-        index = end
-    return "".join(out) + line[index:]
-
-
-def _arithmetic(expression: str, variables: dict[str, str], written: str) -> str:
-    """The value of a shell `$(( expression ))` over integers (its names are variables), or `written` when it is not
-    one this can read."""
-    import ast
-    import operator
-
-    operators = {
-        ast.Add: operator.add,
-        ast.Sub: operator.sub,
-        ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv,
-        ast.Div: operator.floordiv,  # (the shell's division is an integer's)
-        ast.Mod: operator.mod,
-    }
-
-    def evaluate(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name):
-            return int(_lookup(node.id, variables) or 0)  # (an unset name is 0 in the shell)
-        if isinstance(node, ast.BinOp) and type(node.op) in operators:
-            return operators[type(node.op)](evaluate(node.left), evaluate(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -evaluate(node.operand)
-        raise ValueError(expression)
-
-    try:
-        return str(evaluate(ast.parse(_expand(expression, variables).strip(), mode="eval").body))
-    except (ValueError, SyntaxError, ZeroDivisionError):
-        return written
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out = {}
-        for key, value in tree.items():
-            out |= flatten(value, f"{prefix}{key}.")
-        return out
-    return {prefix.rstrip("."): tree} if prefix else {}  # (an empty or scalar document holds no settings)
-
-
-def _value(text: str) -> Any:
-    """A command-line value as Hydra reads it: YAML, with 1e-6 a number (YAML 1.1 wants 1.0e-6)."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
-        return float(value)
-    return value
 
 
 def not_a_job_of(framework: str, settings: dict[str, Any]) -> str | None:
@@ -224,6 +85,11 @@ def convert(framework: str, settings: dict[str, Any]) -> tuple[dict[str, Any], R
 class _Job:
     def __init__(self, framework: str, settings: dict[str, Any]):
         self.framework, self.settings, self.report = framework, settings, Report()
+        self._by_lookup = {aliased(key) if framework == "roll" else key: value for key, value in settings.items()}
+        self.offline = offline_pipeline(settings) if framework == "roll" else None  # (ROLL's SFT and DPO jobs)
+        if self.offline is not None:
+            self.tree = offline_tree(self.offline)
+            return
         with_critic = framework == "verl" and (
             settings.get("algorithm.adv_estimator") == "gae" or any(key.startswith("critic.") for key in settings)
         )
@@ -257,8 +123,11 @@ class _Job:
         node[leaf] = value
 
     def take(self, key: str, value: Any) -> None:
-        rule = rule_for(self.framework, key)
-        parts, entry = key.split("."), ""
+        """Write one setting of theirs into the tree and the report (`key` as they wrote it, its rule looked up under
+        the role's name here)."""
+        lookup = aliased(key) if self.framework == "roll" else key
+        rule = rule_for(self.framework, lookup)
+        parts, entry = lookup.split("."), ""
         while rule is None and len(parts) > 1:  # a mapping setting (flattened): its parent's rule, if it has none
             entry = f".{parts.pop()}{entry}"
             parent = rule_for(self.framework, ".".join(parts))
@@ -273,10 +142,10 @@ class _Job:
             shown = "'***'" if _SECRET.search(key.rsplit(".", 1)[-1]) else repr(value)  # (the report is shared)
             self.report.unmapped.append(f"{key} = {shown}: {why}")
             return
-        role = key.split(".")[0]
+        role = lookup.split(".")[0]
         target = rule.target.replace("{role}", role) + (entry if rule.mapping else "")
         if rule.derived or rule.note:
-            new = self.derive(key, target, value, role)
+            new = self.derive(lookup, target, value, role)
             if new is not _SKIP:
                 self.report.converted.append(f"{key} = {value!r} -> {target} = {new!r} ({rule.note})")
             return
@@ -285,12 +154,17 @@ class _Job:
 
     def derive(self, key: str, target: str, value: Any, role: str) -> Any:
         leaf = key.rsplit(".", 1)[-1]
-        if leaf in ("train_files", "file_name") and isinstance(value, list):
+        if leaf in _VALUE_CONVERSIONS:
+            value = _VALUE_CONVERSIONS[leaf](value)
+            if leaf == "dtype" and role == "actor_infer":  # the engine's setting is `dtype`
+                target = "actor_infer.strategy.dtype"
+        elif leaf in ("train_files", "file_name") and isinstance(value, list):
             value = value[0] if len(value) == 1 else [{"path": path} for path in value]
         elif leaf == "ppo_mini_batch_size":
             value = int(value) * int(self._get("actor_rollout_ref.rollout.n", 1))
         elif leaf == "total_epochs":
-            value = self._epochs_to_steps(int(value))
+            files = self._get("data.train_files", None)
+            value = self._epochs_to_steps(key, int(value), files, int(self._get("data.train_batch_size", 1)))
         elif leaf in ("n_gpus_per_node", "nnodes"):
             gpus = int(self._get("trainer.n_gpus_per_node", 1)) * int(self._get("trainer.nnodes", 1))
             for name in ROLES:
@@ -304,10 +178,10 @@ class _Job:
             value = self._roll_mini_batch(int(value))
         elif leaf in ("clip_ratio", "pg_clip"):
             self.set("algorithm.clip_ratio_high", value)
-        elif leaf == "name" and key.endswith("rollout.name") or leaf == "strategy_name":
+        elif leaf == "name" and key.endswith("rollout.name"):
             value = _STRATEGIES.get(value, value)
-        elif leaf == "test_freq" and int(value) <= 0:
-            value = 0
+        elif leaf == "sequence_length":
+            return self._split_sequence_length(int(value))
         elif leaf == "virtual_pipeline_model_parallel_size" and value is not None and int(value) <= 1:
             self.report.converted.append(f"{key} = {value} -> {target} = null (one model chunk per stage: no vpp)")
             return _SKIP
@@ -319,23 +193,9 @@ class _Job:
                 self.report.unmapped.append(f"{key} = True: validation samples at eval.temperature")
                 return _SKIP
             value = 0.0  # (set again by finish: a val_kwargs.temperature written later does not undo it)
-        elif leaf == "dtype":
-            value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value)
-            if role == "actor_infer":  # the engine's setting is `dtype`
-                target = "actor_infer.strategy.dtype"
-        elif leaf == "disable_gradient_checkpointing":
-            value = not value
-        elif leaf == "recompute_granularity":
-            value = value == "full"
-        elif leaf in ("logger", "track_with"):
-            value = _backends(value)
-        elif leaf == "resume_mode":
-            value = "auto" if value == "auto" else None
         elif key == "adv_estimator" and self.framework == "roll":
             if value == "reinforce":  # (ROLL computes GRPO's returns the same way, after a group normalisation)
                 value = "grpo" if self._get("norm_mean_type", None) == "group" else "reinforce_plus_plus"
-        elif leaf == "resume_from_checkpoint":
-            value = value or None  # (false: a fresh run)
         elif leaf in ("path", "name") and key.startswith("custom_reward_function"):
             return self._reward_function(leaf, value)
         elif key.startswith("rewards."):
@@ -344,20 +204,28 @@ class _Job:
             self.set(target, value)
         return value
 
+    def _split_sequence_length(self, length: int) -> str:
+        """ROLL's offline pipelines bound prompt + response together; here each has its own limit: half each."""
+        prompt = length // 2
+        self.set("data.max_prompt_length", prompt)
+        self.set("response_length", length - prompt)
+        return f"data.max_prompt_length = {prompt}, response_length = {length - prompt}"
+
     def _get(self, key: str, default: Any) -> Any:
-        value = self.settings.get(key, default)
+        """A setting of theirs by its key with the role's name here (ROLL's sft_train is actor_train)."""
+        value = self._by_lookup.get(key, default)
         return default if _shell_variable(value) else value
 
-    def _epochs_to_steps(self, epochs: int) -> Any:
-        files = self._get("data.train_files", None)
-        batch = int(self._get("data.train_batch_size", 1))
+    def _epochs_to_steps(self, key: str, epochs: int, files: Any, batch: int) -> Any:
+        """max_steps for `epochs` passes over the rows of `files` at `batch` rows a step (reported where the files
+        are not here to count)."""
         files = [files] if isinstance(files, str) else files or []
         try:
             prompts = sum(_count_rows(path) for path in files)
         except (OSError, ValueError):
             prompts = 0
         if not prompts:
-            self.report.unmapped.append(f"trainer.total_epochs = {epochs}: the data files are not here; set max_steps")
+            self.report.unmapped.append(f"{key} = {epochs}: the data files are not here; set max_steps")
             return _SKIP
         steps = epochs * math.ceil(prompts / batch)
         self.set("max_steps", steps)
@@ -394,15 +262,12 @@ class _Job:
         return scorer
 
     def finish(self) -> None:
-        if self.framework == "roll" and any(
-            key.startswith(("train_env_manager.", "custom_envs.")) for key in self.settings
-        ):
-            self.report.unmapped.insert(
-                0,
-                "train_env_manager / custom_envs: ROLL's agentic pipeline is not converted (its environments and env "
-                "managers): write an `agentic:` block by hand (configs/agentic_frozenlake_cpu.yaml plays FrozenLake); "
-                "the rest below is converted as a single-turn job",
-            )
+        self._unconverted_pipelines()
+        self._validation_files()
+        if self.offline is not None:
+            self._finish_offline()
+            self._packing_budget()
+            return
         uses_kl = self._get("actor_rollout_ref.actor.use_kl_loss", self._get("use_kl_loss", False))
         in_reward = self._get("algorithm.use_kl_in_reward", self._get("add_token_level_kl", False))
         if not (uses_kl or in_reward):  # (verl's and ROLL's defaults: no KL, so no reference)
@@ -417,10 +282,6 @@ class _Job:
                 if hosted in self.tree:
                     self.tree[hosted]["world_size"] = infer["world_size"]
                     self.tree[hosted].pop("num_gpus_per_rank", None)
-        every = self.tree.get("eval", {}).get("every_steps")
-        if every and not self.tree.get("data", {}).get("val_path"):
-            del self.tree["eval"]["every_steps"]
-            self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
         self._packing_budget()
         self._reward_model()
         self._overlong_buffer()
@@ -440,6 +301,51 @@ class _Job:
                         "longest prompt plus the response must fit the engine here)"
                     )
 
+    def _unconverted_pipelines(self) -> None:
+        """ROLL's pipelines with no counterpart to convert into, said first in the report."""
+        if self.framework != "roll":
+            return
+        sections = {key.split(".")[0] for key in self.settings}
+        if sections & {"train_env_manager", "custom_envs"}:
+            self.report.unmapped.insert(
+                0,
+                "train_env_manager / custom_envs: ROLL's agentic pipeline is not converted (its environments and env "
+                "managers): write an `agentic:` block by hand (configs/agentic_frozenlake_cpu.yaml plays FrozenLake); "
+                "the rest below is converted as a single-turn job",
+            )
+        if sections & {"student", "teacher", "student_pretrain", "teacher_pretrain"}:
+            self.report.unmapped.insert(
+                0,
+                "student / teacher: ROLL's distill pipeline (offline distillation from the teacher's top-k logits) is "
+                "not converted; distillation here is on-policy, a `teacher:` role in a GRPO run (distillation.*)",
+            )
+
+    def _finish_offline(self) -> None:
+        """A step of ROLL's SFT and DPO is one optimizer step (per-device batch x accumulation x data-parallel ranks),
+        and their length is in epochs: the same here, where the data files are there to count. The ipo loss takes no
+        label smoothing (ROLL ignores it there; here it is refused)."""
+        preference = self.tree.get("preference", {})
+        if preference.get("loss") == "ipo" and preference.get("label_smoothing"):
+            self.report.unmapped.append(f"label_smoothing = {preference.pop('label_smoothing')}: the ipo loss has none")
+        mini = self.tree.get("algorithm", {}).get("ppo_mini_batch_size")
+        if "rollout_batch_size" not in self.tree and mini:
+            self.set("rollout_batch_size", mini)
+            self.report.converted.append(f"rollout_batch_size = {mini} (a step of theirs is one optimizer step)")
+        epochs_key = next((key for key in self.settings if aliased(key) == _EPOCHS), _EPOCHS)  # (as they wrote it)
+        epochs = self._get(_EPOCHS, None)
+        if epochs and "max_steps" not in self.tree:
+            files, batch = self.tree.get("data", {}).get("train_path"), self.tree.get("rollout_batch_size", 1)
+            files = [entry["path"] if isinstance(entry, dict) else entry for entry in _as_list(files)]
+            steps = self._epochs_to_steps(epochs_key, int(epochs), files, int(batch))
+            if steps is not _SKIP:
+                self.report.converted.append(f"{epochs_key} = {epochs} -> max_steps = {steps} (epochs become steps)")
+
+    def _validation_files(self) -> None:
+        every = self.tree.get("eval", {}).get("every_steps")
+        if every and not self.tree.get("data", {}).get("val_path"):
+            del self.tree["eval"]["every_steps"]
+            self.report.unmapped.append(f"eval.every_steps = {every}: no validation files given; set data.val_path too")
+
     def _overlong_buffer(self) -> None:
         """verl's DAPO penalty applies only where its enable flag is true; otherwise its other keys are dropped."""
         overlong = self.tree["reward"].get("overlong_buffer")
@@ -454,15 +360,16 @@ class _Job:
         )
 
     def _packing_budget(self) -> None:
-        """verl's use_remove_padding drops the padding of micro-batches of ppo_micro_batch_size_per_gpu rows; packing
-        here fills rows up to a token budget: as many tokens as that many whole sequences, unless a budget is set."""
-        for role, theirs in (("actor_train", "actor_rollout_ref.model"), ("critic", "critic.model")):
-            strategy = self.tree.get(role, {}).get("strategy", {})
+        """verl's use_remove_padding and ROLL's use_sequence_packing drop the padding of micro-batches of
+        micro_batch_size rows; packing here fills rows up to a token budget: as many tokens as that many whole
+        sequences, unless a budget is set."""
+        for role, block in self.tree.items():
+            strategy = block.get("strategy", {}) if isinstance(block, dict) else {}
             if not strategy.get("use_sequence_packing") or strategy.get("max_tokens_per_microbatch"):
                 continue
             rows = strategy.get("micro_batch_size", 1)
             prompt, response = self.tree.get("data", {}).get("max_prompt_length"), self.tree.get("response_length")
-            key = f"{theirs}.use_remove_padding = True"
+            key = f"{role}.strategy.use_sequence_packing = True"
             if not (prompt and response):
                 strategy["use_sequence_packing"] = False
                 self.report.unmapped.append(f"{key}: packing needs a token budget; set max_tokens_per_microbatch")
@@ -470,8 +377,8 @@ class _Job:
             budget = rows * (prompt + response)
             strategy["max_tokens_per_microbatch"] = budget
             self.report.converted.append(
-                f"{key} -> {role}.strategy.max_tokens_per_microbatch = {budget} (verl removes the padding of "
-                f"micro-batches of {rows} rows; here sequences are packed into rows of at most {rows} whole "
+                f"{key} -> {role}.strategy.max_tokens_per_microbatch = {budget} ({self.framework} removes the padding "
+                f"of micro-batches of {rows} rows; here sequences are packed into rows of at most {rows} whole "
                 "sequences' tokens)"
             )
 
@@ -534,11 +441,31 @@ _STRATEGIES = {
 }
 
 
+# Values whose meaning differs, by the setting's last part: theirs -> ours.
+_VALUE_CONVERSIONS: dict[str, Any] = {
+    "test_freq": lambda value: max(int(value), 0),  # (-1: never during training)
+    "dtype": lambda value: {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value),
+    "disable_gradient_checkpointing": lambda value: not value,
+    "recompute_granularity": lambda value: value == "full",
+    "logger": lambda value: _backends(value),
+    "track_with": lambda value: _backends(value),
+    "resume_mode": lambda value: "auto" if value == "auto" else None,
+    "resume_from_checkpoint": lambda value: value or None,  # (false: a fresh run)
+    "strategy_name": lambda value: _STRATEGIES.get(value, value),
+    "ipo": lambda value: "ipo" if value else "sigmoid",
+    "lr_scheduler_type": lambda value: {"constant_with_warmup": "constant"}.get(value, value),
+}
+
+
 def _backends(trackers: Any) -> list[str]:
     """verl's loggers or ROLL's trackers as logging.backends: those there is a backend for (console and stdout: the
     progress bar, which shows the step's metrics), after jsonl, the run's metrics.jsonl that `plot` reads."""
     trackers = trackers if isinstance(trackers, list) else [trackers]
     return list(dict.fromkeys(["jsonl"] + [_BACKENDS[name] for name in trackers if name in _BACKENDS]))
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def _shell_variable(value: Any) -> bool:
