@@ -191,6 +191,13 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.horizon"),
     KeyRule("custom_reward_function.path", "reward.functions", "a function file: reward.functions[0].path"),
     KeyRule("custom_reward_function.name", "reward.functions", "reward.functions[0].name"),
+    KeyRule(
+        "custom_reward_function.reward_kwargs",
+        "reward.functions",
+        "reward.functions[0].kwargs: passed on every call",
+        True,
+        mapping=True,
+    ),
     KeyRule("reward_model.enable", None, "a `reward_model:` role block turns the reward model on"),
     KeyRule("reward_model.model.path", "reward_model.model_path"),
     KeyRule("reward_model.micro_batch_size_per_gpu", "reward_model.strategy.micro_batch_size"),
@@ -396,6 +403,18 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
 )
 
 FRAMEWORKS = {"verl": VERL_KEYS, "roll": ROLL_KEYS}
+
+
+KEY_MAP_DOC = "docs/coming_from_verl_roll.md"  # its key map: the tables below (scripts/gen_key_map.py writes them)
+
+
+def key_map(framework: str) -> str:
+    """`framework`'s rules as the Markdown table of the key map."""
+    rows = ["| their key | here | what differs |", "| --- | --- | --- |"]
+    for rule in FRAMEWORKS[framework]:
+        here = f"`{rule.target}`" if rule.target else "no equivalent"
+        rows.append(f"| `{rule.pattern}` | {here} | {rule.note} |")
+    return "\n".join(rows)
 
 
 def rule_for(framework: str, key: str) -> KeyRule | None:

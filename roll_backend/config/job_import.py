@@ -196,8 +196,8 @@ class _Job:
         elif key == "adv_estimator" and self.framework == "roll":
             if value == "reinforce":  # (ROLL computes GRPO's returns the same way, after a group normalisation)
                 value = "grpo" if self._get("norm_mean_type", None) == "group" else "reinforce_plus_plus"
-        elif leaf in ("path", "name") and key.startswith("custom_reward_function"):
-            return self._reward_function(leaf, value)
+        elif key.startswith("custom_reward_function."):
+            return self._reward_function(key.removeprefix("custom_reward_function."), value)
         elif key.startswith("rewards."):
             return self._roll_reward(key, value)
         if value is not _SKIP:
@@ -241,9 +241,15 @@ class _Job:
         self.set("algorithm.ppo_mini_batch_size", value)
         return value
 
-    def _reward_function(self, leaf: str, value: Any) -> Any:
+    def _reward_function(self, setting: str, value: Any) -> Any:
+        """verl's custom_reward_function (`path`, `name`, `reward_kwargs.<argument>`) as reward.functions[0]."""
         functions = self.tree["reward"].setdefault("functions", [{}])
-        functions[0][leaf] = value
+        if setting.startswith("reward_kwargs"):
+            if isinstance(value, dict):  # (an empty mapping: nothing to pass)
+                return value
+            functions[0].setdefault("kwargs", {})[setting.removeprefix("reward_kwargs.")] = value
+        else:
+            functions[0][setting] = value
         self.tree["reward"]["by_source"] = None  # verl calls a custom function for every row
         return value
 

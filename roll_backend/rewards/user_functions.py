@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -48,7 +49,8 @@ class RewardFunctionSpec:
     weight: float = 1.0
     batched: bool = False
     fn: Any = field(default=None, compare=False)  # Python only (not from YAML): a callable, pickled to the workers
-    kwargs: dict[str, Any] = field(default_factory=dict, compare=False)  # a class's constructor arguments
+    # a class's constructor arguments, or keyword arguments a function gets on every call (verl's reward_kwargs)
+    kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if (self.path is None) == (self.fn is None):
@@ -86,8 +88,19 @@ def source_file(path: str) -> Path | None:
     return Path(found.origin) if found is not None and found.origin and found.origin.endswith(".py") else None
 
 
+# What a call passes a reward function (row by row, or batched), beside a spec's kwargs.
+_CALL_ARGUMENTS = frozenset(
+    {"data_source", "solution_str", "ground_truth", "extra_info", "data_sources", "solution_strs", "ground_truths",
+     "extra_infos"}
+)  # fmt: skip
+
+
 def check_spec(spec: RewardFunctionSpec, where: str) -> list[str]:
-    """Problems findable without running user code: the file or module exists and defines `name` at top level."""
+    """Problems findable without running user code: the file or module exists and defines `name` at top level, and
+    `kwargs` name none of the arguments every call passes."""
+    passed = sorted(set(spec.kwargs) & _CALL_ARGUMENTS)
+    if passed:
+        return [f"{where}.kwargs names {passed}, which every call passes itself; rename them in the function"]
     if spec.fn is not None:
         return []
     source = source_file(spec.path)
@@ -273,6 +286,8 @@ class FunctionScorer:
         if self._fn is None:
             loaded = load_function(self.spec)
             self._built = isinstance(loaded, type)
+            if not self._built and self.spec.kwargs:
+                loaded = functools.partial(loaded, **self.spec.kwargs)
             if self._built:
                 try:
                     loaded = loaded(**self.spec.kwargs)

@@ -266,12 +266,14 @@ def test_a_verl_or_roll_key_typed_here_names_its_equivalent():
     yaml.safe_dump(info.value.problems)  # plain strings
 
 
-def test_the_coming_from_page_lists_every_key_of_the_table():
-    from roll_backend.config.foreign_keys import FRAMEWORKS
+def test_the_coming_from_page_shows_the_key_table_as_it_is():
+    from roll_backend.config.foreign_keys import FRAMEWORKS, KEY_MAP_DOC, key_map
 
-    page = (Path(__file__).resolve().parents[3] / "docs" / "coming_from_verl_roll.md").read_text()
-    missing = [rule.pattern for rules in FRAMEWORKS.values() for rule in rules if f"| `{rule.pattern}` |" not in page]
-    assert not missing, f"docs/coming_from_verl_roll.md lacks {missing}; regenerate its key map"
+    page = (Path(__file__).resolve().parents[3] / KEY_MAP_DOC).read_text()
+    stale = [framework for framework in FRAMEWORKS if key_map(framework) not in page]
+    assert not stale, (
+        f"{KEY_MAP_DOC}'s {stale} key map is stale; run PYTHONPATH=$PWD .venv/bin/python scripts/gen_key_map.py"
+    )
 
 
 VERL_FSDP_SCRIPT = """set -x
@@ -472,6 +474,9 @@ python3 -m verl.trainer.main_ppo \\
     algorithm.filter_groups.max_num_gen_batches={max_rounds} \\
     +actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True \\
     reward_model.reward_manager=dapo \\
+    custom_reward_function.path={reward_file} \\
+    custom_reward_function.name=dapo_score \\
+    +custom_reward_function.reward_kwargs.wrong_score=-1.0 \\
     +reward_model.reward_kwargs.overlong_buffer_cfg.enable=${{enable_overlong_buffer}} \\
     +reward_model.reward_kwargs.overlong_buffer_cfg.len=512 \\
     +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5 \\
@@ -488,9 +493,19 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
     verl applies it (enable true); its group filter is dynamic sampling (verl's 0 rounds, no limit, leaves ours at
     its default); do_sample=False is greedy validation whatever temperature follows it."""
     script = tmp_path / "run_dapo.sh"
+    reward_file = tmp_path / "dapo_reward.py"
+    reward_file.write_text(
+        "def dapo_score(data_source, solution_str, ground_truth, extra_info=None, wrong_score=0.0):\n"
+        "    return 1.0 if solution_str.strip().endswith(str(ground_truth)) else wrong_score\n"
+    )
     script.write_text(
         VERL_DAPO_SCRIPT.format(
-            train=prompt_files[0], val=prompt_files[1], model=MODEL, enable=enable, max_rounds=max_rounds
+            train=prompt_files[0],
+            val=prompt_files[1],
+            model=MODEL,
+            enable=enable,
+            max_rounds=max_rounds,
+            reward_file=reward_file,
         )
     )
     out = tmp_path / "converted.yaml"
@@ -504,6 +519,8 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
         assert overlong is None
         assert "its enable flag is not true, so verl applies no overlong penalty" in report
     assert config.eval.temperature == 0.0 and config.eval.n == 1
+    (function,) = config.reward.functions  # verl's custom reward function, its reward_kwargs passed on every call
+    assert (function.path, function.name, function.kwargs) == (str(reward_file), "dapo_score", {"wrong_score": -1.0})
     assert config.algorithm.dynamic_sampling
     default_rounds = next(f.default for f in dataclasses.fields(config.algorithm) if f.name == "max_generation_rounds")
     assert config.algorithm.max_generation_rounds == (max_rounds or default_rounds)

@@ -85,6 +85,25 @@ def test_module_name_and_callable_load_the_same_function(monkeypatch, user_file)
     assert by_module.scores.tolist() == by_callable.scores.tolist() == [1.0, 0.0, 1.0]
 
 
+def test_a_function_gets_its_kwargs_on_every_call_row_by_row_or_batched():
+    """verl's custom_reward_function.reward_kwargs: extra keyword arguments on every call."""
+
+    def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=0.0):
+        return scale * float(solution_str == ground_truth) + bonus
+
+    def scaled_batch(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):
+        return [scale * float(s == g) for s, g in zip(solution_strs, ground_truths)]
+
+    per_row = FunctionScorer(RewardFunctionSpec(fn=scaled, kwargs={"scale": 2.0, "bonus": 0.5})).score(rows())
+    assert per_row.scores.tolist() == [2.5, 0.5, 2.5]
+    batched = FunctionScorer(RewardFunctionSpec(fn=scaled_batch, batched=True, kwargs={"scale": 3.0})).score(rows())
+    assert batched.scores.tolist() == [3.0, 0.0, 3.0]
+    clash = check_spec(RewardFunctionSpec(fn=scaled, kwargs={"ground_truth": "x", "scale": 1}), "reward.functions[0]")
+    assert clash == [
+        "reward.functions[0].kwargs names ['ground_truth'], which every call passes itself; rename them in the function"
+    ]
+
+
 def test_return_values():
     assert as_score(1) == (1.0, {}) and as_score(np.float32(0.5)) == (0.5, {})
     assert as_score({"score": 2, "acc": True, "note": "text"}) == (2.0, {"acc": 1.0})
