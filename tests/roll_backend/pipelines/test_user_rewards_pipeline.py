@@ -103,7 +103,15 @@ def test_grpo_with_user_functions_then_a_raising_one_keeps_the_checkpoint(
     )
     config = load_config(
         base_config,
-        overrides(prompt_file, model_dir, tmp_path / "run", "max_steps=3", "checkpoint.save_steps=1", functions),
+        overrides(
+            prompt_file,
+            model_dir,
+            tmp_path / "run",
+            "max_steps=3",
+            "checkpoint.save_steps=1",
+            functions,
+            "reward.overlong_buffer={length: 3, penalty_factor: 0.3}",  # (past 1 of the 4 response tokens)
+        ),
     )
     assert config.reward.builtin_weights() == {"exact_match": 2.0}
 
@@ -131,8 +139,12 @@ def test_grpo_with_user_functions_then_a_raising_one_keeps_the_checkpoint(
         2.0 * metrics["reward/exact_match_mean"]
         + metrics["reward/user_rewards.compute_score/mean"]
         + 0.5 * metrics["reward/user_rewards.length_penalty/mean"]
+        + metrics["reward/overlong_penalty_mean"]  # DAPO's: -0.3 * (L - 1) / 3 for a response of L > 1 tokens
     )
     assert metrics["reward/mean"] == pytest.approx(weighted, abs=1e-6)
+    # Every response has L >= 1 tokens, so the penalty is linear in L over the batch: its mean is the mean length's.
+    expected_penalty = -0.3 * (metrics["response_length/mean"] - 1) / 3
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(expected_penalty, abs=1e-6)
     assert metrics["reward/user_rewards.length_penalty/mean"] < 0  # every response has at least one character
 
 
