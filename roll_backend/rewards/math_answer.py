@@ -1,4 +1,5 @@
-"""Math answer reward: 1.0 when math-verify finds the response's final answer equivalent to the reference."""
+"""Math answer rewards: 1.0 when math-verify finds the response's final answer equivalent to the reference; DAPO's
+scale of the same judgement (+1 / -1 over the response's end, as verl's math_dapo scorer)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def score(response_text: str, answer: str, timeout_s: int | None = DEFAULT_TIMEO
             "math-verify timed out after %ss on a response of %d chars; scoring 0", timeout, len(response_text)
         )
         return 0.0
+
+
+DAPO_WINDOW = 300  # characters of a response's end DAPO's scorer reads (the longest MATH-500 answer has 159)
+
+
+def dapo_score(response_text: str, answer: str) -> float:
+    """+1.0 when the end of the response (DAPO_WINDOW characters: its `Answer:` line or last boxed answer) is
+    equivalent to `answer`, else -1.0: the scale and window of DAPO's scorer, verl's default for math_dapo and aime
+    sources, judged by math-verify."""
+    return 1.0 if score(response_text[-DAPO_WINDOW:] if isinstance(response_text, str) else "", answer) else -1.0

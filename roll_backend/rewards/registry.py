@@ -14,6 +14,7 @@ RewardFn = Callable[[str, str], float]
 
 REWARDS: Mapping[str, RewardFn] = {
     "math_verify": math_answer.score,  # MATH-style answers (a \boxed{} one preferred), equivalence by math-verify
+    "math_dapo": math_answer.dapo_score,  # the same judgement on DAPO's scale: +1 right, -1 wrong (verl's math_dapo)
     "exact_match": exact_match.score,
     "gsm8k": gsm8k.score,  # the number after `####` (verl's strict gsm8k scorer)
     "gsm8k_flexible": gsm8k.flexible_score,  # the response's last number

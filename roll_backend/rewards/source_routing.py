@@ -26,8 +26,8 @@ KNOWN_SOURCES: tuple[tuple[str, str], ...] = (
     ("lighteval/MATH*", "math_verify"),
     ("DigitalLearningGmbH/MATH-lighteval", "math_verify"),
     ("HuggingFaceH4/MATH-500", "math_verify"),
-    ("math_dapo*", "math_verify"),
-    ("aime*", "math_verify"),
+    ("math_dapo*", "math_dapo"),  # (verl's DAPO scorer: +1 / -1)
+    ("aime*", "math_dapo"),
     ("numina_*", "math_verify"),
     ("math_rule", "math_verify"),  # ROLL's math domain
     ("math*", "math_verify"),

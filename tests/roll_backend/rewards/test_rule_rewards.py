@@ -60,6 +60,19 @@ def test_math_score_works_off_the_main_thread():
     assert results == [1.0]
 
 
+def test_dapo_scale_reads_the_end_of_the_response():
+    """verl's math_dapo scorer: +1 right, -1 wrong (no 0), over the last 300 characters (its `Answer:` line)."""
+    assert math_answer.dapo_score("3 + 4 = 7, times 6.\nAnswer: 42", "42") == 1.0
+    assert math_answer.dapo_score("so it is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_answer.dapo_score("Answer: 41", "42") == -1.0
+    assert math_answer.dapo_score("", "42") == -1.0
+    # The right answer early, a wrong one at the end: only the window counts (and with it, the wrong one).
+    long_response = "Answer: 42\n" + "x" * math_answer.DAPO_WINDOW + "\nAnswer: 41"
+    assert math_answer.score(long_response, "42") == 0.0 and math_answer.dapo_score(long_response, "42") == -1.0
+    early_only = "Answer: 42\n" + "thinking " * 40
+    assert math_answer.dapo_score(early_only, "42") == -1.0 and math_answer.score(early_only, "42") == 1.0
+
+
 def test_exact_match():
     assert exact_match.score("  Paris. ", "paris") == 1.0
     assert exact_match.score("I think \\boxed{Paris}", "Paris") == 1.0
