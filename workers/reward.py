@@ -116,9 +116,9 @@ class RewardWorker(Worker):
         row_weights = [self.routing.weights_for(str(source)) for source in sources]
         real = _real_rows(batch)  # rows repeated by dispatch padding: not scored, not in the metrics
         scores, metrics = torch.zeros(len(batch)), {}
+        texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
         for name in sorted({name for weights in row_weights for name in weights if name in REWARDS}):
             rows = [i for i in real if name in row_weights[i]]
-            texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
             values = torch.tensor([score_answer(name, str(texts[i]), answers[i]) for i in rows], dtype=torch.float32)
             scores[rows] += values * torch.tensor([row_weights[i][name] for i in rows], dtype=torch.float32)
             metrics[f"reward/{name}_mean"] = _mean(values)
