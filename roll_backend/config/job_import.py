@@ -181,6 +181,9 @@ class _Job:
         elif leaf == "name" and key.endswith("rollout.name"):
             value = _STRATEGIES.get(value, value)
         elif leaf == "sequence_length":
+            if self.offline is None:  # (an RL job's limits are its prompt_length and response_length)
+                self.report.unmapped.append(f"{key} = {value}: the limits are data.max_prompt_length, response_length")
+                return _SKIP
             return self._split_sequence_length(int(value))
         elif leaf == "virtual_pipeline_model_parallel_size" and value is not None and int(value) <= 1:
             self.report.converted.append(f"{key} = {value} -> {target} = null (one model chunk per stage: no vpp)")

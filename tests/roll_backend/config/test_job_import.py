@@ -78,6 +78,7 @@ eval_steps: 10
 rollout_batch_size: 64
 prompt_length: 1024
 response_length: 2048
+sequence_length: 4096
 num_return_sequences_in_group: 8
 ppo_epochs: 1
 adv_estimator: grpo
@@ -196,6 +197,7 @@ def test_a_roll_rlvr_config_converts_to_a_config_that_validates(tmp_path, prompt
     report = (tmp_path / "rlvr.report.txt").read_text()
     config = load_config(out, [], recipe_check=True)
     assert config.model_path == MODEL and config.max_steps == 500 and config.response_length == 2048
+    assert config.data.max_prompt_length == 1024  # (an RL job's sequence_length does not split its limits)
     assert config.actor_infer.strategy.config.sampling.temperature == 0.99
     assert (
         config.actor_train.strategy.config.params_dtype == "bfloat16"
