@@ -395,11 +395,14 @@ def cmd_convert(args) -> int:
     import yaml
 
     from roll_backend.config.job_import import convert, not_a_job_of
-    from roll_backend.config.job_reading import read_job
+    from roll_backend.config.job_reading import JobReadError, read_job
 
     if not Path(args.input).is_file():
         raise CliError(f"{args.input} does not exist; give a verl/ROLL YAML config or a run script")
-    settings = read_job(args.input)
+    try:
+        settings = read_job(args.input)
+    except JobReadError as exc:
+        raise CliError(str(exc)) from exc
     wrong = not_a_job_of(args.framework, settings)
     if wrong is not None:
         raise CliError(f"{args.input} is not a {args.framework} job: {wrong}")

@@ -44,6 +44,7 @@ _TRACKERS_NOTE = (
     "console, wandb, tensorboard and mlflow carry over (console: the progress bar), after jsonl (metrics.jsonl, "
     "which roll-backend plot reads); other trackers have no backend here"
 )
+_RM_OFFLOAD = "the reward model keeps GPUs of its own here; offloading hands a device over on the hybrid engine"
 _OVERLONG_ON = "reward.overlong_buffer is on when set (its length from overlong_buffer_cfg.len)"
 _OVERLONG_LOG = "reward/overlong_penalty_mean and reward/overlong_fraction are logged every step"
 VERL_KEYS: tuple[KeyRule, ...] = (
@@ -203,8 +204,8 @@ VERL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("reward_model.micro_batch_size_per_gpu", "reward_model.strategy.micro_batch_size"),
     KeyRule("reward_model.rollout.tensor_model_parallel_size", "reward_model.strategy.tp"),
     KeyRule("reward_model.num_workers", None, "the reward model's ranks are reward_model.world_size"),
-    KeyRule("reward_model.model.fsdp_config.param_offload", "reward_model.strategy.offload_params"),
-    KeyRule("reward_model.megatron.param_offload", "reward_model.strategy.offload_params"),
+    KeyRule("reward_model.model.fsdp_config.param_offload", None, _RM_OFFLOAD),
+    KeyRule("reward_model.megatron.param_offload", None, _RM_OFFLOAD),
     *_megatron("reward_model.megatron", "reward_model"),
     KeyRule(
         "reward_model.model.input_tokenizer",

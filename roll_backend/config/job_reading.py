@@ -29,17 +29,40 @@ def read_job(source: str) -> dict[str, Any]:
     for line in text.replace("\\\n", " ").splitlines():
         line = _substitute_arithmetic(line, variables)
         assignment = re.fullmatch(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)", line)
-        words = shlex.split(assignment.group(2), comments=True) if assignment else []
+        words = _words(assignment.group(2), source, line) if assignment else []
         if assignment and len(words) <= 1:  # a shell variable the command below may use (not `NAME=value command`)
             variables[assignment.group(1)] = _expand(words[0] if words else "", variables)
             continue
-        for token in shlex.split(line, comments=True):
+        for token in _words(line, source, line):
+            held = re.fullmatch(r"\$\{?([A-Za-z_]\w*)\}?", token)
+            if held and "=" in (variables.get(held.group(1)) or ""):
+                raise JobReadError(
+                    f"{source}: the command takes settings from the shell variable {token}; this reader does not "
+                    "run the script: put them on the command itself, or convert the command the script runs (its "
+                    "`set -x` output)"
+                )
             match = re.fullmatch(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", token, re.S)
             if match and "." in match.group(1):  # verl's settings are all dotted; shell variables are not
                 expanded = _expand(match.group(2), variables)
                 # (a variable that is empty leaves nothing to convert: reported like one set nowhere)
                 settings[match.group(1)] = _value(expanded if expanded or "$" not in match.group(2) else match.group(2))
     return settings
+
+
+class JobReadError(ValueError):
+    """A run script this reader cannot take apart without guessing; says where and what to do instead."""
+
+
+def _words(text: str, source: str, line: str) -> list[str]:
+    """`text` split as the shell splits words, or a JobReadError naming the line."""
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError as exc:
+        raise JobReadError(
+            f"{source}: cannot read the line {line.strip()[:60]!r}: {exc} (a quoted value that spans lines, such as "
+            "settings gathered in a multi-line shell variable); put the settings on the command itself, or convert "
+            "the command the script runs (its `set -x` output)"
+        ) from None
 
 
 _UNSET = "\x00"  # marks a variable set nowhere while the expansion goes on (written back as `$name`)

@@ -529,3 +529,31 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
     assert config.actor_train.strategy.config.lr_schedule.decay_style == "cosine"
     assert "reward_model.reward_manager = 'dapo': rewards are reward.by_source" in report
     assert "override_transformer_config.apply_rope_fusion = True: megatron-core's TransformerConfig is built" in report
+
+
+@pytest.mark.parametrize(
+    "script, said",
+    [
+        (
+            'ACTOR="\n    actor_rollout_ref.actor.optim.lr=1e-6"\npython3 -m verl.trainer.main_ppo $ACTOR\n',
+            "cannot read",
+        ),
+        (
+            'ACTOR="actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.rollout.n=4"\n'
+            "python3 -m verl.trainer.main_ppo data.train_batch_size=8 $ACTOR\n",
+            "takes settings from the shell variable $ACTOR",
+        ),
+    ],
+)
+def test_settings_held_in_shell_variables_are_a_clear_error_not_a_traceback_or_a_silent_loss(
+    tmp_path, capsys, script, said
+):
+    """verl's GSPO and SAPO examples gather settings in multi-line shell variables passed as `$ACTOR_CONFIG`: the
+    reader does not run scripts, so it says so (a quote left open was a traceback; a variable's settings were
+    dropped without a word)."""
+    path = tmp_path / "run.sh"
+    path.write_text(script)
+    assert cli.main(["convert", "verl", str(path), "-o", str(tmp_path / "out.yaml")]) == 2
+    error = capsys.readouterr().err
+    assert said in error and ("put the settings on the command itself" in error or "put them on the command" in error)
+    assert not (tmp_path / "out.yaml").exists()
