@@ -296,7 +296,7 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("num_nodes", None, "each role's world_size comes from its device_mapping"),
     KeyRule("checkpoint_config.*", None, "checkpoints go under output_dir/checkpoints"),
     KeyRule("max_grad_norm", "actor_train.strategy.optimizer.clip_grad"),
-    # ROLL's SFT and DPO pipelines (config.roll_offline_jobs): their data columns, DPO's loss, their batch and length
+    # ROLL's SFT and DPO pipelines (config.roll_jobs): their data columns, DPO's loss, their batch and length
     KeyRule("prompt_key", "data.prompt_key"),
     KeyRule("response_key", "data.answer_key", "SFT's target response is read from the answer column", True),
     KeyRule("chosen_key", "data.answer_key", "a pair's chosen response is read from the answer column", True),
@@ -347,11 +347,13 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("*.model_args.dtype", "{role}.strategy.params_dtype", "bf16 is bfloat16, fp16 float16"),
     *(
         KeyRule(f"{role}.{key}", None, "an inference role has no backward: nothing to recompute")
-        for role in ("actor_infer", "reference")
+        for role in ("actor_infer", "reference", "teacher")
         for key in ("model_args.disable_gradient_checkpointing", "strategy_args.strategy_config.recompute_granularity")
     ),
     KeyRule("*.model_args.disable_gradient_checkpointing", "{role}.strategy.recompute_activations", "negated"),
+    KeyRule("*.model_args.model_name_or_path", "{role}.model_path"),
     KeyRule("*.model_args.*", None, "model settings of ROLL's own"),
+    KeyRule("*.sequence_packing_args.*", None, "packing fills rows up to {role}.strategy.max_tokens_per_microbatch"),
     KeyRule(
         "*.strategy_args.strategy_name",
         "{role}.strategy.name",

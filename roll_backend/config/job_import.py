@@ -19,7 +19,14 @@ from typing import Any
 import yaml
 
 from roll_backend.config.foreign_keys import FRAMEWORKS, rule_for
-from roll_backend.config.roll_offline_jobs import aliased, offline_pipeline, offline_tree
+from roll_backend.config.roll_jobs import (
+    aliased,
+    distills_offline,
+    distills_on_policy,
+    named_teachers,
+    offline_pipeline,
+    offline_tree,
+)
 from roll_backend.config.schema import LAYOUT_KEYS
 
 ROLES = ("actor_train", "actor_infer", "reference")
@@ -108,6 +115,9 @@ class _Job:
                 "strategy": {"name": "megatron_infer"},
             },
         }
+        if framework == "roll" and distills_on_policy(settings):  # ROLL's teacher: a role of its own here too
+            self.tree["teacher"] = {"model_path": "${model_path}", "strategy": {"name": "megatron_infer"}}
+            self.tree["distillation"] = {}
         if with_critic:  # verl's critic: the actor's model unless critic.model.path says otherwise
             self.tree["critic"] = {
                 "model_path": "${model_path}",
@@ -322,7 +332,14 @@ class _Job:
                 "managers): write an `agentic:` block by hand (configs/agentic_frozenlake_cpu.yaml plays FrozenLake); "
                 "the rest below is converted as a single-turn job",
             )
-        if sections & {"student", "teacher", "student_pretrain", "teacher_pretrain"}:
+        teachers = named_teachers(self.settings)
+        if teachers:
+            self.report.unmapped.insert(
+                0,
+                f"teacher.{{{', '.join(teachers)}}}: ROLL's several teachers (one per tag) are not converted; "
+                "distillation here takes one `teacher:` role (and distillation.*): write it by hand",
+            )
+        if distills_offline(self.settings):
             self.report.unmapped.insert(
                 0,
                 "student / teacher: ROLL's distill pipeline (offline distillation from the teacher's top-k logits) is "

@@ -1,6 +1,6 @@
-"""`roll-backend convert roll` on ROLL's SFT and DPO jobs (written here in ROLL's documented form): they become the sft
-and dpo pipelines, a step of theirs (one optimizer step) is one step here, epochs become steps, and DPO's loss settings
-carry over."""
+"""`roll-backend convert roll` on ROLL's SFT, DPO and on-policy distillation jobs (written here in ROLL's documented
+form): SFT and DPO become the sft and dpo pipelines (a step of theirs, one optimizer step, is one step here; epochs
+become steps; DPO's loss settings carry over), on-policy distillation a GRPO run with its teacher role."""
 
 from __future__ import annotations
 
@@ -124,3 +124,72 @@ def test_a_roll_dpo_job_is_the_dpo_pipeline_with_its_loss_settings(tmp_path, ipo
     assert config.actor_train.strategy.config.lr_schedule.decay_style == "constant"
     assert config.reference.strategy.config.micro_batch_size == 16
     assert "defaults = ['../config/deepspeed_zero2@_here_']: Hydra's defaults list" in report
+
+
+ROLL_ONPOLICY_DISTILL = """
+exp_name: qwen-opd
+max_steps: 100
+rollout_batch_size: 8
+prompt_length: 512
+response_length: 512
+num_return_sequences_in_group: 4
+adv_estimator: grpo
+pretrain: {model}
+student_train:
+  model_args: {{model_name_or_path: {model}, dtype: bf16}}
+  training_args: {{learning_rate: 5.0e-7, per_device_train_batch_size: 4, gradient_accumulation_steps: 1}}
+  data_args: {{file_name: [{data}], domain_interleave_probs: {{math_rule: 1.0}}, messages: messages}}
+  strategy_args:
+    strategy_name: megatron_train
+    strategy_config: {{tensor_model_parallel_size: 1, pipeline_model_parallel_size: 2}}
+  device_mapping: list(range(0,4))
+student_infer:
+  generating_args: {{temperature: 0.99, num_return_sequences: 4}}
+  strategy_args: {{strategy_name: vllm, strategy_config: {{gpu_memory_utilization: 0.8}}}}
+  device_mapping: list(range(0,4))
+teacher:
+  model_args: {{model_name_or_path: {teacher}, disable_gradient_checkpointing: true, dtype: bf16}}
+  strategy_args:
+    strategy_name: megatron_infer
+    strategy_config: {{tensor_model_parallel_size: 2, pipeline_model_parallel_size: 2}}
+  device_mapping: list(range(0,4))
+  infer_batch_size: 2
+rewards:
+  math_rule:
+    worker_cls: roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker
+    tag_included: [math_dapo]
+"""
+
+
+def test_a_roll_on_policy_distillation_job_gets_its_teacher_role(tmp_path):
+    """ROLL's student_train / student_infer are actor_train / actor_infer here, its `teacher` the teacher role (its
+    own model, layout and micro-batch), and the run distils on-policy as ROLL's does."""
+    data = tmp_path / "math.jsonl"
+    row = {"messages": json.dumps([{"role": "user", "content": "1+1?"}]), "ground_truth": "2", "tag": "math_rule"}
+    data.write_text(json.dumps(row) + "\n")
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text((Path(MODEL) / "config.json").read_text())
+    (teacher / "tokenizer_config.json").write_text("{}")
+    config, report = _convert(tmp_path, ROLL_ONPOLICY_DISTILL.format(model=MODEL, data=data, teacher=teacher))
+    assert config.teacher is not None and config.teacher.model_path == str(teacher)
+    assert (config.teacher.strategy.layout.tp, config.teacher.strategy.layout.pp) == (2, 2)
+    assert config.teacher.strategy.config.micro_batch_size == 2 and config.teacher.world_size == 4
+    assert config.actor_train.model_path == MODEL and config.actor_train.strategy.layout.pp == 2
+    assert config.actor_infer.strategy.config.sampling.temperature == 0.99
+    assert "student_train.model_args.model_name_or_path" in report and "not converted" not in report
+
+
+def test_several_roll_teachers_are_reported_not_guessed():
+    from roll_backend.config.job_import import convert
+
+    tree, report = convert(
+        "roll",
+        {
+            "student_train.strategy_args.strategy_name": "megatron_train",
+            "teacher.t32.model_args.model_name_or_path": "Qwen/Qwen3-32B",
+            "teacher.t14.model_args.model_name_or_path": "Qwen/Qwen3-14B",
+        },
+    )
+    assert "teacher" not in tree  # (a teacher defaulting to the student's model would distil from itself)
+    assert "teacher.{t32, t14}: ROLL's several teachers (one per tag) are not converted" in report.text()
