@@ -3,8 +3,9 @@ binding of the system's libseccomp.so.2, the compiler Docker, systemd and Flatpa
 
 A deny list in Flatpak's manner: everything else a Python program does stays allowed. Refused with EPERM: tracing and
 reading other processes, signals through pidfds, making device nodes and fifos, new namespaces and mounts, kernel
-keyrings, BPF, perf, userfaultfd, io_uring (its operations would bypass this filter), memfd and System V shared
-memory (memory that no rlimit counts), module and kexec loading, clock and swap changes. clone3 answers ENOSYS
+keyrings, BPF, perf, userfaultfd, io_uring (its operations would bypass this filter), memfd, System V shared
+memory and POSIX message queues (memory that no rlimit here counts), pushing input into a terminal (TIOCSTI,
+TIOCLINUX: compared on the low 32 bits, as the kernel reads the request), module and kexec loading, clock and swap changes. clone3 answers ENOSYS
 so that the C library falls back to clone, whose flags the filter can read; without processes allowed, clone
 without CLONE_THREAD, fork and vfork are refused too (threads stay allowed). libseccomp adds the architecture check
 (x32 and i386 system calls are killed).
@@ -61,6 +62,7 @@ DENIED = (
     "shmat",
     "msgget",
     "semget",
+    "mq_open",
     "init_module",
     "finit_module",
     "delete_module",
@@ -85,7 +87,8 @@ DENIED = (
 PROCESS_CREATION = ("fork", "vfork")
 CLONE_THREAD = 0x00010000
 CLONE_NAMESPACES = (0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x02000000)
-TIOCSTI = 0x5412  # pushing input into a terminal
+TERMINAL_INJECTION = (0x5412, 0x541C)  # TIOCSTI, TIOCLINUX: pushing input into a terminal
+LOW_32_BITS = 0xFFFFFFFF  # ioctl's request is an unsigned int: 0x1_0000_5412 reaches the kernel as TIOCSTI
 
 
 @functools.cache
@@ -107,7 +110,8 @@ def filter_program(processes: bool) -> bytes:
         program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     if not processes:
         program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
-    program.add_rule(refuse, "ioctl", seccomp.Arg(1, seccomp.EQ, TIOCSTI))
+    for request in TERMINAL_INJECTION:
+        program.add_rule(refuse, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, LOW_32_BITS, request))
     with tempfile.TemporaryFile() as file:
         program.export_bpf(file)
         file.seek(0)

@@ -49,6 +49,8 @@ SYSCALLS = {
         "bpf": 321,
         "setns": 308,
         "unshare": 272,
+        "ioctl": 16,
+        "mq_open": 240,
     },
     "aarch64": {
         "pidfd_open": 434,
@@ -59,6 +61,8 @@ SYSCALLS = {
         "bpf": 280,
         "setns": 268,
         "unshare": 97,
+        "ioctl": 29,
+        "mq_open": 180,
     },
 }
 NR = SYSCALLS[os.uname().machine]  # a KeyError names a machine to add here
@@ -173,6 +177,10 @@ def test_no_devices_fifos_shared_memory_or_namespaces():
         attempt("io_uring", lambda: syscall({NR["io_uring_setup"]}, 8, 0))
         attempt("bpf", lambda: syscall({NR["bpf"]}, 0, 0, 0))
         attempt("chroot", lambda: os.chroot("/sandbox"))
+        attempt("posix_mqueue", lambda: syscall({NR["mq_open"]}, ctypes.addressof(ctypes.create_string_buffer(b"q")), 0o100 | 2, 0o600, 0))
+        # TIOCSTI with bits above the 32 the kernel reads (a filter comparing all 64 would let it through), TIOCLINUX
+        for request in (0x5412, 0x1_0000_5412, 0x541C):
+            attempt(f"ioctl_{{request:x}}", lambda: syscall({NR["ioctl"]}, 0, request, ctypes.addressof(ctypes.c_char(b"x"))))
         """
     )
     assert found.pop("shm_file") == "EROFS"
