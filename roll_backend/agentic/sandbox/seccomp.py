@@ -5,10 +5,10 @@ A deny list in Flatpak's manner: everything else a Python program does stays all
 reading other processes, signals through pidfds, making device nodes and fifos, new namespaces and mounts, kernel
 keyrings, BPF, perf, userfaultfd, io_uring (its operations would bypass this filter), memfd, System V shared
 memory and POSIX message queues (memory that no rlimit here counts), pushing input into a terminal (TIOCSTI,
-TIOCLINUX: compared on the low 32 bits, as the kernel reads the request), module and kexec loading, clock and swap changes. clone3 answers ENOSYS
-so that the C library falls back to clone, whose flags the filter can read; without processes allowed, clone
-without CLONE_THREAD, fork and vfork are refused too (threads stay allowed). libseccomp adds the architecture check
-(x32 and i386 system calls are killed).
+TIOCLINUX: compared on the low 32 bits, as the kernel reads the request), module and kexec loading, clock and swap
+changes. clone3 answers ENOSYS so that the C library falls back to clone, whose flags the filter can read; without
+processes allowed, clone without CLONE_THREAD, fork and vfork are refused too (threads stay allowed). libseccomp
+adds the architecture check (x32 and i386 system calls are killed).
 """
 
 from __future__ import annotations

@@ -177,10 +177,12 @@ def test_no_devices_fifos_shared_memory_or_namespaces():
         attempt("io_uring", lambda: syscall({NR["io_uring_setup"]}, 8, 0))
         attempt("bpf", lambda: syscall({NR["bpf"]}, 0, 0, 0))
         attempt("chroot", lambda: os.chroot("/sandbox"))
-        attempt("posix_mqueue", lambda: syscall({NR["mq_open"]}, ctypes.addressof(ctypes.create_string_buffer(b"q")), 0o100 | 2, 0o600, 0))
+        name = ctypes.create_string_buffer(b"queue")
+        attempt("posix_mqueue", lambda: syscall({NR["mq_open"]}, ctypes.addressof(name), 0o100 | 2, 0o600, 0))
         # TIOCSTI with bits above the 32 the kernel reads (a filter comparing all 64 would let it through), TIOCLINUX
+        byte = ctypes.c_char(b"x")
         for request in (0x5412, 0x1_0000_5412, 0x541C):
-            attempt(f"ioctl_{{request:x}}", lambda: syscall({NR["ioctl"]}, 0, request, ctypes.addressof(ctypes.c_char(b"x"))))
+            attempt(f"ioctl_{{request:x}}", lambda: syscall({NR["ioctl"]}, 0, request, ctypes.addressof(byte)))
         """
     )
     assert found.pop("shm_file") == "EROFS"
