@@ -36,6 +36,7 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"  # [B, T_resp] float32, scores after
 ADVANTAGES = "advantages"  # [B, T_resp] float32
 RETURNS = "returns"  # [B, T_resp] float32
 SEQUENCE_SCORES = "sequence_scores"  # [B] float32, one score per sequence (reward model)
+REWARD_BASELINES = "reward_baselines"  # [B] float32, ReMax: the score of the greedy response to the row's prompt
 ROLLOUT_CORRECTION_WEIGHTS = (
     "rollout_correction_weights"  # [B, T_resp] float32, detached policy-loss weights (0: rejected)
 )

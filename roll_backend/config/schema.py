@@ -123,7 +123,8 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     """Advantages, the policy loss and clipping, KL (as a loss or in the reward), aggregation, PPO epochs."""
 
-    adv_estimator: str = "grpo"  # grpo, rloo, reinforce_plus_plus, gae (needs a critic), ...
+    # grpo, rloo, reinforce_plus_plus(_baseline), gae (needs a critic), remax (greedy baseline, one extra response)
+    adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True  # False: Dr.GRPO
     gamma: float = 1.0  # discount factor of returns (GAE / REINFORCE++)
     lam: float = 1.0  # GAE lambda

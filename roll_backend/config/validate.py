@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from roll_backend import roles
+from roll_backend.config.algorithm_rules import algorithm_problems, group_problems
 from roll_backend.config.guard_rules import guard_problems
 from roll_backend.config.hybrid_rules import hybrid_problems
 from roll_backend.config.model_folders import TOKENIZER_FILES, describes_only
@@ -109,87 +110,7 @@ def _check_batches(config: PipelineConfig, problems: list[str]) -> None:
         )
     if config.response_length < 1:
         problems.append(f"response_length={config.response_length} must be >= 1 (the most tokens a response may have)")
-    _check_groups(config, problems)
-
-
-def _check_groups(config: PipelineConfig, problems: list[str]) -> None:
-    """Estimators with a group baseline compare each response with the others of its prompt: a group of one has
-    no baseline (every advantage is 0, or undefined for rloo)."""
-    from roll_backend.algorithms.advantages import ADVANTAGE_ESTIMATORS
-
-    estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
-    n = config.num_return_sequences_in_group
-    if estimator is not None and "group_ids" in estimator.needs and n < 2:
-        problems.append(
-            f"algorithm.adv_estimator={estimator.name} compares each response with the others sampled for its "
-            f"prompt, and num_return_sequences_in_group={n} leaves each group without a baseline (no learning "
-            "signal); set num_return_sequences_in_group >= 2 (4-16 is usual) or pick reinforce_plus_plus"
-        )
-
-
-def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
-    from roll_backend import algorithms as alg
-
-    algo = config.algorithm
-    for field_name, value, known in (
-        ("adv_estimator", algo.adv_estimator, alg.ADVANTAGE_ESTIMATOR_NAMES),
-        ("policy_loss", algo.policy_loss, alg.POLICY_LOSS_NAMES),
-        ("kl_estimator", algo.kl_estimator, alg.KL_ESTIMATOR_NAMES),
-        ("loss_agg_mode", algo.loss_agg_mode, alg.AGG_MODE_NAMES),
-        ("kl_ctrl.type", algo.kl_ctrl.type, alg.KL_CONTROLLER_NAMES),
-    ):
-        if value not in known:
-            problems.append(f"algorithm.{field_name}={value!r} is unknown; known: {', '.join(known)}")
-    if algo.reward_norm is not None and algo.reward_norm not in alg.REWARD_NORM_MODES:
-        problems.append(
-            f"algorithm.reward_norm={algo.reward_norm!r}; choose one of {', '.join(alg.REWARD_NORM_MODES)} or null"
-        )
-    if algo.adv_estimator == "remax":
-        problems.append(
-            "algorithm.adv_estimator=remax needs greedy-rollout baselines, which the pipelines do not produce yet; "
-            "pick grpo, rloo or reinforce_plus_plus"
-        )
-    if algo.adv_estimator == "gae" and config.critic is None:
-        problems.append(
-            "algorithm.adv_estimator=gae needs a critic: add a `critic:` role block or pick "
-            "grpo/rloo/reinforce_plus_plus"
-        )
-    if (algo.use_kl_loss or algo.use_kl_in_reward) and not config.has_reference:
-        problems.append(
-            "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block (or, with LoRA, "
-            "reference: {from_actor_base: true}); add one or turn both off"
-        )
-    if algo.ppo_epochs < 1:
-        problems.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
-    correction = algo.rollout_correction
-    for field_name, value, known in (
-        ("is_level", correction.is_level, alg.IS_LEVELS),
-        ("rejection", correction.rejection, alg.REJECTION_LEVELS),
-    ):
-        if value is not None and value not in known:
-            problems.append(
-                f"algorithm.rollout_correction.{field_name}={value!r}; choose one of {', '.join(known)} or null"
-            )
-    if correction.is_level is not None and not correction.is_cap >= 1.0:
-        problems.append(
-            f"algorithm.rollout_correction.is_cap={correction.is_cap} must be >= 1 (IS weights are truncated at it; "
-            "2.0 is usual)"
-        )
-    if correction.rejection is not None and not correction.rejection_threshold > 1.0:
-        problems.append(
-            f"algorithm.rollout_correction.rejection_threshold={correction.rejection_threshold} must be > 1 "
-            "(ratios inside [1/C, C] are kept; 2.0 is usual)"
-        )
-
-
-def _check_dynamic_sampling(config: PipelineConfig, problems: list[str]) -> None:
-    algo = config.algorithm
-    if algo.max_generation_rounds < 1:
-        problems.append(f"algorithm.max_generation_rounds={algo.max_generation_rounds} must be >= 1 (1: no refill)")
-    if not algo.refill_oversample >= 1.0:
-        problems.append(
-            f"algorithm.refill_oversample={algo.refill_oversample} must be >= 1 (prompts per group missing)"
-        )
+    problems.extend(group_problems(config))
 
 
 def _check_async(config: PipelineConfig, problems: list[str]) -> None:
@@ -534,9 +455,7 @@ def validate(config: PipelineConfig, recipe_check: bool = False) -> list[str]:
     if config.offline:
         _check_offline(config, problems)
     elif config.pipeline in RL_PIPELINES:
-        _check_dynamic_sampling(config, problems)
-        problems.extend(reward_problems(config))
-        _check_algorithm(config, problems)
+        problems.extend(algorithm_problems(config) + reward_problems(config))
         _check_async(config, problems)
         _check_batches(config, problems)
         _check_distillation(config, problems)

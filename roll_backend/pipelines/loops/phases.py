@@ -22,6 +22,7 @@ from roll_backend.config.schema import AlgorithmConfig, DistillationConfig, Pipe
 from roll_backend.distributed.worker_group import GroupFuture, WorkerGroup
 from roll_backend.errors import NotRestartableError
 from roll_backend.pipelines.groups import RoleGroups
+from roll_backend.pipelines.loops import remax
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
 from roll_backend.workers.actor import ActorWorker
@@ -44,21 +45,37 @@ def step_seed(config: PipelineConfig, step: int, salt: int = 0) -> int:
 
 def generate(groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int, salt: int = 0) -> DataProto:
     """Prompts -> n responses each; the engine's sampler is reseeded per step (and `salt`: another generation of
-    the same step) so a resumed run samples alike."""
+    the same step) so a resumed run samples alike. ReMax: with each row's REWARD_BASELINES (loops/remax.py)."""
     return collect_generated(submit_generate(groups, prompts, config, step, salt))
+
+
+class PendingGeneration:
+    """A generation sent to the rollout group: the sampling call and, for ReMax, the greedy call behind it with
+    what scores its responses. `refs`: every rank's pending result of both."""
+
+    def __init__(self, sampled: GroupFuture, greedy: GroupFuture | None = None, score=None):
+        self.sampled, self.greedy, self.score = sampled, greedy, score
+        self.refs = sampled.refs + (greedy.refs if greedy is not None else [])
 
 
 def submit_generate(
     groups: RoleGroups, prompts: DataProto, config: PipelineConfig, step: int, salt: int = 0
-) -> GroupFuture:
+) -> PendingGeneration:
     """Start `generate` without waiting (the asynchronous loop trains meanwhile); `collect_generated` ends it."""
     prompts.meta_info[keys.META_SAMPLING_SEED] = step_seed(config, step, salt)
-    return groups.actor_infer.submit(RolloutWorker.generate, prompts)
+    if config.algorithm.adv_estimator != "remax":
+        return PendingGeneration(groups.actor_infer.submit(RolloutWorker.generate, prompts))
+    remax.tag_groups(prompts)
+    sampled = groups.actor_infer.submit(RolloutWorker.generate, prompts)
+    greedy = groups.actor_infer.submit(RolloutWorker.generate, remax.greedy_request(prompts))
+    return PendingGeneration(sampled, greedy, lambda batch: score(groups, batch, config.reward))
 
 
-def collect_generated(future: GroupFuture) -> DataProto:
-    batch = future.get()
+def collect_generated(pending: PendingGeneration) -> DataProto:
+    batch = pending.sampled.get()
     batch.meta_info.pop(keys.META_SAMPLING_SEED, None)
+    if pending.greedy is not None:
+        remax.attach_baselines(batch, pending.greedy.get(), pending.score)
     return batch
 
 
@@ -261,6 +278,9 @@ def advantages(
     inputs = {"group_ids": group_ids, "gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std}
     if keys.VALUES in tensors.keys():
         inputs["values"] = tensors[keys.VALUES].float()
+    if keys.REWARD_BASELINES in tensors.keys():
+        inputs["baselines"] = tensors[keys.REWARD_BASELINES].float()
+        metrics["remax/baseline_mean"] = float(inputs["baselines"].mean())
     adv, returns = estimator(rewards, mask, **inputs)  # it reads only what it needs
     batch[keys.TOKEN_LEVEL_REWARDS] = rewards
     batch[keys.ADVANTAGES] = adv

@@ -158,3 +158,21 @@ def test_the_overlong_buffer_counts_from_the_response_length_unless_set(base):
         "reward.overlong_buffer.penalty_factor=-1.0 must be >= 0" in p
         for p in problems_of(run + ["reward.overlong_buffer={length: 2, penalty_factor: -1}"])
     )
+
+
+def test_remax_runs_where_its_greedy_baseline_can_be_generated(base):
+    """ReMax generates each prompt's greedy response beside its samples: any group size, one-step async too; refused
+    (saying why) for multi-turn trajectories, streaming, and a reward normalisation the baseline would escape."""
+    remax = ["algorithm.adv_estimator=remax"]
+    assert load_config(CONFIG, base + remax).algorithm.adv_estimator == "remax"
+    one = ["num_return_sequences_in_group=1", "rollout_batch_size=64", "algorithm.ppo_mini_batch_size=null"]
+    load_config(CONFIG, base + remax + one)
+    streaming = ["async_generation.enabled=true", "async_generation.mode=streaming"]
+    for extra, reason in (
+        (streaming, "streaming generation admits prompts one group at a time; use async_generation.mode=one_step"),
+        (["algorithm.reward_norm=group"], "algorithm.reward_norm rescales the sampled scores but not the greedy"),
+    ):
+        problems = problems_of(base + remax + extra)
+        assert any(p.startswith(f"algorithm.adv_estimator=remax: {reason}") for p in problems), problems
+    problems = problems_of(remax, "configs/agentic_frozenlake_cpu.yaml")
+    assert any("remax: multi-turn trajectories (the `agentic` section) have no greedy" in p for p in problems)

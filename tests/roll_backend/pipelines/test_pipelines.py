@@ -176,8 +176,10 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
     while preparing step 4's batch on the driver thread (its 4th call, during step 3's training): the failure
     reaches the trainer, the run restarts from its step-2 checkpoint, which kept the prepared batch for step 3,
     and still ends like the first run. The first run also validates every 2 steps (queued after the generation in
-    flight): its training is the second's all the same."""
+    flight): its training is the second's all the same. Both run ReMax (verl's remax): each batch's greedy baselines
+    are generated with the weights that sampled it, kept in the saved next batch, and agree between the runs."""
     async_keys = ("async_generation.enabled=true", "algorithm.rollout_correction.is_level=sequence", "max_steps=4")
+    async_keys += ("algorithm.adv_estimator=remax",)
     validated = (f"data.val_path={prompt_file}", "eval.every_steps=2", "eval.before_train=false")
     inline = load_config(base_config, overrides(prompt_file, model_dir, tmp_path / "inline", *async_keys, *validated))
     history = run_pipeline(inline)
@@ -218,5 +220,5 @@ def test_async_runs_prepared_inline_ahead_and_after_a_restart_agree(
             assert math.isfinite(ahead_record[key]), (key, ahead_record)
         # (step 3 trains on the batch restored from the checkpoint: how long it took to generate is not known)
         assert ahead_record["step"] == 3 or math.isfinite(ahead_record["timing/generate"]), ahead_record
-        for key in ASYNC_STEP_KEYS:
+        for key in (*ASYNC_STEP_KEYS, "remax/baseline_mean"):
             assert ahead_record[key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (record["step"], key)

@@ -292,3 +292,63 @@ def test_a_verl_parquet_and_a_roll_jsonl_train_together_scored_by_source(
         assert metrics[f"{label}/typed"] == 1.0 and metrics[f"{label}/system_prompt"] == 1.0
         assert metrics[f"{label}/roll_rows"] == 0.0  # only the `copy` source is routed to it
         assert "reward/math_verify_mean" in metrics  # ROLL's math_rule tag: the built-in MATH scorer (auto)
+
+
+# ---- ReMax: each prompt's greedy response is its samples' baseline ----------------------------------------------
+
+TEXT_SCORE = """
+def text_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) + 7 * int(ground_truth)) % 101 / 101  # (nearly) every text and prompt apart
+"""
+
+
+def test_remax_measures_each_sample_against_its_prompts_greedy_response(
+    ray_session, base_config, prompt_file, model_dir, tmp_path
+):
+    """verl's remax: the baseline of a prompt's samples is its greedy response scored by the run's rewards. Each
+    row's baseline equals transformers' greedy continuation of its prompt scored by the same rewards, each advantage
+    is the row's score minus that baseline, and a step trains on them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from roll_backend import keys
+    from roll_backend.pipelines.loops import phases
+    from roll_backend.pipelines.loops.rl_step import rl_step
+    from roll_backend.pipelines.run import PipelineRun
+    from roll_backend.rewards import exact_match
+
+    reward_file = tmp_path / "text_score.py"
+    reward_file.write_text(TEXT_SCORE)
+    scored_by = f"reward.functions=[{{path: {reward_file}, name: text_score, weight: 1.0}}]"
+    remax = ["algorithm.adv_estimator=remax", scored_by, "max_steps=1", *hybrid_roles(1, 1)]
+    config = load_config(base_config, overrides(prompt_file, model_dir, tmp_path / "remax", *remax))
+    with PipelineRun(config) as run:
+        batch = phases.generate(run.groups, run.data.batch_at(1, config.rollout_batch_size), config, step=1)
+        phases.score(run.groups, batch, config.reward)
+        metrics = phases.advantages(batch, config.algorithm, kl_coef=0.0)
+        step = rl_step(run, 1)
+    assert "actor/pg_loss" in step and "remax/baseline_mean" in step
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows, prompts = batch.batch, batch.batch[keys.PROMPTS]
+    prompt_mask = rows[keys.ATTENTION_MASK][:, : prompts.shape[1]].bool()
+    expected = []
+    for row in range(len(batch)):
+        with torch.no_grad():
+            ids = prompts[row][prompt_mask[row]].unsqueeze(0)
+            out = hf.generate(ids, do_sample=False, max_new_tokens=config.response_length, pad_token_id=0)
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        answer = batch.non_tensor_batch[keys.ANSWER][row]
+        expected.append(2.0 * exact_match.score(text, answer) + (sum(map(ord, text)) + 7 * int(answer)) % 101 / 101)
+    baselines = rows[keys.REWARD_BASELINES]
+    assert baselines.tolist() == pytest.approx(expected, abs=1e-6)
+    uids = batch.non_tensor_batch[keys.UID]
+    assert len(set(uids)) == config.rollout_batch_size and len(set(expected)) > 1  # one per prompt, not all alike
+    scores = rows[keys.TOKEN_LEVEL_SCORES].sum(-1)
+    mask = rows[keys.RESPONSE_MASK].bool()
+    advantages = rows[keys.ADVANTAGES]
+    for row in range(len(batch)):  # outcome rewards: every token's return is the row's score
+        assert advantages[row][mask[row]].tolist() == pytest.approx(
+            [float(scores[row] - baselines[row])] * int(mask[row].sum()), abs=1e-6
+        )
+    assert metrics["remax/baseline_mean"] == pytest.approx(float(baselines.mean()), abs=1e-6)
