@@ -18,7 +18,7 @@ from roll_backend.workers.trained import TrainedWorker
 
 @dataclass(frozen=True)
 class CriticLossConfig:
-    clip_range: float = 0.5
+    clip_range: float | None = 0.5  # None: the value loss is not clipped
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class AlgorithmConfig:
     reward_norm: str | None = None  # "batch" | "group" | None
     ppo_epochs: int = 1  # passes over each step's batch
     ppo_mini_batch_size: int | None = None  # responses per optimizer step; None: the whole step's batch
-    value_clip: float = 0.5  # critic: clip of the value update (PPO value clipping)
+    value_clip: float | None = 0.5  # critic: clip of the value update (PPO value clipping); null: unclipped
     # Dynamic sampling (DAPO): train only on prompt groups whose rewards differ, generating more groups until the
     # step has rollout_batch_size of them or max_generation_rounds rounds ran (then it trains on what there is).
     dynamic_sampling: bool = False

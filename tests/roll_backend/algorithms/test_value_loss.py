@@ -32,3 +32,13 @@ def test_value_loss_aggregation_mode():
     vpreds = torch.tensor([VPREDS])
     loss, _ = value_loss(vpreds, RETURNS, OLD_VALUES, MASK, 0.5, "seq-mean-token-sum-norm")
     assert loss.item() == pytest.approx(0.5 * (0.64 + 0.25 + 0.49 + 0.81) / 5)  # divided by T = 5
+
+
+def test_value_loss_unclipped():
+    """clip_range=None (ROLL's value_clip: null): the plain squared error, gradient 2(v-R) on every token."""
+    vpreds = torch.tensor([VPREDS], requires_grad=True)
+    loss, clipfrac = value_loss(vpreds, RETURNS, OLD_VALUES, MASK, None, "token-mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.04 + 0.49 + 0.81) / 4)
+    assert clipfrac.item() == 0.0
+    assert vpreds.grad[0].tolist() == pytest.approx([0.5 * g / 4 for g in (-1.6, -0.4, 1.4, 1.8, 0.0)])

@@ -176,3 +176,14 @@ def test_remax_runs_where_its_greedy_baseline_can_be_generated(base):
         assert any(p.startswith(f"algorithm.adv_estimator=remax: {reason}") for p in problems), problems
     problems = problems_of(remax, "configs/agentic_frozenlake_cpu.yaml")
     assert any("remax: multi-turn trajectories (the `agentic` section) have no greedy" in p for p in problems)
+
+
+@pytest.mark.parametrize("value_clip, refused", [(0.0, True), (-0.2, True), (0.2, False), (None, False)])
+def test_value_clip_is_positive_or_null(base, value_clip, refused):
+    setting = [f"algorithm.value_clip={'null' if value_clip is None else value_clip}"]
+    if refused:
+        assert f"algorithm.value_clip={value_clip} must be > 0 (0.2-0.5 is usual), or null: no clipping" in problems_of(
+            base + setting
+        )
+    else:
+        assert load_config(CONFIG, base + setting).algorithm.value_clip == value_clip

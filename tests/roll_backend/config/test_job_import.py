@@ -429,16 +429,18 @@ def test_roll_s_reinforce_is_reinforce_plus_plus_or_grpo_by_its_reward_normalisa
     tmp_path, prompt_files, norm_mean_type, ours
 ):
     """Most of ROLL's RLVR examples run adv_estimator: reinforce (discounted returns whitened over the batch, which is
-    REINFORCE++ here; with rewards normalised by group first, GRPO), and some set an engine max_model_len below the
-    prompt plus the response, which the engine here is raised to (reported)."""
+    REINFORCE++ here; with rewards normalised by group first, GRPO), some set an engine max_model_len below the
+    prompt plus the response, which the engine here is raised to (reported), and some `value_clip: null` (an
+    unclipped critic loss)."""
     source = tmp_path / "rlvr_config.yaml"
     text = ROLL_CONFIG.format(model=MODEL, train=prompt_files[0], val=prompt_files[1])
     text = text.replace("adv_estimator: grpo", f"adv_estimator: reinforce\nnorm_mean_type: {norm_mean_type}")
+    text = text.replace("ppo_epochs: 1", "ppo_epochs: 1\nvalue_clip: null")
     source.write_text(text.replace("max_model_len: 3072", "max_model_len: 2048"))
     out = tmp_path / "rlvr.yaml"
     assert cli.main(["convert", "roll", str(source), "-o", str(out)]) == 0
     config = load_config(out, [], recipe_check=True)
-    assert config.algorithm.adv_estimator == ours
+    assert config.algorithm.adv_estimator == ours and config.algorithm.value_clip is None
     assert config.actor_infer.strategy.config.max_model_len == 1024 + 2048
     assert (
         "max_model_len = 2048 -> actor_infer.strategy.max_model_len = 3072"
