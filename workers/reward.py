@@ -3,6 +3,7 @@ scoring its share of the batch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,9 +16,10 @@ from roll_backend.distributed.dispatch import Dispatch, register
 from roll_backend.distributed.worker import Worker
 from roll_backend.protocol import DataProto
 from roll_backend.protocol.sequences import place_on_last_token
+from roll_backend.rewards import code_tests
 from roll_backend.rewards.function_host import RewardFunctionProcess
 from roll_backend.rewards.overlong import overlong_penalty
-from roll_backend.rewards.registry import REWARDS, builtin_weights, get_reward_fn, score_answer
+from roll_backend.rewards.registry import REWARDS, RUNS_CODE, builtin_weights, get_reward_fn, score_answer
 from roll_backend.rewards.source_routing import SourceRouting
 from roll_backend.rewards.user_functions import ON_ERROR_CHOICES, RewardFunctionSpec, RewardRows
 
@@ -97,6 +99,15 @@ class RewardWorker(Worker):
         )
         self.routing = self.config.routing()
 
+    @functools.cached_property
+    def _code_runner(self):
+        """How rewards that run the response's code (code_tests) run it: each program in a fresh bubblewrap sandbox
+        with code_tests.TEST_LIMITS. Built at the first such row: SandboxUnavailable says what this machine lacks."""
+        from roll_backend.agentic.sandbox import SandboxLimits, make_sandbox
+
+        sandbox, limits = make_sandbox(), SandboxLimits(**code_tests.TEST_LIMITS)
+        return lambda code, stdin: sandbox.run_python(code, limits, stdin=stdin)
+
     def release_role(self) -> bool:
         """Reusable: the user's code ran in the child, which stops here."""
         self.functions.shutdown()
@@ -119,7 +130,9 @@ class RewardWorker(Worker):
         texts, answers = columns[keys.RESPONSE_TEXT], columns[keys.ANSWER]
         for name in sorted({name for weights in row_weights for name in weights if name in REWARDS}):
             rows = [i for i in real if name in row_weights[i]]
-            values = torch.tensor([score_answer(name, str(texts[i]), answers[i]) for i in rows], dtype=torch.float32)
+            run_code = self._code_runner if name in RUNS_CODE else None
+            values = [score_answer(name, str(texts[i]), answers[i], run_code) for i in rows]
+            values = torch.tensor(values, dtype=torch.float32)
             scores[rows] += values * torch.tensor([row_weights[i][name] for i in rows], dtype=torch.float32)
             metrics[f"reward/{name}_mean"] = _mean(values)
         for index, spec in enumerate(self.config.functions):

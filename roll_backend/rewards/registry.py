@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from roll_backend.rewards import copy_digit, exact_match, format_rules, gsm8k, math_answer, multiple_choice
+from roll_backend.rewards import code_tests, copy_digit, exact_match, format_rules, gsm8k, math_answer, multiple_choice
 
 RewardFn = Callable[[str, str], float]
+CodeRunner = code_tests.CodeRunner
 
 REWARDS: Mapping[str, RewardFn] = {
     "math_verify": math_answer.score,  # MATH-style answers (a \boxed{} one preferred), equivalence by math-verify
@@ -21,12 +22,18 @@ REWARDS: Mapping[str, RewardFn] = {
     "multiple_choice": multiple_choice.score,  # the chosen letter A-J; the reference a letter or an option index
     "format_boxed": format_rules.boxed_score,
     "format_think_answer": format_rules.think_answer_score,
+    "code_tests": code_tests.score,  # the fraction of the reference's test cases the response's code passes
     "copy_digit": copy_digit.score,  # the default demo's synthetic task (roll_backend.pipelines.data.synthetic_tasks)
 }
 # Rewards that judge the response alone: rows need no reference answer for them.
 ANSWER_FREE = frozenset({"format_boxed", "format_think_answer"})
 # Rewards that take the reference as stored (multiple_choice reads an option index); the others get text.
-TYPED_ANSWER = frozenset({"multiple_choice"})
+TYPED_ANSWER = frozenset({"multiple_choice", "code_tests"})
+# Rewards whose reference is one whole (a list of test cases), not a list of accepted answers each scored alone.
+WHOLE_REFERENCE = frozenset({"code_tests"})
+# Rewards that run the response's code: their caller gives them a runner (code_tests.CodeRunner; the reward worker's
+# is the sandbox), so no code is run where nobody chose how.
+RUNS_CODE = frozenset({"code_tests"})
 
 DEFAULT_REWARDS = {"math_verify": 1.0}
 
@@ -47,15 +54,20 @@ def get_reward_fn(name: str) -> RewardFn:
         raise ValueError(f"unknown reward '{name}'; known: {', '.join(sorted(REWARDS))}.") from None
 
 
-def score_answer(name: str, response_text: str, answer: Any) -> float:
+def score_answer(name: str, response_text: str, answer: Any, run_code: CodeRunner | None = None) -> float:
     """Reward `name` of a response against a reference kept as the data stored it: a list (or array) of accepted
-    answers scores its best match, a missing answer scores 0 (an answer-free reward ignores it)."""
+    answers scores its best match, a missing answer scores 0 (an answer-free reward ignores it). `run_code`: how
+    the rewards in RUNS_CODE run the response's code."""
     fn = get_reward_fn(name)
+    if name in RUNS_CODE:
+        if run_code is None:
+            raise ValueError(f"reward {name!r} runs the response's code: pass run_code (e.g. the sandbox's runner)")
+        return float(fn(str(response_text), answer, run_code))
     if name in ANSWER_FREE:
         return float(fn(str(response_text), ""))
     if answer is None:
         return 0.0
-    if isinstance(answer, (list, tuple, np.ndarray)):
+    if isinstance(answer, (list, tuple, np.ndarray)) and name not in WHOLE_REFERENCE:
         return max((score_answer(name, response_text, item) for item in answer), default=0.0)
     return float(fn(str(response_text), answer if name in TYPED_ANSWER else str(answer)))
 

@@ -37,6 +37,7 @@ KNOWN_SOURCES: tuple[tuple[str, str], ...] = (
     ("mmlu*", "multiple_choice"),
     ("gpqa*", "multiple_choice"),
     ("Idavidrein/gpqa*", "multiple_choice"),
+    *((source, "code_tests") for source in ("codecontests", "apps", "codeforces", "taco")),  # verl's code sources
 )
 
 

@@ -267,6 +267,9 @@ class LengthPenalty:
 """
 
 
+CODE_TESTS = '{"inputs": ["2\\n", "5\\n"], "outputs": ["4\\n", "11\\n"]}'
+
+
 def test_by_source_scores_a_mixed_batch_per_source_with_builtins_and_classes(make_group, tmp_path):
     from types import SimpleNamespace
 
@@ -297,6 +300,8 @@ def test_by_source_scores_a_mixed_batch_per_source_with_builtins_and_classes(mak
         ("code", "bad", ["ok"], 0.25 - 0.3),
         ("openai/gsm8k", "#### 13", "12", 0.0),
         ("math", "\\boxed{3}", "4", 0.0),
+        # `auto`: verl's code source, its tests run in the sandbox from the rank (APPS layout, as JSON text)
+        ("codecontests", "```python\nprint(int(input()) * 2)\n```", CODE_TESTS, 0.5),
     ]
     n = len(rows)
     batch = DataProto.from_dict(

@@ -51,6 +51,7 @@ def test_auto_takes_the_known_scorer_of_verl_sources_and_roll_tags():
     mixed = SourceRouting.build({"my_data": "exact_match", "default": "auto"}, {})
     assert mixed.weights_for("my_data") == {"exact_match": 1.0} and mixed.weights_for("aime24") == {"math_dapo": 1.0}
     assert routing.weights_for("math_dapo") == {"math_dapo": 1.0}  # verl's DAPO sources: its +1 / -1 scale
+    assert routing.weights_for("codecontests") == routing.weights_for("taco") == {"code_tests": 1.0}  # verl's code
     assert all(known_scorer(pattern.rstrip("*")) is not None for pattern, _ in KNOWN_SOURCES)
 
 
@@ -123,7 +124,7 @@ def test_by_source_and_data_format_problems_are_reported_before_ray(tmp_path):
     base.append("reward.rewards=null")
     problems = problems_of([*base, "reward.by_source={gsm8k: gsm8k, default: [exact_match, my.fn]}", "data.format=hf"])
     assert problems == [
-        "reward.by_source names my.fn: neither a built-in reward (copy_digit, exact_match, format_boxed, "
+        "reward.by_source names my.fn: neither a built-in reward (code_tests, copy_digit, exact_match, format_boxed, "
         "format_think_answer, gsm8k, gsm8k_flexible, math_dapo, math_verify, multiple_choice) nor the label of one of "
         "reward.functions (none given)",
         "data.format='hf'; choose one of auto, verl, roll, plain",
