@@ -31,6 +31,8 @@ class ActorLossConfig:
     clip_low: float = 0.2
     clip_high: float | None = None
     clip_c: float = 3.0
+    tau_pos: float = 1.0  # sapo: the gate's temperature where the advantage is positive
+    tau_neg: float = 1.05  # sapo: ... where it is not
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0  # > 0 needs keys.REF_LOG_PROBS in the batch
     kl_estimator: str = "low_var_kl"
@@ -92,6 +94,8 @@ def actor_loss(cfg: ActorLossConfig, per_token: dict[str, torch.Tensor], micro_b
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         clip_c=cfg.clip_c,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
         agg_mode=cfg.agg_mode,
         dp_size=1,
         batch_num_tokens=global_tokens,

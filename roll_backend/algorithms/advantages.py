@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from roll_backend.algorithms.registry import lookup
-from roll_backend.algorithms.stats import group_stats, masked_whiten, zero_outside_mask
+from roll_backend.algorithms.stats import as_group_ids, group_stats, masked_whiten, zero_outside_mask
 
 GRPO_EPS = 1e-6  # added to the group std (not inside a square root)
 
@@ -125,6 +125,52 @@ def remax_advantage(
     return returns - baselines.unsqueeze(-1) * mask, returns
 
 
+@torch.no_grad()
+def gpg_advantage(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """GPG (Chu et al. 2025): `alpha * (score - group mean)`, alpha = B / (responses with a non-zero score) ->
+    [B, T], 0 outside the mask. alpha rescales a batch where few responses score to the full batch's gradient;
+    no std division (verl's `gpg`: f_norm 1). A singleton group keeps its raw score (mean 0)."""
+    scores = rewards.sum(dim=-1)  # [B]
+    alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1)
+    return (alpha * (scores - group_stats(scores, group_ids).mean)).unsqueeze(-1) * mask
+
+
+@torch.no_grad()
+def opo_advantage(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """OPO (Hao et al. 2025): score minus its group's length-weighted mean score (the baseline that minimises the
+    gradient's variance for an on-policy sequence-level loss) -> [B, T], 0 outside the mask. A singleton group's
+    baseline is 0."""
+    scores, lengths = rewards.sum(dim=-1), mask.sum(dim=-1)
+    stats = group_stats(scores, group_ids)
+    _, inverse = torch.unique(as_group_ids(group_ids, scores.device), return_inverse=True)
+    weighted = torch.zeros(int(inverse.max()) + 1, dtype=scores.dtype).index_add_(0, inverse, scores * lengths)
+    length_sums = torch.zeros_like(weighted).index_add_(0, inverse, lengths)
+    baseline = torch.where(stats.size > 1, weighted[inverse] / length_sums[inverse].clamp(min=1e-8), 0.0)
+    return (scores - baseline).unsqueeze(-1) * mask
+
+
+@torch.no_grad()
+def grpo_passk_advantage(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, eps: float = GRPO_EPS, norm_by_std: bool = True
+) -> torch.Tensor:
+    """Pass@k training (Chen et al. 2025, verl's `grpo_passk`): only each group's best response gets an advantage,
+    `max - second max` of the group's scores (divided by the group's std + eps with norm_by_std) -> [B, T], 0
+    outside the mask. Needs groups of at least 2; ties for the best go to the first of them."""
+    scores = rewards.sum(dim=-1)
+    stats = group_stats(scores, group_ids)
+    if bool((stats.size < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 responses per group (num_return_sequences_in_group >= 2)")
+    advantage = torch.zeros_like(scores)
+    ids = as_group_ids(group_ids, scores.device)
+    for group in torch.unique(ids).tolist():
+        rows = torch.nonzero(ids == group).squeeze(1)
+        top = torch.topk(scores[rows], 2)
+        best = rows[top.indices[0]]
+        gap = top.values[0] - top.values[1]
+        advantage[best] = gap / (stats.std[best] + eps) if norm_by_std else gap
+    return advantage.unsqueeze(-1) * mask
+
+
 # The inputs an estimator may read beyond (rewards, mask), as keyword arguments.
 BATCH_INPUTS = ("values", "group_ids", "baselines")
 SETTINGS = ("gamma", "lam", "eps", "norm_by_std")
@@ -169,6 +215,9 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         AdvantageEstimator("reinforce_plus_plus", reinforce_pp_advantage, settings=("gamma",)),
         AdvantageEstimator("reinforce_plus_plus_baseline", reinforce_pp_baseline_advantage, needs=("group_ids",)),
         AdvantageEstimator("remax", remax_advantage, needs=("baselines",)),
+        AdvantageEstimator("gpg", gpg_advantage, needs=("group_ids",)),
+        AdvantageEstimator("opo", opo_advantage, needs=("group_ids",)),
+        AdvantageEstimator("grpo_passk", grpo_passk_advantage, needs=("group_ids",), settings=("eps", "norm_by_std")),
     )
 }
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = tuple(ADVANTAGE_ESTIMATORS)

@@ -1,4 +1,5 @@
-"""Policy-gradient losses: dual-clip PPO and GSPO (sequence-level ratio).
+"""Policy-gradient losses: dual-clip PPO and GSPO (sequence-level ratio); CISPO, SAPO, GPG and GMPO in
+policy_loss_variants.py.
 
 Both take log-probabilities of the sampled tokens under the behaviour (old) and current policy.
 Inputs at masked positions never reach the loss or its gradient, even when they are NaN/inf.
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from roll_backend.algorithms import policy_loss_variants as variants
 from roll_backend.algorithms.aggregation import agg_loss
 from roll_backend.algorithms.registry import lookup
 from roll_backend.algorithms.stats import masked_mean, masked_sum, zero_outside_mask
@@ -123,21 +125,61 @@ class PolicyLossOutput(NamedTuple):
 PolicyLossFn = Callable[..., PolicyLossOutput]
 
 
-def _ppo_entry(old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, **agg_kwargs) -> PolicyLossOutput:
+def _ppo_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
     outputs = ppo_policy_loss(old_logp, logp, adv, mask, clip_low, clip_high, clip_c, agg_mode, **agg_kwargs)
     return PolicyLossOutput(*outputs)
 
 
-def _gspo_entry(old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, **agg_kwargs) -> PolicyLossOutput:
+def _gspo_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
     loss, clipfrac, approx_kl = gspo_policy_loss(old_logp, logp, adv, mask, clip_low, clip_high, agg_mode, **agg_kwargs)
     return PolicyLossOutput(loss, clipfrac, approx_kl, torch.zeros_like(clipfrac))
 
 
-# Every entry has the same call: (old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode,
-# **agg_kwargs) -> PolicyLossOutput; settings a loss does not use (clip_c for gspo) are ignored.
+def _cispo_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
+    loss, clipfrac, approx_kl = variants.cispo_policy_loss(
+        old_logp, logp, adv, mask, clip_low, clip_high, agg_mode, **agg_kwargs
+    )
+    return PolicyLossOutput(loss, clipfrac, approx_kl, torch.zeros_like(clipfrac))
+
+
+def _sapo_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
+    loss, approx_kl = variants.sapo_policy_loss(old_logp, logp, adv, mask, tau_pos, tau_neg, **agg_kwargs)
+    return PolicyLossOutput(loss, torch.zeros_like(loss), approx_kl, torch.zeros_like(loss))
+
+
+def _gpg_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
+    loss, approx_kl = variants.gpg_policy_loss(old_logp, logp, adv, mask, agg_mode, **agg_kwargs)
+    return PolicyLossOutput(loss, torch.zeros_like(loss), approx_kl, torch.zeros_like(loss))
+
+
+def _geo_mean_entry(
+    old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos=1.0, tau_neg=1.05, **agg_kwargs
+):
+    return PolicyLossOutput(
+        *variants.geo_mean_policy_loss(old_logp, logp, adv, mask, clip_low, clip_high, **agg_kwargs)
+    )
+
+
+# Every entry has the same call: (old_logp, logp, adv, mask, *, clip_low, clip_high, clip_c, agg_mode, tau_pos,
+# tau_neg, **agg_kwargs) -> PolicyLossOutput; settings a loss does not use (clip_c for gspo, the taus but for sapo,
+# agg_mode for sapo and geo_mean, which aggregate per sequence by definition) are ignored. Names as verl's loss_mode.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "ppo": _ppo_entry,
+    "ppo": _ppo_entry,  # (verl's "vanilla")
     "gspo": _gspo_entry,
+    "cispo": _cispo_entry,
+    "sapo": _sapo_entry,
+    "gpg": _gpg_entry,
+    "geo_mean": _geo_mean_entry,
 }
 POLICY_LOSS_NAMES: tuple[str, ...] = tuple(POLICY_LOSSES)
 

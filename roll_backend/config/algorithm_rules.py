@@ -60,6 +60,9 @@ def _check_algorithm(config: PipelineConfig, problems: list[str]) -> None:
             "KL (algorithm.use_kl_loss or use_kl_in_reward) needs a `reference:` role block (or, with LoRA, "
             "reference: {from_actor_base: true}); add one or turn both off"
         )
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        if not getattr(algo, name) > 0:
+            problems.append(f"algorithm.{name}={getattr(algo, name)} must be > 0 (SAPO's gate temperature; 1.0-1.05)")
     if algo.value_clip is not None and not algo.value_clip > 0:
         problems.append(f"algorithm.value_clip={algo.value_clip} must be > 0 (0.2-0.5 is usual), or null: no clipping")
     if algo.ppo_epochs < 1:

@@ -470,6 +470,7 @@ _STRATEGIES = {
 # Values whose meaning differs, by the setting's last part: theirs -> ours.
 _VALUE_CONVERSIONS: dict[str, Any] = {
     "test_freq": lambda value: max(int(value), 0),  # (-1: never during training)
+    "loss_mode": lambda value: "ppo" if value == "vanilla" else value,
     "dtype": lambda value: {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(value, value),
     "disable_gradient_checkpointing": lambda value: not value,
     "recompute_granularity": lambda value: value == "full",

@@ -128,10 +128,13 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True  # False: Dr.GRPO
     gamma: float = 1.0  # discount factor of returns (GAE / REINFORCE++)
     lam: float = 1.0  # GAE lambda
-    policy_loss: str = "ppo"  # the policy-gradient loss (roll_backend.algorithms.POLICY_LOSS_NAMES)
+    # the policy-gradient loss: ppo, gspo, cispo, sapo, gpg, geo_mean (GMPO) (roll_backend.algorithms.POLICY_LOSSES)
+    policy_loss: str = "ppo"
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher when larger)
     dual_clip_c: float = 3.0  # dual-clip PPO bound on negative advantages
+    sapo_tau_pos: float = 1.0  # policy_loss=sapo: the soft gate's temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # ... and for the others (steeper: negative updates fade sooner)
     # how token losses average: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...
     loss_agg_mode: str = "token-mean"
     entropy_coef: float = 0.0  # weight of the entropy bonus in the actor loss

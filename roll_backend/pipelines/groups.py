@@ -35,6 +35,8 @@ def _actor_loss_config(config: PipelineConfig) -> ActorLossConfig:
         clip_low=algo.clip_ratio_low,
         clip_high=algo.clip_ratio_high,
         clip_c=algo.dual_clip_c,
+        tau_pos=algo.sapo_tau_pos,
+        tau_neg=algo.sapo_tau_neg,
         entropy_coef=algo.entropy_coef,
         kl_loss_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0,
         kl_estimator=algo.kl_estimator,

@@ -72,3 +72,36 @@ def test_distillation_as_a_loss_adds_the_teacher_kl_like_the_reference_kl():
     as_reference = loss_and_grad(keys.REF_LOG_PROBS, ActorLossConfig(kl_loss_coef=0.3))
     assert torch.allclose(distilled[0], as_reference[0]) and torch.allclose(distilled[1], as_reference[1])
     assert float(distilled[2]["distill_kl"]) == float(as_reference[2]["kl_loss"]) > 0
+
+
+def test_the_run_s_policy_loss_and_its_settings_reach_the_actor_loss():
+    """Each registered policy loss is what the actor trains with, with the run's settings from `algorithm`: the
+    actor's loss equals the registered loss called with them (SAPO at the run's gate temperatures, which matter)."""
+    from types import SimpleNamespace
+
+    from roll_backend.algorithms import POLICY_LOSS_NAMES, get_policy_loss
+    from roll_backend.config.schema import DistillationConfig
+    from roll_backend.pipelines.groups import _actor_loss_config
+
+    generator = torch.Generator().manual_seed(1)
+    log_probs = torch.log_softmax(torch.randn(2, 4, generator=generator), -1)
+    old = log_probs + 0.3 * torch.randn(2, 4, generator=generator)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    advantages = torch.tensor([[1.0] * 4, [-0.5] * 4])
+    tensors = {keys.RESPONSE_MASK: mask, keys.ADVANTAGES: advantages, keys.OLD_LOG_PROBS: old}
+    micro = DataProto.from_dict(tensors=tensors, meta_info={keys.META_GLOBAL_TOKEN_COUNT: 7.0})
+    settings = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, agg_mode="token-mean", batch_num_tokens=7.0)
+    losses = {}
+    for name in POLICY_LOSS_NAMES:
+        algo = AlgorithmConfig(
+            policy_loss=name, sapo_tau_pos=2.0, sapo_tau_neg=3.0, clip_ratio_high=0.28, use_kl_loss=False
+        )
+        run = SimpleNamespace(offline=False, pipeline="grpo", distillation=DistillationConfig(), teacher=None)
+        losses[name], _ = actor_loss(
+            _actor_loss_config(SimpleNamespace(**vars(run), algorithm=algo)), {keys.LOG_PROBS: log_probs}, micro
+        )
+        expected = get_policy_loss(name)(old, log_probs, advantages, mask.float(), tau_pos=2.0, tau_neg=3.0, **settings)
+        assert torch.allclose(losses[name], expected.loss), name
+    at_defaults = get_policy_loss("sapo")(old, log_probs, advantages, mask.float(), **settings).loss
+    assert (losses["sapo"] - at_defaults).abs() > 1e-3
+    assert len({round(float(v), 6) for v in losses.values()}) == len(losses)  # six different objectives

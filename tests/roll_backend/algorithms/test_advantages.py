@@ -179,6 +179,10 @@ def test_remax_return_to_go_minus_greedy_baseline():
 def test_registry_calls_each_estimator_with_the_inputs_it_needs():
     inputs = dict(values=torch.zeros(6, 3), group_ids=GROUP_IDS, baselines=torch.zeros(6), gamma=1.0, lam=1.0, eps=1e-6)
     for name in ADVANTAGE_ESTIMATOR_NAMES:
+        if name == "grpo_passk":  # (group 9 has one response: no second best)
+            with pytest.raises(ValueError, match="grpo_passk needs at least 2 responses per group"):
+                get_advantage_estimator(name)(GROUP_REWARDS, GROUP_MASK, **inputs)
+            continue
         advantages, returns = get_advantage_estimator(name)(GROUP_REWARDS, GROUP_MASK, **inputs)
         assert advantages.shape == returns.shape == GROUP_REWARDS.shape
     grpo_adv, grpo_ret = get_advantage_estimator("grpo")(GROUP_REWARDS, GROUP_MASK, norm_by_std=False, **inputs)
@@ -199,5 +203,52 @@ def test_unknown_estimator_names_the_known_ones():
         get_advantage_estimator("ppo")
     assert str(err.value) == (
         "unknown advantage estimator 'ppo'; known: gae, grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, remax."
+        "reinforce_plus_plus_baseline, remax, gpg, opo, grpo_passk."
     )
+
+
+# ---- verl's gpg, opo and grpo_passk, against its loops written row by row -----------------------------------------
+
+
+def groups_of(ids, values):
+    out = {}
+    for i, v in zip(ids, values):
+        out.setdefault(i, []).append(v)
+    return out
+
+
+def test_gpg_rescales_the_centred_scores_by_the_share_of_scoring_responses():
+    ids, scores = GROUP_IDS.tolist(), GROUP_SCORES
+    alpha = len(scores) / sum(s != 0 for s in scores)  # 6 / 4
+    members = groups_of(ids, scores)
+    mean = {g: (sum(v) / len(v) if len(v) > 1 else 0.0) for g, v in members.items()}
+    expected = [alpha * (s - mean[g]) for g, s in zip(ids, scores)]
+    advantages, _ = get_advantage_estimator("gpg")(GROUP_REWARDS, GROUP_MASK, group_ids=GROUP_IDS)
+    assert per_row(advantages) == pytest.approx(expected)
+    assert torch.equal(advantages == 0, (GROUP_MASK == 0) | (advantages == 0))  # 0 outside the mask
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    ids, scores = GROUP_IDS.tolist(), GROUP_SCORES
+    lengths = GROUP_MASK.sum(-1).tolist()
+    members = groups_of(ids, list(zip(scores, lengths)))
+    baseline = {g: (sum(s * n for s, n in v) / sum(n for _, n in v) if len(v) > 1 else 0.0) for g, v in members.items()}
+    advantages, _ = get_advantage_estimator("opo")(GROUP_REWARDS, GROUP_MASK, group_ids=GROUP_IDS)
+    assert per_row(advantages) == pytest.approx([s - baseline[g] for g, s in zip(ids, scores)])
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_passk_rewards_only_each_groups_best_by_its_lead(norm_by_std):
+    ids = torch.tensor([1, 1, 1, 2, 2, 2, 2])
+    scores = [0.5, 2.0, 1.0, 3.0, 3.0, 1.0, 0.0]  # group 2: a tie for the best goes to the first
+    mask = torch.ones(7, 2)
+    expected = [0.0] * 7
+    for g, best, lead in ((1, 1, 2.0 - 1.0), (2, 3, 0.0)):
+        members = [s for i, s in zip(ids.tolist(), scores) if i == g]
+        std = torch.tensor(members).std().item()
+        expected[best] = lead / (std + 1e-6) if norm_by_std else lead
+    advantages, _ = get_advantage_estimator("grpo_passk")(
+        outcome_rewards(scores, mask), mask, group_ids=ids, eps=1e-6, norm_by_std=norm_by_std
+    )
+    assert torch.equal(advantages[:, 0], advantages[:, 1])
+    assert advantages[:, 0].tolist() == pytest.approx(expected)

@@ -559,3 +559,31 @@ def test_settings_held_in_shell_variables_are_a_clear_error_not_a_traceback_or_a
     error = capsys.readouterr().err
     assert said in error and ("put the settings on the command itself" in error or "put them on the command" in error)
     assert not (tmp_path / "out.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    "loss_mode, estimator, ours",
+    [
+        ("vanilla", "grpo", "ppo"),
+        ("gspo", "grpo", "gspo"),
+        ("cispo", "grpo", "cispo"),
+        ("sapo", "grpo", "sapo"),
+        ("geo_mean", "grpo", "geo_mean"),
+        ("gpg", "gpg", "gpg"),
+    ],
+)
+def test_verl_s_loss_mode_and_estimators_carry_over(tmp_path, prompt_files, loss_mode, estimator, ours):
+    """verl's `policy_loss.loss_mode` picks the policy loss (a GSPO or CISPO job used to train with PPO's clip, the
+    key reported as unknown), with SAPO's gate temperatures; its gpg estimator carries over too."""
+    script = tmp_path / f"run_{loss_mode}.sh"
+    extra = f"    actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} \\\\\n"
+    extra += "    actor_rollout_ref.actor.tau_pos=1.2 \\\\\n    actor_rollout_ref.actor.tau_neg=1.4 \\\\\n"
+    text = VERL_SCRIPT.format(train=prompt_files[0], model=MODEL).replace("algorithm.adv_estimator=grpo \\\n", "")
+    text = text.replace(
+        "    data.train_files=", f"    algorithm.adv_estimator={estimator} \\\n{extra}    data.train_files="
+    )
+    script.write_text(text)
+    out = tmp_path / "converted.yaml"
+    assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
+    algo = load_config(out, [], recipe_check=True).algorithm
+    assert (algo.policy_loss, algo.adv_estimator, algo.sapo_tau_pos, algo.sapo_tau_neg) == (ours, estimator, 1.2, 1.4)
