@@ -98,6 +98,11 @@ def _check_remax(config: PipelineConfig, problems: list[str]) -> None:
             config.algorithm.reward_norm is not None,
             "algorithm.reward_norm rescales the sampled scores but not the greedy baseline; set it to null",
         ),
+        (
+            config.reward_model is not None and config.reward.model_score_norm is not None,
+            "reward.model_score_norm standardises each scored batch on its own, so the samples' and the greedy "
+            "responses' reward-model scores would be on different scales; set it to null",
+        ),
     ):
         if applies:
             problems.append(f"algorithm.adv_estimator=remax: {why} (or pick grpo, rloo or reinforce_plus_plus)")

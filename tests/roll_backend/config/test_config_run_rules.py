@@ -174,6 +174,8 @@ def test_remax_runs_where_its_greedy_baseline_can_be_generated(base):
     ):
         problems = problems_of(base + remax + extra)
         assert any(p.startswith(f"algorithm.adv_estimator=remax: {reason}") for p in problems), problems
+    problems = problems_of(remax + ["reward.model_score_norm=batch"], "configs/ppo_reward_model_cpu.yaml")
+    assert any("remax: reward.model_score_norm standardises each scored batch on its own" in p for p in problems)
     problems = problems_of(remax, "configs/agentic_frozenlake_cpu.yaml")
     assert any("remax: multi-turn trajectories (the `agentic` section) have no greedy" in p for p in problems)
 
