@@ -1,7 +1,7 @@
 """Code rewards: the response's last fenced Python block runs against the reference's test cases, each test in its
 own process through `run` (the reward worker passes the sandbox: roll_backend.agentic.sandbox, bubblewrap, with
-TEST_LIMITS), and the score is the fraction that pass (verl's continuous score for its code sources: codecontests,
-apps, codeforces, taco).
+TEST_LIMITS), and the score is the fraction of the first SCORED_TESTS that pass (verl's continuous score for its
+code sources: codecontests, apps, codeforces, taco; some of their problems have hundreds of tests).
 
 The reference (the row's ground truth, as the data stored it: a dict or its JSON text) is the APPS layout verl's code
 data uses: `{"inputs": [...], "outputs": [...]}` for programs that read stdin and write stdout, with `"fn_name"` for
@@ -34,6 +34,7 @@ CodeRunner = Callable[[str, str], RunResult]  # (program, its stdin) -> how it r
 # them); the wall limit only stops a program that waits.
 TEST_LIMITS = {"cpu_s": 5.0, "wall_s": 20.0, "memory_mb": 1024, "output_bytes": 1 << 20, "disk_mb": 16}
 PARALLEL_TESTS = 4  # tests of one response run at once (each is its own process)
+SCORED_TESTS = 10  # verl's continuous score runs the first 10 tests
 _FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 # Appended to the response's code for call tests: the arguments come on stdin, the result goes out as JSON on the
 # last line (a result JSON cannot carry, e.g. a set, is written as its repr and fails to match).
@@ -89,14 +90,15 @@ def extract_code(response_text: str) -> str | None:
 
 
 def score(response_text: str, reference: Any, run: CodeRunner) -> float:
-    """The fraction of the reference's tests the response's code passes (0.0 without a code block), each test run
-    by `run`."""
+    """The fraction of the reference's first SCORED_TESTS tests the response's code passes (0.0 without a code
+    block), each test run by `run`."""
     tests = parse_tests(reference)
     code = extract_code(response_text)
     if code is None:
         return 0.0
-    with ThreadPoolExecutor(max_workers=min(PARALLEL_TESTS, len(tests.inputs))) as pool:
-        passed = list(pool.map(lambda i: _passes(code, tests, i, run), range(len(tests.inputs))))
+    scored = range(min(SCORED_TESTS, len(tests.inputs)))
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_TESTS, len(scored))) as pool:
+        passed = list(pool.map(lambda i: _passes(code, tests, i, run), scored))
     return sum(passed) / len(passed)
 
 

@@ -62,6 +62,17 @@ def test_scores_are_the_fraction_of_tests_passed(response, reference, expected):
     assert code_tests.score(response, json.dumps(reference), RUN) == pytest.approx(expected)
 
 
+def test_the_first_ten_tests_are_scored_as_verl_scores_them():
+    """Some problems have hundreds of tests: verl's continuous score runs the first 10 (a failure past them is not
+    seen; one among them costs a tenth)."""
+    code = fenced("n = int(input())\nprint(n if n != 3 else -1)")
+    fails_third = {"inputs": [f"{i}\n" for i in range(12)], "outputs": [f"{i}\n" for i in range(12)]}
+    assert code_tests.score(code, fails_third, RUN) == pytest.approx(0.9)
+    fails_eleventh = {"inputs": [f"{i + 8}\n" for i in range(12)], "outputs": [f"{i + 8}\n" for i in range(12)]}
+    fails_eleventh["inputs"][10] = "3\n"
+    assert code_tests.score(code, fails_eleventh, RUN) == 1.0
+
+
 def test_a_test_that_runs_out_of_time_fails_alone():
     """A program that loops on one input is stopped at the per-test CPU limit; the other tests still count."""
     code = "n = int(input())\nwhile n == 0:\n    pass\nprint(n)"
