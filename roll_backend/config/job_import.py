@@ -26,6 +26,7 @@ from roll_backend.config.roll_jobs import (
     named_teachers,
     offline_pipeline,
     offline_tree,
+    role_block,
 )
 from roll_backend.config.schema import LAYOUT_KEYS
 
@@ -103,27 +104,15 @@ class _Job:
         self.tree: dict[str, Any] = {
             "pipeline": "ppo" if with_critic else "grpo",
             "reward": {"rewards": None, "by_source": "auto" if framework == "verl" else {}},
-            "actor_train": {"model_path": "${model_path}", "strategy": {"name": "megatron_train"}},
-            "actor_infer": {
-                "model_path": "${model_path}",
-                "hybrid": framework == "verl",
-                "strategy": {"name": "vllm_rollout"},
-            },
-            "reference": {
-                "model_path": "${model_path}",
-                "hybrid": framework == "verl",
-                "strategy": {"name": "megatron_infer"},
-            },
+            "actor_train": role_block("megatron_train"),
+            "actor_infer": role_block("vllm_rollout", hybrid=framework == "verl"),
+            "reference": role_block("megatron_infer", hybrid=framework == "verl"),
         }
         if framework == "roll" and distills_on_policy(settings):  # ROLL's teacher: a role of its own here too
-            self.tree["teacher"] = {"model_path": "${model_path}", "strategy": {"name": "megatron_infer"}}
+            self.tree["teacher"] = role_block("megatron_infer")
             self.tree["distillation"] = {}
         if with_critic:  # verl's critic: the actor's model unless critic.model.path says otherwise
-            self.tree["critic"] = {
-                "model_path": "${model_path}",
-                "hybrid": True,
-                "strategy": {"name": "megatron_train"},
-            }
+            self.tree["critic"] = role_block("megatron_train", hybrid=True)
 
     def set(self, key: str, value: Any) -> None:
         node = self.tree

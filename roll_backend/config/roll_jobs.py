@@ -21,14 +21,20 @@ def offline_pipeline(settings: dict[str, Any]) -> str | None:
     return None
 
 
+def role_block(strategy: str, hybrid: bool | None = None) -> dict[str, Any]:
+    """A converted role's block: the run's model (until the job names another) under `strategy`; `hybrid`: on the
+    trainer's ranks (verl's colocated layout) or not, where the job decides."""
+    block: dict[str, Any] = {"model_path": "${model_path}"}
+    if hybrid is not None:
+        block["hybrid"] = hybrid
+    return block | {"strategy": {"name": strategy}}
+
+
 def offline_tree(pipeline: str) -> dict[str, Any]:
     """The config an offline job's settings are written into: the trainer, and DPO's reference."""
-    tree: dict[str, Any] = {
-        "pipeline": pipeline,
-        "actor_train": {"model_path": "${model_path}", "strategy": {"name": "megatron_train"}},
-    }
+    tree: dict[str, Any] = {"pipeline": pipeline, "actor_train": role_block("megatron_train")}
     if pipeline == "dpo":
-        tree["reference"] = {"model_path": "${model_path}", "strategy": {"name": "megatron_infer"}}
+        tree["reference"] = role_block("megatron_infer")
     return tree
 
 
