@@ -42,7 +42,8 @@ def sapo_policy_loss(old_logp, logp, adv, mask, tau_pos, tau_neg, token_weights=
     gradient is r's near r = 1 and fades away from it, in place of a hard clip -> (loss, approx_kl), 0-d. Aggregated
     seq-mean-token-mean whatever the run's mode, as SAPO defines it."""
     old_logp, logp, adv, log_ratio = _inputs(old_logp, logp, adv, mask)
-    tau = torch.where(adv > 0, torch.as_tensor(tau_pos, dtype=adv.dtype), torch.as_tensor(tau_neg, dtype=adv.dtype))
+    tau_pos, tau_neg = (torch.as_tensor(tau, dtype=adv.dtype, device=adv.device) for tau in (tau_pos, tau_neg))
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
     token_loss = _weighted(-gate * adv, token_weights, mask)
     return agg_loss(token_loss, mask, "seq-mean-token-mean", **agg_kwargs), masked_mean(-log_ratio, mask)
