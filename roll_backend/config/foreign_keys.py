@@ -255,6 +255,22 @@ VERL_KEYS: tuple[KeyRule, ...] = (
 )
 
 _TRAIN_ARGS = "actor_train.training_args"
+
+
+def _critic_training_args() -> list[KeyRule]:
+    """ROLL's critic trains with its own optimizer settings; it steps on the actor's mini-batches here."""
+    ours = {
+        "learning_rate": "optimizer.lr",
+        "weight_decay": "optimizer.weight_decay",
+        "warmup_steps": "lr_schedule.warmup_steps",
+        "per_device_train_batch_size": "micro_batch_size",
+        "max_grad_norm": "optimizer.clip_grad",
+    }
+    rules = [KeyRule(f"critic.training_args.{theirs}", f"critic.strategy.{key}") for theirs, key in ours.items()]
+    why = "the critic steps on the actor's mini-batches (algorithm.ppo_mini_batch_size)"
+    return rules + [KeyRule("critic.training_args.gradient_accumulation_steps", None, why)]
+
+
 ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("exp_name", "exp_name"),
     KeyRule("seed", "seed"),
@@ -335,6 +351,7 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
         "max_steps bounds the run (an SFT or DPO job without max_steps: epochs become steps, its files counted)",
     ),
     KeyRule(f"{_TRAIN_ARGS}.max_grad_norm", "actor_train.strategy.optimizer.clip_grad"),
+    *_critic_training_args(),
     KeyRule(
         f"{_TRAIN_ARGS}.lr_scheduler_type",
         "actor_train.strategy.lr_schedule.decay_style",
@@ -389,6 +406,7 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("*.device_mapping", "{role}.world_size", "one rank per listed GPU", derived=True),
     KeyRule("actor_infer.infer_batch_size", None, "the engine batches its requests itself"),
     KeyRule("actor_train.infer_batch_size", None, "old log-probs run with actor_train.strategy.micro_batch_size"),
+    KeyRule("critic.infer_batch_size", None, "values are computed with critic.strategy.micro_batch_size"),
     KeyRule("*.infer_batch_size", "{role}.strategy.micro_batch_size"),
     KeyRule("actor_infer.generating_args.temperature", "actor_infer.strategy.sampling.temperature"),
     KeyRule("actor_infer.generating_args.top_p", "actor_infer.strategy.sampling.top_p"),

@@ -98,8 +98,10 @@ class _Job:
         if self.offline is not None:
             self.tree = offline_tree(self.offline)
             return
-        with_critic = framework == "verl" and (
-            settings.get("algorithm.adv_estimator") == "gae" or any(key.startswith("critic.") for key in settings)
+        # verl's critic comes with GAE or its own keys; ROLL's with a `critic:` section (the actor's model unless
+        # critic.model_args.model_name_or_path says otherwise)
+        with_critic = any(key.startswith("critic.") for key in settings) or (
+            framework == "verl" and settings.get("algorithm.adv_estimator") == "gae"
         )
         self.tree: dict[str, Any] = {
             "pipeline": "ppo" if with_critic else "grpo",
@@ -112,7 +114,7 @@ class _Job:
             self.tree["teacher"] = role_block("megatron_infer")
             self.tree["distillation"] = {}
         if with_critic:  # verl's critic: the actor's model unless critic.model.path says otherwise
-            self.tree["critic"] = role_block("megatron_train", hybrid=True)
+            self.tree["critic"] = role_block("megatron_train", hybrid=framework == "verl")
 
     def set(self, key: str, value: Any) -> None:
         node = self.tree
