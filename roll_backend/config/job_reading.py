@@ -1,7 +1,8 @@
 """A verl or ROLL job read as dotted settings (`roll-backend convert`'s input): a YAML config flattened, or a run
 script's `key=value` arguments with its shell variables resolved as the shell would (the script's own assignments
-above the command, then the environment's; `${X:-default}`, `${X:+alt}`, `$(( arithmetic ))`); a value with a
-variable set nowhere is left as `$name` for the converter to report, never guessed."""
+above the command, then the environment's; `${X:-default}`, `${X:+alt}`, `$(( arithmetic ))`, `$(pwd)` as the
+run's working directory: `$(pwd)/recipe/x.py` is `recipe/x.py`); a value with a variable set nowhere is left as
+`$name` for the converter to report, never guessed."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def _expand(text: str, variables: dict[str, str]) -> str:
             variables[name] = word
         return word
 
+    text = re.sub(r"\$\(\s*pwd\s*\)(/+|$|(?=[\s,\]]))", lambda m: "" if m.group(1) else ".", text)
     previous = None
     while previous != text:
         previous, text = text, re.sub(r"\$\{([^{}]*)\}", braced, text)

@@ -491,11 +491,12 @@ python3 -m verl.trainer.main_ppo \\
 
 @pytest.mark.parametrize("enable, max_rounds", [(True, 10), (False, 0)])
 def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_validation(
-    tmp_path, prompt_files, enable, max_rounds
+    tmp_path, prompt_files, enable, max_rounds, monkeypatch
 ):
     """DAPO's overlong penalty (the reward manager's overlong_buffer_cfg) becomes reward.overlong_buffer, only where
     verl applies it (enable true); its group filter is dynamic sampling (verl's 0 rounds, no limit, leaves ours at
-    its default); do_sample=False is greedy validation whatever temperature follows it."""
+    its default); do_sample=False is greedy validation whatever temperature follows it. A reward file given as
+    `$(pwd)/...` is that path in the run's working directory."""
     script = tmp_path / "run_dapo.sh"
     reward_file = tmp_path / "dapo_reward.py"
     reward_file.write_text(
@@ -509,9 +510,10 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
             model=MODEL,
             enable=enable,
             max_rounds=max_rounds,
-            reward_file=reward_file,
+            reward_file=reward_file if enable else "$(pwd)/dapo_reward.py",
         )
     )
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "converted.yaml"
     assert cli.main(["convert", "verl", str(script), "-o", str(out)]) == 0
     config = load_config(out, [], recipe_check=True)
@@ -524,7 +526,8 @@ def test_a_dapo_script_keeps_its_overlong_penalty_when_enabled_and_its_greedy_va
         assert "its enable flag is not true, so verl applies no overlong penalty" in report
     assert config.eval.temperature == 0.0 and config.eval.n == 1
     (function,) = config.reward.functions  # verl's custom reward function, its reward_kwargs passed on every call
-    assert (function.path, function.name, function.kwargs) == (str(reward_file), "dapo_score", {"wrong_score": -1.0})
+    path = str(reward_file) if enable else "dapo_reward.py"
+    assert (function.path, function.name, function.kwargs) == (path, "dapo_score", {"wrong_score": -1.0})
     assert config.algorithm.dynamic_sampling
     default_rounds = next(f.default for f in dataclasses.fields(config.algorithm) if f.name == "max_generation_rounds")
     assert config.algorithm.max_generation_rounds == (max_rounds or default_rounds)
