@@ -28,11 +28,10 @@ REWARDS: Mapping[str, RewardFn] = {
 # Rewards that judge the response alone: rows need no reference answer for them.
 ANSWER_FREE = frozenset({"format_boxed", "format_think_answer"})
 # Rewards that take the reference as stored (multiple_choice reads an option index); the others get text.
-TYPED_ANSWER = frozenset({"multiple_choice", "code_tests"})
-# Rewards whose reference is one whole (a list of test cases), not a list of accepted answers each scored alone.
-WHOLE_REFERENCE = frozenset({"code_tests"})
+TYPED_ANSWER = frozenset({"multiple_choice"})
 # Rewards that run the response's code: their caller gives them a runner (code_tests.CodeRunner; the reward worker's
-# is the sandbox), so no code is run where nobody chose how.
+# is the sandbox), so no code is run where nobody chose how. Their reference is taken whole, as stored (a list is
+# one set of test cases, not a list of accepted answers), and a missing one is an error, not a 0.
 RUNS_CODE = frozenset({"code_tests"})
 
 DEFAULT_REWARDS = {"math_verify": 1.0}
@@ -67,7 +66,7 @@ def score_answer(name: str, response_text: str, answer: Any, run_code: CodeRunne
         return float(fn(str(response_text), ""))
     if answer is None:
         return 0.0
-    if isinstance(answer, (list, tuple, np.ndarray)) and name not in WHOLE_REFERENCE:
+    if isinstance(answer, (list, tuple, np.ndarray)):
         return max((score_answer(name, response_text, item) for item in answer), default=0.0)
     return float(fn(str(response_text), answer if name in TYPED_ANSWER else str(answer)))
 
