@@ -22,6 +22,11 @@ class KeyRule:
     mapping: bool = False  # the value is a mapping, copied entry by entry under the target
 
 
+def _renamed(prefix: str, target: str, names: dict[str, str]) -> list[KeyRule]:
+    """One rule per name: `prefix.theirs` is `target.ours`."""
+    return [KeyRule(f"{prefix}.{theirs}", f"{target}.{ours}") for theirs, ours in names.items()]
+
+
 def _megatron(prefix: str, role: str) -> list[KeyRule]:
     """verl's and ROLL's megatron-core parallel sizes (one name each across both) under `prefix`."""
     names = {
@@ -32,7 +37,7 @@ def _megatron(prefix: str, role: str) -> list[KeyRule]:
         "expert_model_parallel_size": "ep",
         "expert_tensor_parallel_size": "etp",
     }
-    rules = [KeyRule(f"{prefix}.{theirs}", f"{role}.strategy.{ours}") for theirs, ours in names.items()]
+    rules = _renamed(prefix, f"{role}.strategy", names)
     vpp_note = "1 (one model chunk per stage) is null here"
     return [KeyRule(r.pattern, r.target, vpp_note, True) if r.target.endswith(".vpp") else r for r in rules]
 
@@ -257,18 +262,19 @@ VERL_KEYS: tuple[KeyRule, ...] = (
 _TRAIN_ARGS = "actor_train.training_args"
 
 
-def _critic_training_args() -> list[KeyRule]:
-    """ROLL's critic trains with its own optimizer settings; it steps on the actor's mini-batches here."""
-    ours = {
+def _training_args(role: str) -> list[KeyRule]:
+    """A ROLL role's optimizer settings (the actor's and the critic's alike)."""
+    names = {
         "learning_rate": "optimizer.lr",
         "weight_decay": "optimizer.weight_decay",
         "warmup_steps": "lr_schedule.warmup_steps",
         "per_device_train_batch_size": "micro_batch_size",
         "max_grad_norm": "optimizer.clip_grad",
     }
-    rules = [KeyRule(f"critic.training_args.{theirs}", f"critic.strategy.{key}") for theirs, key in ours.items()]
-    why = "the critic steps on the actor's mini-batches (algorithm.ppo_mini_batch_size)"
-    return rules + [KeyRule("critic.training_args.gradient_accumulation_steps", None, why)]
+    return _renamed(f"{role}.training_args", f"{role}.strategy", names)
+
+
+_CRITIC_STEPS = "the critic steps on the actor's mini-batches (algorithm.ppo_mini_batch_size)"
 
 
 ROLL_KEYS: tuple[KeyRule, ...] = (
@@ -335,10 +341,7 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
     KeyRule("hydra.*.*", None, "Hydra's own settings"),
     KeyRule("resume_from_checkpoint", "checkpoint.resume", "a folder or false; auto finds the latest"),
     KeyRule("whiten_advantages", None, "advantages follow algorithm.adv_estimator (GRPO normalises per group)"),
-    KeyRule(f"{_TRAIN_ARGS}.learning_rate", "actor_train.strategy.optimizer.lr"),
-    KeyRule(f"{_TRAIN_ARGS}.weight_decay", "actor_train.strategy.optimizer.weight_decay"),
-    KeyRule(f"{_TRAIN_ARGS}.warmup_steps", "actor_train.strategy.lr_schedule.warmup_steps"),
-    KeyRule(f"{_TRAIN_ARGS}.per_device_train_batch_size", "actor_train.strategy.micro_batch_size"),
+    *_training_args("actor_train"),
     KeyRule(
         f"{_TRAIN_ARGS}.gradient_accumulation_steps",
         "algorithm.ppo_mini_batch_size",
@@ -350,8 +353,8 @@ ROLL_KEYS: tuple[KeyRule, ...] = (
         None,
         "max_steps bounds the run (an SFT or DPO job without max_steps: epochs become steps, its files counted)",
     ),
-    KeyRule(f"{_TRAIN_ARGS}.max_grad_norm", "actor_train.strategy.optimizer.clip_grad"),
-    *_critic_training_args(),
+    *_training_args("critic"),
+    KeyRule("critic.training_args.gradient_accumulation_steps", None, _CRITIC_STEPS),
     KeyRule(
         f"{_TRAIN_ARGS}.lr_scheduler_type",
         "actor_train.strategy.lr_schedule.decay_style",
